@@ -1,0 +1,1 @@
+"""autopar: automatic parallelization of PyTorch training on a device mesh."""

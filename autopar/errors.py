@@ -1,0 +1,30 @@
+"""Errors that autopar raises when it cannot plan, rewrite or run a model.
+
+User mistakes found at the API boundary (a wrong argument type, a mesh that does not match the
+world size) raise :class:`ValueError` or :class:`TypeError`. Failures inside the compiler raise a
+subclass of :class:`AutoparError`; each message names what failed and ends with what to change.
+"""
+
+
+class AutoparError(RuntimeError):
+    """Base class of the compiler's errors."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be traced into a joint forward+backward graph."""
+
+
+class UnsupportedOpError(AutoparError):
+    """The graph holds operators that no sharding rule covers."""
+
+
+class InfeasiblePlanError(AutoparError):
+    """No placement of the graph satisfies the constraints (pins, divisibility)."""
+
+
+class StalePlanError(AutoparError):
+    """A plan was made for another model, input shape or mesh."""
+
+
+class RewriteError(AutoparError):
+    """The per-rank graph could not be produced from a plan."""

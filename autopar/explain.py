@@ -1,0 +1,81 @@
+"""Human-readable views of a plan: the summary table and the annotated graph."""
+
+from collections import Counter
+
+from autopar.plan import ShardingPlan
+
+# Ops worth a row in the table: the ones that carry the FLOPs.
+_HEAVY = ("mm", "addmm", "bmm", "embedding", "scaled_dot_product", "convolution", "layer_norm")
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.2f} us"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def plan_table(plan: ShardingPlan) -> str:
+    """The plan as text: parameters, heavy ops, collectives and the totals."""
+    mem = plan.memory
+    lines = [
+        f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})",
+        f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
+        f"communication {_time(plan.communication_s)}); peak memory per device {_size(plan.peak_memory_bytes)} "
+        f"(params {_size(mem.params_bytes)}, grads {_size(mem.grads_bytes)}, optimizer {_size(mem.optimizer_bytes)}, "
+        f"activations {_size(mem.activations_bytes)}, temporaries {_size(mem.transient_bytes)})",
+        f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
+        f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables, solved in {plan.solver.solve_s:.2f} s",
+        "",
+        "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else ""),
+    ]
+    lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
+    lines += ["", "Inputs"]
+    lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
+    heavy = [n for n in plan.nodes if any(h in n.op for h in _HEAVY)]
+    lines += ["", "Heavy ops"]
+    lines += _table(["node", "op", "phase", "inputs", "output", "compute"],
+                    [[n.name, n.op.removeprefix("aten."), n.phase, " ".join(n.inputs), str(n.outputs[0]), _time(n.compute_s)]
+                     for n in heavy])
+    lines += ["", "Collectives"]
+    lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
+                    [[c.kind, c.axis, c.phase, _size(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
+                     for c in plan.collectives])
+    counts = Counter((c.phase, c.kind) for c in plan.collectives)
+    if counts:
+        lines.append("total: " + ", ".join(f"{n} {kind} ({phase})" for (phase, kind), n in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def annotated_graph(plan: ShardingPlan) -> str:
+    """One line per op of the joint graph with its placements, collectives where they happen."""
+    moves: dict[str, list[str]] = {}
+    for c in plan.collectives:
+        moves.setdefault(c.consumer, []).append(f"    <- {c.kind}[{c.axis}] {c.tensor} {c.src} -> {c.dst} ({_size(c.bytes)})")
+    lines = []
+    for n in plan.nodes:
+        lines.extend(moves.get(n.name, []))
+        outs = ", ".join(str(o) for o in n.outputs)
+        lines.append(f"{n.phase[:3]}  {n.name} = {n.op}({', '.join(n.inputs)}) -> {outs}")
+    for consumer in moves:
+        if consumer not in {n.name for n in plan.nodes}:
+            lines.append(f"{consumer}:")
+            lines.extend(moves[consumer])
+    return "\n".join(lines)

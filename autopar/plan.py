@@ -1,0 +1,171 @@
+"""The sharding plan: what the solver chose, what it costs, and how to read it."""
+
+import json
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from autopar.mesh import Mesh
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """A collective that the per-rank program runs."""
+
+    kind: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``all_to_all``."""
+    axis: str
+    """Mesh axis name."""
+    bytes: int
+    """Bytes per rank (the gathered result of an all-gather, the input of a reduce-scatter)."""
+    phase: str
+    """``forward``, ``backward`` or ``optimizer``."""
+    time_s: float
+    """Modelled time."""
+    tensor: str
+    """The graph value moved, ``node`` or ``node[i]``."""
+    consumer: str
+    """The node that needs it (``output`` for the step's results)."""
+    src: str
+    dst: str
+    """Placements before and after the whole transition, e.g. ``(P, R)`` → ``(R, R)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """The chosen strategy of one node."""
+
+    name: str
+    op: str
+    phase: str
+    outputs: tuple[str | None, ...]
+    """Placements of each output, formatted like ``(S(0), R)``."""
+    inputs: tuple[str, ...]
+    """Placements required on each tensor input."""
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    status: str
+    objective_s: float
+    bound_s: float
+    solve_s: float
+    num_variables: int
+    num_constraints: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Predicted per-device peak memory, by part."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    """Forward values kept for the backward."""
+    transient_bytes: int
+    """The largest single temporary of the step."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.transient_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingPlan:
+    """A frozen plan: per node the chosen strategy, per parameter and input its placements, the
+    collectives they imply, the predicted cost and how the solve went."""
+
+    mesh: Mesh
+    hardware: str
+    graph_hash: str
+    """Fingerprint of the captured graph; a plan is refused for any other graph."""
+    placements: Mapping[str, tuple[str, ...]]
+    """Parameter (and buffer) qualified name → one placement string per mesh axis."""
+    inputs: Mapping[str, tuple[str, ...]]
+    """Forward argument name → placements."""
+    pinned: tuple[str, ...]
+    """Names whose placements the user fixed."""
+    nodes: tuple[NodePlan, ...]
+    collectives: tuple[Collective, ...]
+    compute_s: float
+    communication_s: float
+    memory: MemoryEstimate
+    solver: SolverInfo
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placements", MappingProxyType(dict(self.placements)))
+        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Modelled time of one training step (compute plus communication, no overlap)."""
+        return self.compute_s + self.communication_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Predicted per-device peak memory."""
+        return self.memory.peak_bytes
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node {name!r} in the plan")
+
+    # JSON ------------------------------------------------------------------------------------
+
+    def to_json(self, indent: int | None = 1) -> str:
+        data = {
+            "format_version": FORMAT_VERSION,
+            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "hardware": self.hardware,
+            "graph_hash": self.graph_hash,
+            "placements": {k: list(v) for k, v in self.placements.items()},
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "pinned": list(self.pinned),
+            "nodes": [asdict(n) for n in self.nodes],
+            "collectives": [asdict(c) for c in self.collectives],
+            "compute_s": self.compute_s,
+            "communication_s": self.communication_s,
+            "memory": asdict(self.memory),
+            "solver": asdict(self.solver),
+            "predicted_step_s": self.predicted_step_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+        return json.dumps(data, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        data = json.loads(text)
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"plan format version {version} is not supported (this autopar reads version {FORMAT_VERSION}); plan the model again")
+        return cls(
+            mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
+            hardware=data["hardware"],
+            graph_hash=data["graph_hash"],
+            placements={k: tuple(v) for k, v in data["placements"].items()},
+            inputs={k: tuple(v) for k, v in data["inputs"].items()},
+            pinned=tuple(data["pinned"]),
+            nodes=tuple(NodePlan(**{**n, "outputs": tuple(n["outputs"]), "inputs": tuple(n["inputs"])}) for n in data["nodes"]),
+            collectives=tuple(Collective(**c) for c in data["collectives"]),
+            compute_s=data["compute_s"],
+            communication_s=data["communication_s"],
+            memory=MemoryEstimate(**data["memory"]),
+            solver=SolverInfo(**data["solver"]),
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ShardingPlan) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def __str__(self) -> str:
+        from autopar.explain import plan_table
+
+        return plan_table(self)

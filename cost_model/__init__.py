@@ -1,0 +1,1 @@
+"""Cost model: hardware profiles, compute, communication and memory estimates."""

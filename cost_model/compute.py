@@ -1,0 +1,70 @@
+"""Compute cost of a node under a strategy: roofline time of the rank's share of the work.
+
+FLOPs come from :mod:`torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention);
+other ops count one FLOP per output element. Bytes moved are the op's inputs and outputs.
+Views and other metadata-only ops are free. A mesh axis on which the strategy splits or
+partially sums anything divides the work by its size; on an axis where everything is replicated
+every rank does the whole op, so redundant compute costs what it costs.
+"""
+
+import math
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autopar.cost_model.hardware import Profile
+from autopar.mesh import Mesh
+from autopar.placement import Replicate
+from autopar.passes.strategy import Strategy
+
+aten = torch.ops.aten
+
+FREE_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+    aten.transpose.int, aten.permute.default, aten.expand.default, aten.detach.default,
+    aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+    aten.select.int,
+}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(value)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def node_work(node: fx.Node) -> tuple[float, float]:
+    """Whole-tensor ``(flops, bytes_moved)`` of one op node."""
+    if node.op != "call_function" or node.target in FREE_OPS or not hasattr(node.target, "overloadpacket"):
+        return 0.0, 0.0
+    out = node.meta.get("val")
+    outs = _tensors(out)
+    ins = [a.meta["val"] for a in tree_flatten((node.args, node.kwargs))[0]
+           if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in outs + ins)
+    formula = flop_registry.get(node.target.overloadpacket)
+    if formula is not None:
+        args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+        flops = float(formula(*args, out_val=out, **kwargs))
+    else:
+        flops = float(sum(t.numel() for t in outs))
+    return flops, float(nbytes)
+
+
+def work_divisor(strategy: Strategy, mesh: Mesh) -> int:
+    """How many ranks share the op's work under ``strategy``."""
+    placements = [p for p in strategy.outputs + strategy.inputs if p is not None]
+    return math.prod(
+        n for axis, n in enumerate(mesh.shape)
+        if any(not isinstance(p[axis], Replicate) for p in placements)
+    )
+
+
+def compute_s(work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile) -> float:
+    flops, nbytes = work
+    if flops == 0 and nbytes == 0:
+        return 0.0
+    divisor = work_divisor(strategy, mesh)
+    return hardware.compute_s(flops / divisor, nbytes / divisor)

@@ -1,0 +1,133 @@
+"""Hardware profiles: how fast a device computes and how fast each mesh axis communicates.
+
+Every profile answers two questions for the cost model: the time of an operator given its FLOPs
+and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and seconds per byte
+``beta`` of the link under a mesh axis (:meth:`link`).
+"""
+
+from dataclasses import dataclass
+
+from autopar.mesh import Mesh
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """An α-β link: sending ``n`` bytes point to point takes ``latency_s + n * s_per_byte``."""
+
+    latency_s: float
+    """α, the fixed cost of one message."""
+    s_per_byte: float
+    """β, the inverse of the bandwidth."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HardwareProfile:
+    """A real device: roofline compute and two link tiers (inside a host, across hosts).
+
+    Mesh axes are assigned to links from the innermost (last) axis outwards: while the product
+    of the inner axes' sizes fits in ``devices_per_host`` the axis runs over the intra-host link.
+    """
+
+    name: str
+    """Short name used by ``hardware="..."``."""
+    flops_per_s: float
+    """Peak dense matmul throughput."""
+    memory_bytes_per_s: float
+    """Peak device-memory bandwidth."""
+    efficiency: float
+    """Fraction of the peaks that real kernels reach."""
+    memory_bytes: int
+    """Device memory."""
+    devices_per_host: int
+    """Devices joined by the intra-host link."""
+    intra_host: Link
+    inter_host: Link
+
+    def compute_s(self, flops: float, bytes_moved: float) -> float:
+        return max(flops / self.flops_per_s, bytes_moved / self.memory_bytes_per_s) / self.efficiency
+
+    def link(self, mesh: Mesh, axis: int) -> Link:
+        inner = 1
+        for size in mesh.shape[axis:]:
+            inner *= size
+        return self.intra_host if inner <= self.devices_per_host else self.inter_host
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyntheticProfile:
+    """A profile for reasoning by hand and for tests.
+
+    An operator costs ``flops * s_per_flop + bytes_moved * s_per_byte_memory``; operators with
+    no FLOP formula count one FLOP per output element. Communication on mesh axis ``i`` is α-β
+    with ``latency_s`` and ``s_per_byte[i]`` (one number applies to every axis).
+    """
+
+    name: str = "synthetic"
+    s_per_flop: float = 1e-12
+    """Seconds per FLOP."""
+    s_per_byte_memory: float = 0.0
+    """Seconds per byte read or written by an operator."""
+    latency_s: float = 1e-6
+    """α of every axis."""
+    s_per_byte: float | tuple[float, ...] = 1e-12
+    """β of every axis, or one per axis."""
+    memory_bytes: int = 80 * 2**30
+    """Device memory."""
+
+    def compute_s(self, flops: float, bytes_moved: float) -> float:
+        return flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
+
+    def link(self, mesh: Mesh, axis: int) -> Link:
+        beta = self.s_per_byte
+        if isinstance(beta, tuple):
+            if len(beta) != mesh.ndim:
+                raise ValueError(
+                    f"SyntheticProfile.s_per_byte has {len(beta)} entries but {mesh} has {mesh.ndim} axes"
+                )
+            beta = beta[axis]
+        return Link(self.latency_s, beta)
+
+
+# Figures: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 at
+# 450 GB/s per direction, 80 GB) and ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU).
+H100 = HardwareProfile(
+    name="h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, efficiency=0.6,
+    memory_bytes=80 * 10**9, devices_per_host=8,
+    intra_host=Link(latency_s=5e-6, s_per_byte=1 / 450e9),
+    inter_host=Link(latency_s=10e-6, s_per_byte=1 / 50e9),
+)
+# NVIDIA A100 SXM4 80 GB datasheet (312 TFLOP/s dense BF16, 2.04 TB/s HBM2e, NVLink 3 at
+# 300 GB/s per direction) and HDR InfiniBand (200 Gb/s = 25 GB/s per GPU).
+A100 = HardwareProfile(
+    name="a100", flops_per_s=312e12, memory_bytes_per_s=2.04e12, efficiency=0.6,
+    memory_bytes=80 * 10**9, devices_per_host=8,
+    intra_host=Link(latency_s=5e-6, s_per_byte=1 / 300e9),
+    inter_host=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
+)
+# A small CPU host running gloo over loopback; order-of-magnitude figures for a 2-core VM.
+CPU = HardwareProfile(
+    name="cpu", flops_per_s=50e9, memory_bytes_per_s=10e9, efficiency=0.5,
+    memory_bytes=16 * 2**30, devices_per_host=64,
+    intra_host=Link(latency_s=50e-6, s_per_byte=1 / 1e9),
+    inter_host=Link(latency_s=100e-6, s_per_byte=1 / 1e9),
+)
+
+PROFILES = {p.name: p for p in (H100, A100, CPU)}
+
+Profile = HardwareProfile | SyntheticProfile
+
+
+def resolve_profile(hardware: "str | Profile") -> Profile:
+    """Return the profile named by ``hardware`` (``"h100"``, ``"a100"``, ``"cpu"``) or
+    ``hardware`` itself when it is already a profile."""
+    if isinstance(hardware, (HardwareProfile, SyntheticProfile)):
+        return hardware
+    if isinstance(hardware, str):
+        try:
+            return PROFILES[hardware.lower()]
+        except KeyError:
+            raise ValueError(
+                f"hardware={hardware!r} is not a known profile; use one of {sorted(PROFILES)} "
+                "or pass a HardwareProfile / SyntheticProfile"
+            ) from None
+    raise TypeError(f"hardware must be a profile name or a profile object, got {type(hardware).__name__}")

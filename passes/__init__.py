@@ -1,0 +1,1 @@
+"""Compiler passes: capture, sharding rules, propagation, the solver and the rewriter."""

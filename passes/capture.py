@@ -1,0 +1,168 @@
+"""Capture a model's training step as one joint forward+backward aten graph on fake tensors.
+
+``torch.export`` traces the module (it copes with Python-level checks that a plain AOT trace
+rejects), then AOT autograd builds the joint graph: placeholders for parameters, buffers, user
+inputs and the tangents of the outputs; outputs for the forward results and the parameters'
+gradients. Every node carries its fake value in ``node.meta["val"]``.
+"""
+
+import contextlib
+import hashlib
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._decomp import get_decompositions
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput,
+    GradAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from autopar.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+# Losses and means are decomposed into sums, divisions, gathers and masks so that a batch split
+# turns them into partial sums that one all-reduce makes whole.
+_DECOMPOSITIONS = get_decompositions([
+    aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss, aten.mse_loss_backward,
+    aten.mean.dim, aten.mean.default,
+])
+
+
+@dataclass(frozen=True, slots=True)
+class InputKind:
+    """What a placeholder of the joint graph stands for."""
+
+    kind: str
+    """``"param"``, ``"buffer"``, ``"input"`` or ``"tangent"``."""
+    name: str
+    """Qualified name of a parameter or buffer, the forward argument's name for an input,
+    ``"output<i>"`` for the tangent of forward output ``i``."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputKind:
+    """What an output of the joint graph stands for."""
+
+    kind: str
+    """``"output"`` (a forward result) or ``"grad"`` (a parameter's gradient)."""
+    name: str
+    """``"output<i>"`` or the parameter's qualified name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """The joint graph and the meaning of its inputs and outputs."""
+
+    graph: fx.GraphModule
+    inputs: tuple[InputKind, ...]
+    """One entry per placeholder, in order."""
+    outputs: tuple[OutputKind | None, ...]
+    """One entry per graph output; ``None`` where the output is unused (inputs' gradients)."""
+    out_spec: object
+    """Pytree spec that rebuilds the model's return value from the forward outputs."""
+    graph_hash: str
+    """Fingerprint of the graph's ops and shapes, used to refuse stale plans."""
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def num_forward_outputs(self) -> int:
+        return sum(1 for o in self.outputs if o is not None and o.kind == "output")
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
+    """Trace ``model(*example_inputs)`` into its joint training graph."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
+    bad = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            f"example inputs must be tensors; positions {bad} are not. Bind other arguments "
+            "with functools.partial or module attributes before calling autopar"
+        )
+    names = _input_names(model, len(example_inputs))
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as exc:  # torch.export raises many unrelated exception types
+        raise CaptureError(_capture_message(model, "torch.export", exc)) from exc
+    with contextlib.ExitStack() as stack:
+        try:
+            joint = aot_export_joint_with_descriptors(
+                stack, exported.module(), tuple(example_inputs), decompositions=_DECOMPOSITIONS
+            )
+        except Exception as exc:
+            raise CaptureError(_capture_message(model, "AOT autograd", exc)) from exc
+        graph = joint.graph_module
+        out_spec = joint.out_spec
+    inputs = tuple(_input_kind(n.meta["desc"], names) for n in graph.graph.nodes if n.op == "placeholder")
+    output_node = graph.graph.output_node()
+    outputs = tuple(_output_kind(d) for d in output_node.meta["desc"])
+    if not any(i.kind == "tangent" for i in inputs):
+        raise CaptureError(
+            f"{type(model).__name__}'s outputs do not depend on any parameter, so there is no "
+            "training step to parallelize; return the loss from forward()"
+        )
+    captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph))
+    log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
+    return captured
+
+
+def _input_names(model: torch.nn.Module, count: int) -> list[str]:
+    params = [
+        p.name for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(count)]
+
+
+def _input_kind(desc, names: list[str]) -> InputKind:
+    if isinstance(desc, ParamAOTInput):
+        return InputKind("param", desc.target)
+    if isinstance(desc, BufferAOTInput):
+        return InputKind("buffer", desc.target)
+    if isinstance(desc, PlainAOTInput):
+        return InputKind("input", names[desc.idx])
+    if isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
+        return InputKind("tangent", f"output{desc.output.idx}")
+    raise CaptureError(f"unexpected graph input {desc!r}; autopar supports plain tensors, parameters and buffers")
+
+
+def _output_kind(desc) -> OutputKind | None:
+    if isinstance(desc, PlainAOTOutput):
+        return OutputKind("output", f"output{desc.idx}")
+    if isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
+        return OutputKind("grad", desc.grad_of.target)
+    return None
+
+
+def _capture_message(model: torch.nn.Module, stage: str, exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"{stage} could not trace {type(model).__name__}: {type(exc).__name__}: {first}\n"
+        "autopar captures the whole training step as one graph, so forward() must be traceable "
+        "by torch.export. Fixes: replace data-dependent Python control flow (an `if` on a tensor "
+        "value, .item(), .tolist()) with tensor ops or torch.cond; return tensors (or tuples, "
+        "lists and dicts of them) from forward(); pass only tensors as inputs."
+    )
+
+
+def _fingerprint(graph: fx.GraphModule) -> str:
+    digest = hashlib.sha256()
+    for node in graph.graph.nodes:
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        digest.update(f"{node.op}|{node.target}|{shape}|{len(node.args)}\n".encode())
+    return digest.hexdigest()[:16]

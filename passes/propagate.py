@@ -1,0 +1,167 @@
+"""Sharding propagation: list each node's strategies on the whole mesh.
+
+Rules give rows for one mesh axis (:mod:`autopar.passes.rules`); a strategy on an N-D mesh picks
+one row per axis. Layouts are dropped when a tensor dim would be split by two axes at once or
+when a mesh axis does not divide the dim it splits, so uneven shapes are planned around.
+"""
+
+import itertools
+import logging
+
+import torch
+from torch import fx
+
+from autopar.errors import InfeasiblePlanError, UnsupportedOpError
+from autopar.mesh import Mesh
+from autopar.placement import Placements, R, Shard, format_placements
+from autopar.passes.capture import Captured
+from autopar.passes.rules import rule_for, tensor_args
+from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef
+
+log = logging.getLogger(__name__)
+
+
+def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | None = None,
+              fallback: bool = True) -> StrategySpace:
+    """Enumerate the strategies of every node of ``captured``'s joint graph on ``mesh``.
+
+    ``pins`` fixes the placements of parameters, buffers or inputs by name. Ops with no rule run
+    replicated when ``fallback`` is true (with one warning listing them) and raise
+    :class:`UnsupportedOpError` otherwise.
+    """
+    pins = dict(pins or {})
+    graph = captured.graph.graph
+    backward = _tangent_dependent(graph)
+    aliases = {
+        node.name: (node.args[0].name, node.args[1]) for node in graph.nodes
+        if node.op == "call_function" and node.target.__name__ == "getitem"
+    }
+    grads = _grad_refs(captured)
+    nodes: list[NodeSpace] = []
+    unsupported: list[fx.Node] = []
+    placeholder_kinds = dict(zip(captured.placeholders, captured.inputs))
+    for node in graph.nodes:
+        phase = "backward" if node in backward else "forward"
+        if node.op == "placeholder":
+            kind = placeholder_kinds[node]
+            nodes.append(_placeholder_space(node, kind, mesh, pins.pop(kind.name, None), grads, aliases, phase))
+        elif node.op == "call_function" and node.name not in aliases:
+            nodes.append(_op_space(node, mesh, aliases, phase, unsupported, fallback))
+    nodes.append(_output_space(captured, mesh, aliases))
+    if pins:
+        known = sorted(k.name for k in captured.inputs if k.kind != "tangent")
+        raise ValueError(f"pins name {sorted(pins)}, which are not parameters, buffers or inputs of the model; known names: {known}")
+    if unsupported:
+        lines = [f"  {n.name}: {n.target} on {_shapes(n)}" for n in unsupported]
+        if not fallback:
+            raise UnsupportedOpError(
+                f"{len(unsupported)} node(s) use operators with no sharding rule:\n" + "\n".join(lines)
+                + "\nFix: pass fallback=True to run them replicated, or add a rule in autopar/passes/rules/"
+            )
+        log.warning("no sharding rule for %d node(s); they run replicated:\n%s", len(unsupported), "\n".join(lines))
+    return StrategySpace(tuple(nodes), aliases)
+
+
+def placement_problem(value: torch.Tensor, placements: Placements, mesh: Mesh) -> str | None:
+    """Why ``placements`` cannot lay out ``value`` on ``mesh``, or ``None`` if they can."""
+    seen: set[int] = set()
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if p.dim >= value.ndim:
+                return f"dim {p.dim} does not exist in a {value.ndim}-d tensor"
+            if p.dim in seen:
+                return f"dim {p.dim} is split by two mesh axes"
+            seen.add(p.dim)
+            if value.shape[p.dim] % mesh.shape[axis]:
+                return (f"dim {p.dim} (size {value.shape[p.dim]}) is not divisible by mesh axis "
+                        f"'{mesh.axis_names[axis]}' (size {mesh.shape[axis]})")
+    return None
+
+
+def _ref(arg: fx.Node, aliases: dict[str, ValueRef]) -> ValueRef:
+    return aliases.get(arg.name, (arg.name, 0))
+
+
+def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(a in found for a in node.all_input_nodes):
+            if node.op != "output":
+                found.add(node)
+    return found
+
+
+def _grad_refs(captured: Captured) -> dict[str, fx.Node]:
+    out = captured.graph.graph.output_node()
+    return {
+        kind.name: value for kind, value in zip(captured.outputs, out.args[0])
+        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node)
+    }
+
+
+def _layouts(value: torch.Tensor, mesh: Mesh) -> list[Placements]:
+    """Every replicate/shard layout of ``value`` that fits ``mesh``."""
+    per_axis = [R] + [Shard(d) for d in range(value.ndim)]
+    return [p for p in itertools.product(per_axis, repeat=mesh.ndim) if placement_problem(value, p, mesh) is None]
+
+
+def _placeholder_space(node, kind, mesh, pin, grads, aliases, phase) -> NodeSpace:
+    value = node.meta["val"]
+    if kind.kind == "tangent":
+        layouts = [(R,) * mesh.ndim]
+    elif pin is not None:
+        problem = placement_problem(value, pin, mesh)
+        if problem:
+            raise InfeasiblePlanError(
+                f"pin {kind.name}={format_placements(pin)} cannot lay out its tensor of shape "
+                f"{tuple(value.shape)}: {problem}.\nFix: pin a dim that the mesh axis divides, or "
+                "change the tensor's size to a multiple of the axis size"
+            )
+        layouts = [pin]
+    else:
+        layouts = _layouts(value, mesh)
+    grad = grads.get(kind.name) if kind.kind == "param" else None
+    args = (_ref(grad, aliases),) if grad is not None else ()
+    strategies = tuple(Strategy((p,), (p,) if args else ()) for p in layouts)
+    return NodeSpace(node.name, kind.kind, kind.name, args, strategies, phase)
+
+
+def _op_space(node, mesh, aliases, phase, unsupported, fallback) -> NodeSpace:
+    args = tensor_args(node)
+    rule = rule_for(node.target)
+    outs = node.meta.get("val")
+    out_vals = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if rule is None:
+        unsupported.append(node)
+        rows = [(tuple(R if isinstance(o, torch.Tensor) else None for o in out_vals), (R,) * len(args))]
+    else:
+        rows = rule(node)
+    in_vals = [a.meta["val"] for a in args]
+    strategies = []
+    for combo in itertools.product(rows, repeat=mesh.ndim):
+        outputs = tuple(
+            None if not isinstance(o, torch.Tensor) else tuple(row[0][i] for row in combo)
+            for i, o in enumerate(out_vals)
+        )
+        inputs = tuple(tuple(row[1][k] for row in combo) for k in range(len(args)))
+        if all(placement_problem(v, p, mesh) is None for v, p in zip(out_vals + in_vals, outputs + inputs) if p is not None):
+            strategies.append(Strategy(outputs, inputs))
+    strategies = tuple(dict.fromkeys(strategies))
+    if not strategies:
+        raise InfeasiblePlanError(f"node {node.name} ({node.target} on {_shapes(node)}) has no layout that fits {mesh}")
+    return NodeSpace(node.name, "op", str(node.target), tuple(_ref(a, aliases) for a in args), strategies, phase)
+
+
+def _output_space(captured: Captured, mesh: Mesh, aliases) -> NodeSpace:
+    out = captured.graph.graph.output_node()
+    refs = tuple(
+        _ref(value, aliases) for kind, value in zip(captured.outputs, out.args[0])
+        if kind is not None and kind.kind == "output" and isinstance(value, fx.Node)
+    )
+    whole = Strategy((), tuple((R,) * mesh.ndim for _ in refs))  # outputs come back whole
+    return NodeSpace("output", "output", "output", refs, (whole,), "forward")
+
+
+def _shapes(node: fx.Node) -> str:
+    shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
+    return ", ".join(str(s) for s in shapes) or "no tensor inputs"

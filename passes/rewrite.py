@@ -1,0 +1,189 @@
+"""Rewrite the joint graph into one rank's program: local shapes and functional collectives.
+
+The rewriter interprets the captured joint graph on the rank's local pieces, following the plan:
+before each op it moves every argument into the placements the op's strategy needs
+(:func:`autopar.passes.redistribute.transition`), then runs the op on local tensors with shape
+arguments made local. ``make_fx`` traces that interpretation on fake tensors into a plain aten
+graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can compile it.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.errors import RewriteError
+from autopar.mesh import Mesh
+from autopar.placement import Placements, R, parse_placement, parse_placements_text
+from autopar.plan import ShardingPlan
+from autopar.passes.capture import Captured
+from autopar.passes.redistribute import Step, local_shape, transition
+from autopar.passes.rules import tensor_args
+from autopar.passes.rules.factory import SHAPE_ARG
+from autopar.passes.strategy import Strategy, ValueRef
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# ops whose argument 1 is the output's shape
+_VIEW_SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+
+
+def _parse(text: str | None) -> Placements | None:
+    if text is None:
+        return None
+    return parse_placements_text(text)
+
+
+def plan_strategies(captured: Captured, plan: ShardingPlan) -> dict[str, Strategy]:
+    """The plan's strategy of every node of ``captured``, placeholders and the output included."""
+    mesh = plan.mesh
+    strategies = {n.name: Strategy(tuple(_parse(o) for o in n.outputs), tuple(_parse(i) for i in n.inputs))
+                  for n in plan.nodes}
+    for node, kind in zip(captured.placeholders, captured.inputs):
+        names = {"param": plan.placements, "buffer": plan.placements, "input": plan.inputs}.get(kind.kind)
+        layout = tuple(parse_placement(p) for p in names[kind.name]) if names is not None else (R,) * mesh.ndim
+        strategies[node.name] = Strategy((layout,), (layout,))
+    return strategies
+
+
+def placeholder_layouts(captured: Captured, plan: ShardingPlan) -> list[Placements]:
+    strategies = plan_strategies(captured, plan)
+    return [strategies[n.name].outputs[0] for n in captured.placeholders]
+
+
+class _Rank:
+    """Emits the local ops and collectives of one rank while ``make_fx`` traces."""
+
+    def __init__(self, mesh: Mesh, coordinate: Sequence[int], group_names: Sequence[str]):
+        self.mesh = mesh
+        self.coordinate = coordinate
+        self.group_names = group_names
+        self.emitted: list[Step] = []
+
+    def move(self, t: torch.Tensor, src: Placements, dst: Placements, shape: tuple[int, ...]) -> torch.Tensor:
+        for step in transition(src, dst, shape, t.element_size(), self.mesh):
+            t = getattr(self, step.kind)(t, step)
+            if step.is_collective:
+                self.emitted.append(step)
+        return t
+
+    def _n_group(self, step: Step) -> tuple[int, str]:
+        return self.mesh.shape[step.axis], self.group_names[step.axis]
+
+    def all_reduce(self, t, step):
+        _, group = self._n_group(step)
+        return c10d.wait_tensor(c10d.all_reduce(t.contiguous(), "sum", group))
+
+    def all_gather(self, t, step):
+        n, group = self._n_group(step)
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(t.contiguous(), n, group))
+        return gathered if step.dim == 0 else torch.cat(torch.chunk(gathered, n, 0), step.dim)
+
+    def reduce_scatter(self, t, step):
+        n, group = self._n_group(step)
+        if step.dim != 0:
+            t = torch.cat(torch.chunk(t, n, step.dim), 0)
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(t.contiguous(), "sum", n, group))
+
+    def all_to_all(self, t, step):
+        n, group = self._n_group(step)
+        send = torch.cat(torch.chunk(t, n, step.to_dim), 0).contiguous()
+        splits = [send.shape[0] // n] * n
+        received = c10d.wait_tensor(c10d.all_to_all_single(send, splits, splits, group))
+        return torch.cat(torch.chunk(received, n, 0), step.dim)
+
+    def slice(self, t, step):
+        n = self.mesh.shape[step.axis]
+        size = t.shape[step.dim] // n
+        return t.narrow(step.dim, self.coordinate[step.axis] * size, size).contiguous()
+
+    def zero(self, t, step):
+        return t if self.coordinate[step.axis] == 0 else torch.zeros_like(t)
+
+
+def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int],
+            group_names: Sequence[str]) -> tuple[fx.GraphModule, list[Step]]:
+    """The per-rank joint graph of the rank at ``coordinate``, and the collectives it runs.
+
+    Its placeholders are the local pieces of the joint graph's inputs (in the plan's
+    placements); its outputs are the forward results whole and each parameter's gradient in
+    the parameter's placement.
+    """
+    mesh = plan.mesh
+    strategies = plan_strategies(captured, plan)
+    graph = captured.graph.graph
+    aliases = {n.name: (n.args[0].name, n.args[1]) for n in graph.nodes
+               if n.op == "call_function" and n.target.__name__ == "getitem"}
+    rank = _Rank(mesh, coordinate, group_names)
+    layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
+
+    def per_rank(*local_inputs):
+        env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
+        moved: dict[tuple[ValueRef, Placements], torch.Tensor] = {}
+
+        def fetch(arg: fx.Node, dst: Placements) -> torch.Tensor:
+            ref = aliases.get(arg.name, (arg.name, 0))
+            t, src = env[ref]
+            if src == dst:
+                return t
+            if (ref, dst) not in moved:
+                moved[ref, dst] = rank.move(t, src, dst, tuple(_value(arg).shape))
+            return moved[ref, dst]
+
+        for i, node in enumerate(captured.placeholders):
+            env[node.name, 0] = local_inputs[i], layouts[i]
+        for node in graph.nodes:
+            if node.op != "call_function" or node.name in aliases:
+                continue
+            strategy = strategies[node.name]
+            local_args = [fetch(a, p) for a, p in zip(tensor_args(node), strategy.inputs)]
+            args, kwargs = _local_call_args(node, local_args, strategy, mesh)
+            result = node.target(*args, **kwargs)
+            results = result if isinstance(result, (list, tuple)) else [result]
+            for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
+                env[node.name, i] = value, layout
+        outputs = []
+        for kind, value in zip(captured.outputs, graph.output_node().args[0]):
+            if kind is None or not isinstance(value, fx.Node):
+                outputs.append(None)
+            elif kind.kind == "output":
+                outputs.append(fetch(value, (R,) * mesh.ndim))
+            else:
+                param = next(n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name == kind.name)
+                outputs.append(fetch(value, strategies[param.name].outputs[0]))
+        return outputs
+
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        fakes = [torch.empty(local_shape(tuple(n.meta["val"].shape), p, mesh), dtype=n.meta["val"].dtype,
+                             device=n.meta["val"].device) for n, p in zip(captured.placeholders, layouts)]
+    try:
+        gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
+    except Exception as exc:
+        raise RewriteError(
+            f"could not build the per-rank graph at mesh coordinate {tuple(coordinate)}: "
+            f"{type(exc).__name__}: {exc}\nFix: plan again with fallback=True, or pin the failing tensor replicated"
+        ) from exc
+    return gm, rank.emitted
+
+
+def _value(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh):
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    it = iter(local_args)
+    flat = [next(it) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a for a in flat]
+    if any(isinstance(a, fx.Node) for a in flat):
+        raise RewriteError(f"node {node.name} ({node.target}) takes a non-tensor graph value; autopar needs static shapes")
+    args, kwargs = tree_unflatten(flat, spec)
+    args = list(args)
+    position = 1 if node.target in _VIEW_SHAPE_ARG else SHAPE_ARG.get(node.target)
+    if position is not None:
+        args[position] = list(local_shape(tuple(_value(node).shape), strategy.outputs[0], mesh))
+    return args, kwargs

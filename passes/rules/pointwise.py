@@ -1,0 +1,73 @@
+"""Pointwise operators, with broadcasting, and the arguments they are linear in."""
+
+import torch
+from torch import fx
+
+from autopar.placement import P, R, S
+from autopar.passes.rules import Row, register, tensor_args, val
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+# op -> which tensor arguments may carry a partial sum (the others must be replicated):
+# "all" = every tensor argument together (sums add up), "one" = exactly one of them,
+# or an index set of arguments that must be partial together.
+_LINEAR: dict[object, object] = {
+    aten.add.Tensor: "all", aten.sub.Tensor: "all",
+    aten.mul.Tensor: "one",
+    aten.div.Tensor: {0}, prims.div.default: {0},
+    aten.neg.default: "all",
+    aten.threshold_backward.default: {0},
+    aten.gelu_backward.default: {0},
+    aten.where.self: {1, 2},
+    aten.detach.default: "all", aten.clone.default: "all", aten.alias.default: "all",
+    aten._to_copy.default: "all",
+}
+
+_IDENTITY = (
+    aten.detach.default, aten.clone.default, aten.alias.default, aten._to_copy.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default,
+)
+
+
+def pointwise_rule(node: fx.Node) -> list[Row]:
+    """Elementwise ops: each output dim may be split, taking the matching dim of every argument
+    that is not broadcast along it (broadcast arguments stay replicated)."""
+    out = val(node)
+    args = [val(a) for a in tensor_args(node)]
+    rows: list[Row] = [((R,), tuple(R for _ in args))]  # every rank computes the whole tensor
+    for dim in range(out.ndim):
+        ins = []
+        for arg in args:
+            arg_dim = dim - (out.ndim - arg.ndim)
+            broadcast = arg_dim < 0 or (arg.shape[arg_dim] == 1 and out.shape[dim] != 1)
+            ins.append(R if broadcast else S(arg_dim))
+        rows.append(((S(dim),), tuple(ins)))  # split output dim `dim` and the matching input dims
+    rows.extend(_partial_rows(node, len(args)))
+    return rows
+
+
+def _partial_rows(node: fx.Node, num_args: int) -> list[Row]:
+    linear = _LINEAR.get(node.target)
+    if linear is None or num_args == 0:
+        return []
+    if linear == "all":
+        if node.target in (aten.add.Tensor, aten.sub.Tensor) and num_args < 2:
+            return []  # x + scalar is not linear in x
+        return [((P,), tuple(P for _ in range(num_args)))]  # partial sums in, partial sum out
+    positions = tensor_positions(node)
+    if linear == "one":
+        return [((P,), tuple(P if i == k else R for i in range(num_args))) for k in range(num_args)]
+    ins = tuple(P if positions[i] in linear else R for i in range(num_args))
+    if P not in ins:
+        return []
+    return [((P,), ins)]  # linear in the partial arguments, the others replicated
+
+
+def tensor_positions(node: fx.Node) -> list[int]:
+    """Positional index of each tensor argument of ``node``."""
+    return [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+register(*_IDENTITY, prims.div.default)(pointwise_rule)

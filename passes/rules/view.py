@@ -1,0 +1,95 @@
+"""Views and layout changes: reshapes, transposes, expands, splits, concatenations, slices."""
+
+import math
+
+import torch
+from torch import fx
+
+from autopar.placement import P, R, S
+from autopar.passes.rules import Row, register, tensor_args, val
+
+aten = torch.ops.aten
+
+
+def reshape_dim_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
+    """Input dims whose even split survives a reshape, mapped to the output dim that carries it.
+
+    A split of input dim ``d`` into contiguous chunks is a split of output dim ``e`` exactly when
+    the dims before them hold the same number of elements (``prod(in[:d]) == prod(out[:e])``):
+    then every chunk of one is a chunk of the other.
+    """
+    mapping = {}
+    for d, size in enumerate(in_shape):
+        if size <= 1:
+            continue
+        outer = math.prod(in_shape[:d])
+        for e, out_size in enumerate(out_shape):
+            if out_size > 1 and math.prod(out_shape[:e]) == outer:
+                mapping[d] = e
+                break
+    return mapping
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+          aten.expand.default)
+def reshape_rule(node: fx.Node) -> list[Row]:
+    x, out = val(node.args[0]), val(node)
+    if node.target is aten.expand.default:
+        offset = out.ndim - x.ndim
+        mapping = {d: d + offset for d in range(x.ndim) if x.shape[d] == out.shape[d + offset] > 1}
+    else:
+        mapping = reshape_dim_map(tuple(x.shape), tuple(out.shape))
+    rows: list[Row] = [((R,), (R,))]
+    if node.target is not aten.expand.default:
+        rows.append(((P,), (P,)))  # a reshape of partial sums is a partial sum
+    rows += [((S(e),), (S(d),)) for d, e in mapping.items()]  # the split follows the data
+    return rows
+
+
+@register(aten.t.default, aten.transpose.int, aten.permute.default)
+def permute_rule(node: fx.Node) -> list[Row]:
+    x = val(node.args[0])
+    if node.target is aten.permute.default:
+        order = [d % x.ndim for d in node.args[1]]
+    else:
+        order = list(range(x.ndim))
+        if x.ndim >= 2:
+            d0, d1 = (0, 1) if node.target is aten.t.default else (node.args[1] % x.ndim, node.args[2] % x.ndim)
+            order[d0], order[d1] = order[d1], order[d0]
+    rows: list[Row] = [((R,), (R,)), ((P,), (P,))]
+    rows += [((S(e),), (S(d),)) for e, d in enumerate(order)]  # output dim e is input dim order[e]
+    return rows
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default)
+def split_rule(node: fx.Node) -> list[Row]:
+    x, outs = val(node.args[0]), val(node)
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % x.ndim
+    n = len(outs)
+    rows: list[Row] = [((R,) * n, (R,)), ((P,) * n, (P,))]
+    rows += [((S(d),) * n, (S(d),)) for d in range(x.ndim) if d != dim]  # split along another dim
+    return rows
+
+
+@register(aten.cat.default)
+def cat_rule(node: fx.Node) -> list[Row]:
+    args = [val(a) for a in tensor_args(node)]
+    out = val(node)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.ndim
+    k = len(args)
+    rows: list[Row] = [((R,), (R,) * k), ((P,), (P,) * k)]
+    rows += [((S(d),), (S(d),) * k) for d in range(out.ndim) if d != dim]  # split along another dim
+    return rows
+
+
+@register(aten.slice.Tensor, aten.select.int)
+def slice_rule(node: fx.Node) -> list[Row]:
+    x = val(node.args[0])
+    dim = (node.args[1] if len(node.args) > 1 else 0) % x.ndim
+    drops = node.target is aten.select.int
+    rows: list[Row] = [((R,), (R,)), ((P,), (P,))]
+    for d in range(x.ndim):
+        if d != dim:
+            rows.append(((S(d - 1 if drops and d > dim else d),), (S(d),)))  # index another dim
+    return rows

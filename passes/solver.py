@@ -1,0 +1,169 @@
+"""Pick one strategy per node by mixed-integer programming (OR-Tools ``pywraplp``, CBC).
+
+The program, Alpa's formulation (also XLA auto-sharding's) with resharding priced once per
+tensor and target layout, however many consumers share it::
+
+    minimise    Σ_n Σ_k c_n,k · x_n,k  +  Σ_v Σ_(p,q) r_v(p,q) · y_v,p,q
+    subject to  Σ_k x_n,k = 1                                   (one strategy per node)
+                y_v,p,q ≤ z_v,p                                  (move only from the chosen layout)
+                w_c,q ≤ z_v,q + Σ_(p≠q) y_v,p,q   for every consumer c of v   (layout available)
+                x_n,k ∈ {0, 1},  0 ≤ y_v,p,q ≤ 1
+
+``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
+``v``, ``z_v,p`` is the sum of its producer's one-hots whose strategy gives ``v`` layout ``p``,
+and ``w_c,q`` the sum of a consumer's one-hots that need it in layout ``q``. ``y_v,p,q`` moves
+``v`` from ``p`` to ``q`` at the modelled cost ``r_v(p, q)``; once moved, every consumer that
+needs ``q`` reads the same copy, as the rewriter emits it. Grouping strategies by layout keeps the
+variables per tensor to the distinct layouts instead of the strategies.
+"""
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ortools.linear_solver import pywraplp
+
+from autopar.errors import InfeasiblePlanError
+from autopar.placement import Placements
+from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
+
+log = logging.getLogger(__name__)
+
+_SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    """The chosen strategy index of every node and how the solve went."""
+
+    choice: dict[str, int]
+    status: str
+    """``"OPTIMAL"`` or ``"FEASIBLE"`` (stopped at the time limit with a plan)."""
+    objective_s: float
+    bound_s: float
+    solve_s: float
+    num_variables: int
+    num_constraints: int
+
+
+TransitionCost = Callable[[ValueRef, Placements, Placements], float]
+
+
+def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
+          *, time_limit_s: float = 120.0) -> Solution:
+    """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``."""
+    started = time.perf_counter()
+    solver = pywraplp.Solver.CreateSolver("CBC")
+    solver.SetTimeLimit(int(time_limit_s * 1000))
+    by_name = space.index()
+    followed: set[tuple[str, ValueRef]] = set()
+    ind: dict[str, list[list]] = {}
+    for n in space.nodes:
+        shared = _follow_operand(n, by_name, ind)
+        if shared is not None:
+            followed.add((n.name, n.args[0]))
+        ind[n.name] = shared if shared is not None else _one_strategy_per_node(solver, n)
+    costs: dict = defaultdict(float)
+    for n in space.nodes:
+        for k, terms in enumerate(ind[n.name]):
+            for var in terms:
+                costs[var] += node_costs[n.name][k]
+    consumers: dict[ValueRef, list[tuple[NodeSpace, int]]] = defaultdict(list)
+    for n in space.nodes:
+        for j, ref in enumerate(n.args):
+            if (n.name, ref) not in followed:
+                consumers[ref].append((n, j))
+    for ref, readers in consumers.items():
+        producer = by_name[ref[0]]
+        _layout_available(solver, costs, ref, producer, readers, ind, transition_s)
+    objective = solver.Objective()
+    for var, cost in costs.items():
+        objective.SetCoefficient(var, cost * _SCALE)
+    objective.SetMinimization()
+    status = solver.Solve()
+    elapsed = time.perf_counter() - started
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise InfeasiblePlanError(
+            f"the solver found no plan (status {status}) for {len(space.nodes)} nodes in {elapsed:.1f}s.\n"
+            "Fix: remove conflicting pins, or raise the time limit (solver_time_limit_s=...)"
+        )
+    choice = {
+        name: max(range(len(terms)), key=lambda k: sum(v.solution_value() for v in terms[k]))
+        for name, terms in ind.items()
+    }
+    result = Solution(
+        choice=choice,
+        status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
+        objective_s=objective.Value() / _SCALE,
+        bound_s=objective.BestBound() / _SCALE,
+        solve_s=elapsed,
+        num_variables=solver.NumVariables(),
+        num_constraints=solver.NumConstraints(),
+    )
+    log.debug("solved %d variables, %d constraints in %.2fs: %s", result.num_variables,
+              result.num_constraints, elapsed, result.status)
+    return result
+
+
+def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:
+    variables = [solver.BoolVar(f"x[{node.name},{k}]") for k in range(len(node.strategies))]
+    solver.Add(sum(variables) == 1)
+    return [[v] for v in variables]
+
+
+def _follows(node: NodeSpace, by_name: dict[str, NodeSpace]) -> bool:
+    """A one-input op whose strategies match its operand's layouts one to one (views, unary
+    pointwise ops) shares its operand's variables instead of getting its own."""
+    if node.kind != "op" or len(node.args) != 1:
+        return False
+    ref = node.args[0]
+    producer = by_name[ref[0]]
+    if producer.kind == "param":
+        return False
+    needs = [s.inputs[0] for s in node.strategies]
+    return len(set(needs)) == len(needs) and set(needs) == {s.outputs[ref[1]] for s in producer.strategies}
+
+
+def _follow_operand(node: NodeSpace, by_name: dict[str, NodeSpace], ind: dict[str, list[list]]) -> list[list] | None:
+    if not _follows(node, by_name):
+        return None
+    ref = node.args[0]
+    producer = by_name[ref[0]]
+    groups = _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies])
+    return [[v for terms in groups[s.inputs[0]] for v in terms] for s in node.strategies]
+
+
+def _group(terms: list[list], layouts: list[Placements]) -> dict[Placements, list[list]]:
+    groups: dict[Placements, list[list]] = defaultdict(list)
+    for t, layout in zip(terms, layouts):
+        groups[layout].append(t)
+    return groups
+
+
+def _flat(group: list[list]) -> list:
+    return [v for terms in group for v in terms]
+
+
+def _layout_available(solver, costs: dict, ref: ValueRef, producer: NodeSpace,
+                      readers: list[tuple[NodeSpace, int]], ind: dict, transition_s: TransitionCost) -> None:
+    src_groups = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
+    demands = [
+        {q: _flat(g) for q, g in _group(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
+        for n, j in readers
+    ]
+    targets = {q for groups in demands for q in groups}
+    y = {}
+    for p in src_groups:
+        for q in targets - {p}:
+            y[p, q] = solver.NumVar(0.0, 1.0, "")
+            costs[y[p, q]] += transition_s(ref, p, q)
+            if len(src_groups) > 1:
+                solver.Add(y[p, q] <= sum(src_groups[p]))  # move only from the chosen layout
+    for groups in demands:
+        for q, group in groups.items():
+            if len(src_groups) == 1 and q in src_groups:
+                continue  # the single producer layout is q itself
+            moved = sum(y[p, q] for p in src_groups if p != q)
+            solver.Add(sum(group) <= sum(src_groups.get(q, [])) + moved)  # layout available

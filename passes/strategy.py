@@ -1,0 +1,48 @@
+"""The strategy space: every way each node of the joint graph can be laid out on the mesh."""
+
+from dataclasses import dataclass
+
+from autopar.placement import Placements
+
+ValueRef = tuple[str, int]
+"""A tensor of the graph: (name of the node producing it, index among that node's outputs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One layout of a node: its outputs' placements and the placements it needs on its inputs."""
+
+    outputs: tuple[Placements | None, ...]
+    """One entry per output of the op (``None`` where the output is not a tensor)."""
+    inputs: tuple[Placements, ...]
+    """One entry per tensor argument, in the order of ``NodeSpace.args``."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpace:
+    """The strategies of one node."""
+
+    name: str
+    """Node name in the joint graph (``"output"`` for the graph's results)."""
+    kind: str
+    """``"op"``, ``"param"``, ``"buffer"``, ``"input"``, ``"tangent"`` or ``"output"``."""
+    target: str
+    """The operator, or the parameter / input name for placeholders."""
+    args: tuple[ValueRef, ...]
+    """The tensors the node reads, matching ``Strategy.inputs``. A parameter reads its own
+    gradient here: its strategy requires the gradient in the parameter's placement."""
+    strategies: tuple[Strategy, ...]
+    phase: str
+    """``"forward"`` or ``"backward"``: whether the node depends on the outputs' tangents."""
+
+
+@dataclass(frozen=True, slots=True)
+class StrategySpace:
+    """Every node's strategies; the solver picks one per node."""
+
+    nodes: tuple[NodeSpace, ...]
+    aliases: dict[str, ValueRef]
+    """Nodes that only select an output of another node (``getitem``), by name."""
+
+    def index(self) -> dict[str, NodeSpace]:
+        return {n.name: n for n in self.nodes}
