@@ -1,1 +1,23 @@
-"""autopar: automatic parallelization of PyTorch training on a device mesh."""
+"""autopar: automatic parallelization of PyTorch training on a device mesh.
+
+``autopar.plan(model, mesh, example_inputs)`` captures the training step, solves for the
+placement of every tensor and returns a :class:`ShardingPlan`; ``autopar.compile(model, mesh)``
+also rewrites the step into one program per rank and runs it on torch.distributed.
+"""
+
+from autopar.api import compile
+from autopar.cost_model.hardware import A100, CPU, H100, HardwareProfile, Link, SyntheticProfile
+from autopar.errors import (
+    AutoparError, CaptureError, InfeasiblePlanError, RewriteError, StalePlanError, UnsupportedOpError,
+)
+from autopar.explain import annotated_graph
+from autopar.mesh import Mesh
+from autopar.plan import Collective, ShardingPlan
+from autopar.planner import plan
+
+__all__ = [
+    "A100", "CPU", "H100", "AutoparError", "CaptureError", "Collective", "HardwareProfile",
+    "InfeasiblePlanError", "Link", "Mesh", "RewriteError", "ShardingPlan", "StalePlanError",
+    "SyntheticProfile", "UnsupportedOpError", "annotated_graph", "compile", "plan",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""``autopar.compile``: plan a model for a mesh and run it on the current process group."""
+
+import functools
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from autopar.cost_model.hardware import Profile, resolve_profile
+from autopar.mesh import Mesh
+from autopar.plan import ShardingPlan
+from autopar.planner import Pins, check_mesh, parse_pins, plan_captured
+from autopar.runtime.module import BACKENDS, ParallelModule
+
+
+def default_backend(model: torch.nn.Module) -> str:
+    """Inductor on GPUs; eager on CPUs, where compiling costs more than a short run gains."""
+    param = next(model.parameters(), None)
+    return "inductor" if param is not None and param.device.type == "cuda" else "eager"
+
+
+def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
+            example_inputs: Sequence[torch.Tensor] | None = None, *, hardware: "str | Profile" = "h100",
+            pins: Pins | None = None, plan: ShardingPlan | None = None, backend: str | None = None,
+            fallback: bool = True, solver_time_limit_s: float = 120.0):
+    """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
+
+    Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
+    script.py`` starts one). Rank 0 plans and the plan is broadcast, unless ``plan`` is given.
+    Without ``example_inputs`` the inputs of the first call are used. The model's parameters are
+    replaced in place by their local pieces.
+
+    Used without a model it is a decorator for a module class or a module-returning function::
+
+        @autopar.compile(mesh=Mesh((4,), ("dp",)))
+        class Net(nn.Module): ...
+
+    Options are those of :func:`autopar.plan`, plus ``plan`` (run this plan instead of solving),
+    and ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU).
+    """
+    options = dict(hardware=hardware, pins=pins, plan=plan, backend=backend, fallback=fallback,
+                   solver_time_limit_s=solver_time_limit_s)
+    if model is None:
+        if mesh is None:
+            raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
+        return functools.partial(_decorate, mesh=mesh, example_inputs=example_inputs, options=options)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autopar.compile takes a torch.nn.Module, got {type(model).__name__}")
+    if mesh is None:
+        raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
+    check_mesh(mesh)
+    resolve_profile(hardware)
+    parse_pins(pins, mesh)
+    if plan is not None and not isinstance(plan, ShardingPlan):
+        raise TypeError(f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+    def planner(captured):
+        return plan_captured(captured, mesh, hardware=hardware, pins=pins, fallback=fallback,
+                             solver_time_limit_s=solver_time_limit_s)
+
+    return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
+                          backend=backend or default_backend(model), planner=planner)
+
+
+def _decorate(target, *, mesh: Mesh, example_inputs, options):
+    if inspect.isclass(target) and issubclass(target, torch.nn.Module):
+        @functools.wraps(target, updated=())
+        def make(*args, **kwargs):
+            return compile(target(*args, **kwargs), mesh, example_inputs, **options)
+        return make
+    if callable(target):
+        @functools.wraps(target)
+        def make(*args, **kwargs):
+            model = target(*args, **kwargs)
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"@autopar.compile: {target.__name__}() returned {type(model).__name__}, not a torch.nn.Module")
+            return compile(model, mesh, example_inputs, **options)
+        return make
+    raise TypeError(f"@autopar.compile decorates a module class or a function returning a module, not {type(target).__name__}")

@@ -1,0 +1,181 @@
+"""The module ``autopar.compile`` returns: runs one rank's share of the planned training step."""
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_unflatten
+
+from autopar.errors import StalePlanError
+from autopar.mesh import Mesh
+from autopar.placement import Shard, format_placements
+from autopar.plan import ShardingPlan
+from autopar.passes.capture import Captured, capture
+from autopar.passes.redistribute import local_shape
+from autopar.passes.rewrite import placeholder_layouts, rewrite
+from autopar.runtime.launch import device_mesh, device_type_of
+from autopar.runtime.partition import Partitioned, partition
+from autopar.runtime.state import gather_whole, local_piece
+
+log = logging.getLogger("autopar")
+
+BACKENDS = ("eager", "inductor")
+
+
+class _Program:
+    """One rank's compiled forward and backward graphs and how to feed them."""
+
+    def __init__(self, parts: Partitioned, backend: str, grad_slots: list[bool]):
+        self.num_outputs = parts.num_outputs
+        self.grad_slots = grad_slots
+        if backend == "inductor":
+            self.forward = torch.compile(parts.forward, backend="inductor", fullgraph=True, dynamic=False)
+            self.backward = torch.compile(parts.backward, backend="inductor", fullgraph=True, dynamic=False)
+        else:
+            self.forward, self.backward = parts.forward, parts.backward
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program: _Program, *flat):
+        results = program.forward(*flat)
+        ctx.program = program
+        ctx.save_for_backward(*results[program.num_outputs:])
+        return tuple(results[:program.num_outputs])
+
+    @staticmethod
+    def backward(ctx, *tangents):
+        program = ctx.program
+        grads = iter(program.backward(*ctx.saved_tensors, *(t.contiguous() for t in tangents)))
+        return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
+
+
+class ParallelModule(torch.nn.Module):
+    """A model running on every rank of a mesh under a :class:`ShardingPlan`.
+
+    Its parameters are the local pieces of the model's parameters (the wrapped model's own
+    parameters are replaced in place, so an optimizer built on either steps the pieces).
+    ``forward`` returns what the model returns, whole on every rank; ``backward()`` on the
+    result fills the local gradients.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
+                 plan: ShardingPlan | None, backend: str, planner):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        self.module = model
+        self._mesh = mesh
+        self._plan = plan
+        self._backend = backend
+        self._planner = planner
+        self._built = False
+        if example_inputs is not None:
+            self._build(tuple(example_inputs))
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The plan this module runs (available after the first call when no example inputs
+        were given)."""
+        if self._plan is None:
+            raise RuntimeError("the plan is made on the first call; pass example_inputs to autopar.compile to plan earlier")
+        return self._plan
+
+    def forward(self, *inputs):
+        if not self._built:
+            self._build(inputs)
+        flat = [*self._state(), *self._local_inputs(inputs)]
+        outputs = _Step.apply(self._program, *flat)
+        return tree_unflatten(list(outputs), self._captured.out_spec)
+
+    # building ----------------------------------------------------------------------------
+
+    def _build(self, inputs: tuple) -> None:
+        device_type = device_type_of(self.module)
+        self._device_mesh = device_mesh(self._mesh, device_type)
+        captured = capture(self.module, inputs)
+        plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
+        check_plan(plan, captured, self._mesh)
+        rank = dist.get_rank()
+        coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
+        groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
+        joint, self.collectives = rewrite(captured, plan, coordinate=coordinate, group_names=groups)
+        self.per_rank_graph = joint
+        is_tangent = [k.kind == "tangent" for k in captured.inputs]
+        output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
+        grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+        grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
+        self._program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots)
+        self._captured, self._plan, self._coordinate = captured, plan, coordinate
+        self._layouts = dict(zip(captured.placeholders, placeholder_layouts(captured, plan)))
+        self._shard_state(captured, coordinate)
+        self._built = True
+        log.info("rank %d at %s runs %d collectives per step (%s backend)", rank, coordinate, len(self.collectives), self._backend)
+
+    def _plan_on_rank0(self, captured: Captured) -> ShardingPlan:
+        box = [self._planner(captured).to_json() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return ShardingPlan.from_json(box[0])
+
+    def _shard_state(self, captured: Captured, coordinate) -> None:
+        for node, kind in zip(captured.placeholders, captured.inputs):
+            if kind.kind in ("param", "buffer"):
+                tensor = self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
+                with torch.no_grad():
+                    tensor.data = local_piece(tensor.data, self._layouts[node], coordinate, self._mesh.shape)
+
+    def _state(self) -> list[torch.Tensor]:
+        return [
+            self.module.get_parameter(k.name) if k.kind == "param" else self.module.get_buffer(k.name)
+            for k in self._captured.inputs if k.kind in ("param", "buffer")
+        ]
+
+    def _local_inputs(self, inputs: tuple) -> list[torch.Tensor]:
+        nodes = [(n, k) for n, k in zip(self._captured.placeholders, self._captured.inputs) if k.kind == "input"]
+        if len(inputs) != len(nodes):
+            raise TypeError(f"the model was compiled for {len(nodes)} inputs ({', '.join(k.name for _, k in nodes)}), got {len(inputs)}")
+        local = []
+        for x, (node, kind) in zip(inputs, nodes):
+            layout = self._layouts[node]
+            whole = tuple(node.meta["val"].shape)
+            per_rank = kind.name in self._plan.pinned and any(isinstance(p, Shard) for p in layout)
+            expected = local_shape(whole, layout, self._mesh) if per_rank else whole
+            if tuple(x.shape) != expected:
+                how = (f"its pinned placements {format_placements(layout)} mean each rank passes only its own part"
+                       if per_rank else "every rank passes the whole global batch")
+                raise ValueError(
+                    f"input '{kind.name}' has shape {tuple(x.shape)} but the plan expects {expected}: {how}. "
+                    "Fix: pass inputs of the planned shape, or compile again for the new shape"
+                )
+            local.append(x if per_rank else local_piece(x, layout, self._coordinate, self._mesh.shape))
+        return local
+
+    # state -------------------------------------------------------------------------------
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's whole parameters and buffers, gathered from the ranks' pieces.
+
+        Every rank takes part in the gathers; with ``rank0_only`` the other ranks get ``{}``.
+        """
+        if not self._built:
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        layouts = {k.name: self._layouts[n] for n, k in zip(self._captured.placeholders, self._captured.inputs)}
+        state = {}
+        for name, tensor in self.module.state_dict().items():
+            layout = layouts.get(name)
+            state[name] = tensor.detach().clone() if layout is None else gather_whole(tensor, layout, self._device_mesh)
+        return {} if rank0_only and dist.get_rank() != 0 else state
+
+
+def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh) -> None:
+    if plan.mesh != mesh:
+        raise StalePlanError(f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}")
+    if plan.graph_hash != captured.graph_hash:
+        raise StalePlanError(
+            f"the plan was made for another graph (plan {plan.graph_hash}, this model {captured.graph_hash}): "
+            "the model, its input shapes or autopar changed since planning. Fix: plan this model again"
+        )
+
+
+

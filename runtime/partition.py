@@ -1,0 +1,66 @@
+"""Split a per-rank joint graph into a forward graph and a backward graph.
+
+Nodes that depend on a tangent (the gradient flowing into the step's outputs) form the backward;
+the rest run in the forward. Forward values the backward reads are returned by the forward graph
+as saved tensors and taken by the backward graph as inputs, as AOT autograd does.
+"""
+
+from dataclasses import dataclass
+
+from torch import fx
+
+
+@dataclass(frozen=True, slots=True)
+class Partitioned:
+    forward: fx.GraphModule
+    """``(*primals) -> (*outputs, *saved)``."""
+    backward: fx.GraphModule
+    """``(*saved, *tangents) -> (*grads)``."""
+    num_outputs: int
+    num_saved: int
+
+
+def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: list[bool | None]) -> Partitioned:
+    """``is_tangent`` marks placeholders; ``output_is_grad`` marks each joint output as a
+    forward result (False), a gradient (True) or unused (None)."""
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    tangents = {n for n, t in zip(placeholders, is_tangent) if t}
+    backward: set[fx.Node] = set(tangents)
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    outputs = list(joint.graph.output_node().args[0])
+    fwd_outputs = [o for o, g in zip(outputs, output_is_grad) if g is False]
+    grads = [o for o, g in zip(outputs, output_is_grad) if g]
+    saved: list[fx.Node] = []
+    for node in joint.graph.nodes:
+        if node in backward or node.op == "output":
+            continue
+        if any(u in backward for u in node.users) or node in grads:
+            saved.append(node)
+
+    fw = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in joint.graph.nodes:
+        if node.op == "output" or node in backward:
+            continue
+        env[node] = fw.node_copy(node, lambda n: env[n])
+    fw.output(tuple(env[o] for o in fwd_outputs) + tuple(env[s] for s in saved))
+
+    bw = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for s in saved:
+        benv[s] = bw.placeholder(f"saved_{s.name}")
+        benv[s].meta = dict(s.meta)
+    for t in (n for n in placeholders if n in tangents):
+        benv[t] = bw.node_copy(t)
+    for node in joint.graph.nodes:
+        if node in backward and node.op != "placeholder":
+            benv[node] = bw.node_copy(node, lambda n: benv[n])
+    bw.output(tuple(benv[g] if g is not None else None for g in grads))
+    forward, backward_gm = fx.GraphModule(joint, fw), fx.GraphModule(joint, bw)
+    for gm in (forward, backward_gm):
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return Partitioned(forward, backward_gm, len(fwd_outputs), len(saved))

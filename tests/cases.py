@@ -1,0 +1,103 @@
+"""Training runs compared with one device; executed on every rank by the harness."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.mlp import MLP
+
+# compute dear, communication cheap: the solver splits work across ranks
+SYNTHETIC = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8)
+
+
+def make_model(name: str):
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = MLP(16, 32, num_layers=3)
+        batches = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(3)]
+    elif name == "gpt":
+        cfg = GPTConfig(vocab_size=64, block_size=8, dim=16, num_heads=4, num_layers=1)
+        model = GPT(cfg)
+        batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
+    else:
+        raise ValueError(name)
+    return model, batches
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, batches, optimizer_name):
+    opt = make_optimizer(optimizer_name, model.parameters())
+    losses, grads = [], None
+    for x, y in batches:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        if grads is None:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses, grads
+
+
+def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_name: str = "adamw",
+                            pins=None, hardware=SYNTHETIC, backend="eager") -> dict:
+    """Train 3 steps on one device and on the mesh; return the largest differences, the plan
+    and the collectives the per-rank graph ran."""
+    model, batches = make_model(model_name)
+    reference = copy.deepcopy(model)
+    ref_losses, ref_grads = _train(reference, batches, optimizer_name)
+
+    mesh = autopar.Mesh(tuple(mesh_shape), tuple(axis_names))
+    pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, pins=pins, backend=backend)
+    opt = make_optimizer(optimizer_name, pmodel.parameters())
+    losses, first_grads = [], None
+    for batch in batches:
+        opt.zero_grad()
+        loss = pmodel(*_rank_inputs(pmodel, batch))
+        loss.backward()
+        if first_grads is None:
+            first_grads = _gather_grads(pmodel)
+        opt.step()
+        losses.append(loss.detach().clone())
+    params = pmodel.full_state_dict()
+    ref_params = reference.state_dict()
+    return {
+        "loss_rel": max(float((a - b).abs() / b.abs().clamp_min(1e-12)) for a, b in zip(losses, ref_losses)),
+        "grad_ok": all(torch.allclose(first_grads[k], ref_grads[k], rtol=1e-4, atol=1e-5) for k in ref_grads),
+        "grad_max": max(float((first_grads[k] - ref_grads[k]).abs().max()) for k in ref_grads),
+        "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params),
+        "param_max": max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params),
+        "plan": pmodel.plan.to_json(),
+        "ran": [(s.kind, pmodel.plan.mesh.axis_names[s.axis], s.bytes) for s in pmodel.collectives],
+        "rank": dist.get_rank(),
+    }
+
+
+def _rank_inputs(pmodel, batch):
+    """Each rank's own part of inputs whose placement is pinned to a split, as a per-rank data
+    loader would give it; the whole batch otherwise."""
+    from autopar.placement import parse_placement
+    from autopar.runtime.state import local_piece
+
+    plan = pmodel.plan
+    out = []
+    for name, x in zip(plan.inputs, batch):
+        layout = tuple(parse_placement(p) for p in plan.inputs[name])
+        pinned = name in plan.pinned and any(p != "R" for p in plan.inputs[name])
+        out.append(local_piece(x, layout, pmodel._coordinate, plan.mesh.shape) if pinned else x)
+    return out
+
+
+def _gather_grads(pmodel) -> dict[str, torch.Tensor]:
+    from autopar.runtime.state import gather_whole
+
+    layouts = {k.name: pmodel._layouts[n] for n, k in zip(pmodel._captured.placeholders, pmodel._captured.inputs)}
+    return {name: gather_whole(p.grad, layouts[name], pmodel._device_mesh) for name, p in pmodel.module.named_parameters()}
