@@ -5,15 +5,17 @@ tensor and target layout, however many consumers share it::
 
     minimise    Σ_n Σ_k c_n,k · x_n,k  +  Σ_v Σ_(p,q) r_v(p,q) · y_v,p,q
     subject to  Σ_k x_n,k = 1                                   (one strategy per node)
-                y_v,p,q ≤ z_v,p                                  (move only from the chosen layout)
-                w_c,q ≤ z_v,q + Σ_(p≠q) y_v,p,q   for every consumer c of v   (layout available)
-                x_n,k ∈ {0, 1},  0 ≤ y_v,p,q ≤ 1
+                Σ_q t_c,p,q = z_v,p      for every reader c of v   (the copy leaves the producer's layout)
+                Σ_p t_c,p,q = w_c,q      for every reader c of v   (and arrives in the reader's layout)
+                y_v,p,q ≥ t_c,p,q        for every reader c, p ≠ q (one move serves every reader)
+                x_n,k ∈ {0, 1},  0 ≤ t, y ≤ 1
 
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
 ``v``, ``z_v,p`` is the sum of its producer's one-hots whose strategy gives ``v`` layout ``p``,
-and ``w_c,q`` the sum of a consumer's one-hots that need it in layout ``q``. ``y_v,p,q`` moves
-``v`` from ``p`` to ``q`` at the modelled cost ``r_v(p, q)``; once moved, every consumer that
-needs ``q`` reads the same copy, as the rewriter emits it. Grouping strategies by layout keeps the
+and ``w_c,q`` the sum of a reader's one-hots that need it in layout ``q``. Each reader's
+``t_c`` is a transport between the two (tight: integral whenever the one-hots are), and
+``y_v,p,q`` moves ``v`` from ``p`` to ``q`` at the modelled cost ``r_v(p, q)`` once, however many
+readers need that copy, as the rewriter emits it. Grouping strategies by layout keeps the
 variables per tensor to the distinct layouts instead of the strategies.
 """
 
@@ -52,8 +54,12 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
-          *, time_limit_s: float = 120.0) -> Solution:
-    """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``."""
+          *, time_limit_s: float = 120.0, relative_gap: float = 1e-4) -> Solution:
+    """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
+
+    The search stops at a plan proven within ``relative_gap`` of the optimum, or at
+    ``time_limit_s`` with the best plan found (status ``FEASIBLE``; the bound is reported).
+    """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("CBC")
     solver.SetTimeLimit(int(time_limit_s * 1000))
@@ -82,7 +88,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     for var, cost in costs.items():
         objective.SetCoefficient(var, cost * _SCALE)
     objective.SetMinimization()
-    status = solver.Solve()
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
+    status = solver.Solve(params)
     elapsed = time.perf_counter() - started
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise InfeasiblePlanError(
@@ -148,22 +156,29 @@ def _flat(group: list[list]) -> list:
 
 def _layout_available(solver, costs: dict, ref: ValueRef, producer: NodeSpace,
                       readers: list[tuple[NodeSpace, int]], ind: dict, transition_s: TransitionCost) -> None:
-    src_groups = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
-    demands = [
-        {q: _flat(g) for q, g in _group(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
-        for n, j in readers
-    ]
-    targets = {q for groups in demands for q in groups}
-    y = {}
-    for p in src_groups:
-        for q in targets - {p}:
-            y[p, q] = solver.NumVar(0.0, 1.0, "")
-            costs[y[p, q]] += transition_s(ref, p, q)
-            if len(src_groups) > 1:
-                solver.Add(y[p, q] <= sum(src_groups[p]))  # move only from the chosen layout
-    for groups in demands:
-        for q, group in groups.items():
-            if len(src_groups) == 1 and q in src_groups:
-                continue  # the single producer layout is q itself
-            moved = sum(y[p, q] for p in src_groups if p != q)
-            solver.Add(sum(group) <= sum(src_groups.get(q, [])) + moved)  # layout available
+    src = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
+    moves: dict[tuple, object] = {}
+    for n, j in readers:
+        dst = {q: _flat(g) for q, g in _group(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
+        if len(src) == 1 and len(dst) == 1:
+            (p,), (q,) = src, dst
+            if p != q:
+                _move(solver, costs, moves, ref, p, q, transition_s, None)
+            continue
+        t = {(p, q): solver.NumVar(0.0, 1.0, "") for p in src for q in dst}
+        for p in src:  # the reader's copy leaves the producer's layout
+            solver.Add(sum(t[p, q] for q in dst) == sum(src[p]))
+        for q in dst:  # and arrives in the layout the reader needs
+            solver.Add(sum(t[p, q] for p in src) == sum(dst[q]))
+        for (p, q), var in t.items():
+            if p != q:
+                _move(solver, costs, moves, ref, p, q, transition_s, var)
+
+
+def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, transition_s: TransitionCost, need) -> None:
+    """Price moving ``ref`` from ``p`` to ``q`` once, whichever readers need it (``need`` is a
+    reader's transport variable, or ``None`` when the move is certain)."""
+    if (p, q) not in moves:
+        moves[p, q] = solver.NumVar(0.0, 1.0, "")
+        costs[moves[p, q]] += transition_s(ref, p, q)
+    solver.Add(moves[p, q] >= (1 if need is None else need))  # one copy serves every reader
