@@ -54,7 +54,7 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
-          *, time_limit_s: float = 120.0, relative_gap: float = 1e-4) -> Solution:
+          *, time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
 
     The search stops at a plan proven within ``relative_gap`` of the optimum, or at
@@ -122,8 +122,10 @@ def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:
 
 
 def _follows(node: NodeSpace, by_name: dict[str, NodeSpace]) -> bool:
-    """A one-input op whose strategies match its operand's layouts one to one (views, unary
-    pointwise ops) shares its operand's variables instead of getting its own."""
+    """A one-input op with one strategy per operand layout (views, unary pointwise ops) shares
+    its operand's variables instead of getting its own: it runs in whatever layout the operand
+    arrives in. Strategies needing a layout the operand never has are dropped; moving the
+    operand first is then the same as moving the op's result after it."""
     if node.kind != "op" or len(node.args) != 1:
         return False
     ref = node.args[0]
@@ -131,7 +133,7 @@ def _follows(node: NodeSpace, by_name: dict[str, NodeSpace]) -> bool:
     if producer.kind == "param":
         return False
     needs = [s.inputs[0] for s in node.strategies]
-    return len(set(needs)) == len(needs) and set(needs) == {s.outputs[ref[1]] for s in producer.strategies}
+    return len(set(needs)) == len(needs) and set(needs) >= {s.outputs[ref[1]] for s in producer.strategies}
 
 
 def _follow_operand(node: NodeSpace, by_name: dict[str, NodeSpace], ind: dict[str, list[list]]) -> list[list] | None:
@@ -140,7 +142,7 @@ def _follow_operand(node: NodeSpace, by_name: dict[str, NodeSpace], ind: dict[st
     ref = node.args[0]
     producer = by_name[ref[0]]
     groups = _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies])
-    return [[v for terms in groups[s.inputs[0]] for v in terms] for s in node.strategies]
+    return [[v for terms in groups.get(s.inputs[0], []) for v in terms] for s in node.strategies]
 
 
 def _group(terms: list[list], layouts: list[Placements]) -> dict[Placements, list[list]]:
