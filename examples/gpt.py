@@ -29,7 +29,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # no bias: a key bias has zero gradient by construction (softmax ignores a shift shared
+        # by all keys), so Adam would amplify rounding noise in it
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

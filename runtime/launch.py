@@ -49,6 +49,7 @@ def torchrun(num_ranks: int, target: list[str], *, launcher_args: list[str] | No
     per host through torchrun. Without ``--nnodes`` in ``launcher_args`` all ranks are local."""
     from torch.distributed.run import get_args_parser, run
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank unless the user says otherwise
     extra = list(launcher_args or [])
     if not any(a.startswith("--nnodes") for a in extra):
         extra.append("--standalone")

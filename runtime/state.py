@@ -23,6 +23,5 @@ def gather_whole(local: torch.Tensor, placements: Placements, device_mesh: Devic
     for axis in reversed(range(len(placements))):
         p = placements[axis]
         if isinstance(p, Shard):
-            whole = funcol.all_gather_tensor(whole.contiguous(), p.dim, (device_mesh, axis))
-            whole = funcol.wait_tensor(whole) if isinstance(whole, funcol.AsyncCollectiveTensor) else whole
+            whole = funcol.wait_tensor(funcol.all_gather_single(whole.contiguous(), p.dim, (device_mesh, axis)))
     return whole.clone()

@@ -1,0 +1,115 @@
+"""The ``autopar`` command: plan, explain, run, demo."""
+
+import argparse
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _load_model(spec: str):
+    """A built-in model name (``gpt``, ``mlp``) or a Python file defining ``make_model()`` that
+    returns ``(model, example_inputs)``."""
+    if spec == "gpt":
+        from autopar.demo import BATCH, DEMO_CONFIG
+        from autopar.examples.gpt import GPT
+
+        shape = (BATCH, DEMO_CONFIG.block_size)
+        return GPT(DEMO_CONFIG), (torch.randint(0, DEMO_CONFIG.vocab_size, shape), torch.randint(0, DEMO_CONFIG.vocab_size, shape))
+    if spec == "mlp":
+        from autopar.examples.mlp import MLP
+
+        return MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256))
+    path = Path(spec)
+    if not path.is_file():
+        raise SystemExit(f"autopar plan: {spec!r} is neither a built-in model (gpt, mlp) nor a file")
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "make_model"):
+        raise SystemExit(f"autopar plan: {spec} must define make_model() returning (model, example_inputs)")
+    return module.make_model()
+
+
+def _plan(args) -> int:
+    import autopar
+    from autopar.demo import mesh_from
+
+    model, inputs = _load_model(args.model)
+    plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware)
+    print(plan)
+    if args.graph:
+        print("\n" + autopar.annotated_graph(plan))
+    if args.json:
+        Path(args.json).write_text(plan.to_json())
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _explain(args) -> int:
+    import autopar
+
+    plan = autopar.ShardingPlan.from_json(Path(args.plan).read_text())
+    print(plan)
+    print("\n" + autopar.annotated_graph(plan))
+    return 0
+
+
+def _run(args, rest: list[str]) -> int:
+    from autopar.runtime.launch import torchrun
+
+    if not rest:
+        raise SystemExit("autopar run: name the script to run, e.g. autopar run -n 4 train.py")
+    launcher = []
+    for flag in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id"):
+        value = getattr(args, flag)
+        if value is not None:
+            launcher.append(f"--{flag.replace('_', '-')}={value}")
+    if args.nnodes is not None and args.rdzv_endpoint is not None:
+        launcher.append("--rdzv-backend=c10d")
+    return torchrun(args.n, rest, launcher_args=launcher)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch training.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each stage")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print the plan of a model for a mesh")
+    p.add_argument("model", help="gpt, mlp, or a .py file defining make_model() -> (model, example_inputs)")
+    p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
+    p.add_argument("--axes", default=None, help="axis names, comma-separated")
+    p.add_argument("--hardware", default="h100", help="h100, a100 or cpu (default h100)")
+    p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+    p.add_argument("--graph", action="store_true", help="also print the annotated graph")
+
+    e = sub.add_parser("explain", help="print a saved plan and its annotated graph")
+    e.add_argument("plan", help="a plan written by `autopar plan --json`")
+
+    r = sub.add_parser("run", help="run a script on N ranks per host through torchrun")
+    r.add_argument("-n", type=int, required=True, help="ranks per host")
+    r.add_argument("--nnodes", default=None, help="hosts (torchrun --nnodes)")
+    r.add_argument("--node-rank", dest="node_rank", default=None, help="this host's index")
+    r.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None, help="host:port of the rendezvous")
+    r.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all hosts")
+
+    sub.add_parser("demo", help="plan a small GPT for 2x2, train on 4 local ranks, compare with one device", add_help=False)
+
+    if argv[:1] == ["demo"]:
+        from autopar.demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv[:1] == ["run"]:
+        known, rest = r.parse_known_args(argv[1:])
+        return _run(known, rest)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("torch").setLevel(logging.WARNING)
+    return {"plan": _plan, "explain": _explain}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
