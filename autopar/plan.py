@@ -159,11 +159,16 @@ class ShardingPlan:
             solver=SolverInfo(**data["solver"]),
         )
 
+    def _decisions(self) -> tuple:
+        return (self.mesh, self.hardware, self.graph_hash, tuple(self.placements.items()),
+                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives)
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, ShardingPlan) and self.to_json() == other.to_json()
+        """Plans are equal when they make the same decisions (solve time aside)."""
+        return isinstance(other, ShardingPlan) and self._decisions() == other._decisions()
 
     def __hash__(self) -> int:
-        return hash(self.to_json())
+        return hash(self._decisions())
 
     def __str__(self) -> str:
         from autopar.explain import plan_table

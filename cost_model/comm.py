@@ -1,10 +1,13 @@
-"""Communication time of collectives under the α-β model, ring algorithms.
+"""Communication time of collectives under the α-β model.
 
-With ``n`` ranks on the axis, latency α and seconds per byte β (``B`` as defined by
-:attr:`autopar.passes.redistribute.Step.bytes`):
+α is the latency of one collective call and β the seconds per byte of the link under the mesh
+axis. With ``n`` ranks on the axis and ``B`` bytes as defined by
+:attr:`autopar.passes.redistribute.Step.bytes`, bandwidth terms follow the ring algorithms:
 
-- all-reduce: ``2(n-1)·α + 2(n-1)/n·B·β``
-- all-gather, reduce-scatter, all-to-all: ``(n-1)·α + (n-1)/n·B·β``
+- all-reduce: ``α + 2(n-1)/n·B·β``
+- all-gather, reduce-scatter, all-to-all: ``α + (n-1)/n·B·β``
+
+so an all-reduce costs one α less than the reduce-scatter and all-gather that move the same bytes.
 """
 
 from autopar.cost_model.hardware import Profile
@@ -21,4 +24,4 @@ def step_time_s(step: Step, mesh: Mesh, hardware: Profile) -> float:
         return 0.0
     link = hardware.link(mesh, step.axis)
     rounds = 2 if step.kind == "all_reduce" else 1
-    return rounds * ((n - 1) * link.latency_s + (n - 1) / n * step.bytes * link.s_per_byte)
+    return link.latency_s + rounds * (n - 1) / n * step.bytes * link.s_per_byte

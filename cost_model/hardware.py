@@ -12,10 +12,10 @@ from autopar.mesh import Mesh
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """An α-β link: sending ``n`` bytes point to point takes ``latency_s + n * s_per_byte``."""
+    """An α-β link: a collective moving ``n`` bytes per rank costs about ``latency_s + n * s_per_byte``."""
 
     latency_s: float
-    """α, the fixed cost of one message."""
+    """α, the fixed cost of one collective call."""
     s_per_byte: float
     """β, the inverse of the bandwidth."""
 

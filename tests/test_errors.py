@@ -1,0 +1,98 @@
+"""Bad input gets an error naming the cause and the fix."""
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import Mesh
+from autopar.examples.mlp import MLP
+from tests.conftest import FLOP_EQ_BYTE
+
+
+def _inputs(batch=8, dim=16):
+    return torch.randn(batch, dim), torch.randn(batch, dim)
+
+
+def test_mesh_size_must_match_world_size(fake_world):
+    fake_world(8)
+    with pytest.raises(ValueError, match=r"Mesh\(dp=4\) has 4 devices but the process group has 8 ranks.*autopar run -n 4"):
+        autopar.compile(MLP(16, 32), Mesh((4,), ("dp",)), _inputs())
+
+
+def test_compile_without_a_process_group_says_how_to_launch():
+    with pytest.raises(ValueError, match=r"autopar run -n 4 script.py"):
+        autopar.compile(MLP(16, 32), Mesh((4,), ("dp",)), _inputs())
+
+
+def test_pinned_dim_that_the_axis_does_not_divide_names_tensor_dim_and_axis():
+    with pytest.raises(autopar.InfeasiblePlanError,
+                       match=r"(?s)pin x=\(S\(0\)\).*shape \(6, 16\).*dim 0 \(size 6\) is not divisible by mesh axis 'dp' \(size 4\).*Fix"):
+        autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(batch=6), pins={"x": "S(0)"})
+
+
+def test_dims_the_mesh_does_not_divide_are_planned_around():
+    plan = autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(batch=6), hardware=FLOP_EQ_BYTE)
+    assert plan.inputs["x"] != ("S(0)",)  # 6 rows cannot be split 4 ways
+    for node in plan.nodes:
+        assert all("S(0)" not in p for p in node.inputs if node.op == "aten.relu.default")
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # a Python branch on a tensor's value
+            return self.fc(x).sum()
+        return self.fc(-x).sum()
+
+
+def test_uncapturable_model_says_why_and_what_to_change():
+    with pytest.raises(autopar.CaptureError, match=r"(?s)could not trace DataDependent.*torch.cond"):
+        autopar.plan(DataDependent(), Mesh((2,)), (torch.randn(2, 4),))
+
+
+def test_unknown_pin_names_list_the_known_ones():
+    with pytest.raises(ValueError, match=r"pins name \['nope'\].*known names: .*layers.0.weight"):
+        autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), pins={"nope": "R"})
+
+
+def test_unknown_hardware_lists_profiles():
+    with pytest.raises(ValueError, match=r"hardware='tpu' is not a known profile; use one of \['a100', 'cpu', 'h100'\]"):
+        autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware="tpu")
+
+
+def test_non_tensor_inputs_are_refused_before_tracing():
+    with pytest.raises(TypeError, match=r"positions \[1\] are not"):
+        autopar.plan(MLP(16, 32), Mesh((2,)), (torch.randn(8, 16), 3))
+
+
+def test_plan_for_another_model_is_refused(fake_world):
+    fake_world(2)
+    plan = autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE)
+    with pytest.raises(autopar.StalePlanError, match=r"plan was made for another graph.*plan this model again"):
+        autopar.compile(MLP(16, 64), Mesh((2,)), _inputs(), plan=plan)
+
+
+def test_plan_for_another_mesh_is_refused(fake_world):
+    fake_world(2)
+    plan = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), _inputs(), hardware=FLOP_EQ_BYTE)
+    with pytest.raises(autopar.StalePlanError, match=r"made for Mesh\(dp=2\) but the model is compiled for Mesh\(tp=2\)"):
+        autopar.compile(MLP(16, 32), Mesh((2,), ("tp",)), _inputs(), plan=plan)
+
+
+def test_unsupported_ops_are_listed_when_fallback_is_off():
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), 0).sum()
+
+    with pytest.raises(autopar.UnsupportedOpError, match=r"(?s)no sharding rule:\n  cumsum.*aten.cumsum.default on \(8, 4\).*fallback=True"):
+        autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),), fallback=False)
+    plan = autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),))  # falls back to replicated
+    assert next(n for n in plan.nodes if n.op == "aten.cumsum.default").outputs == ("(R)",)

@@ -1,0 +1,48 @@
+"""Plans whose optimum is known by hand under the synthetic α-β profile."""
+
+import torch
+
+import autopar
+from autopar import Mesh
+from autopar.examples.mlp import MLP
+from tests.conftest import FLOP_EQ_BYTE
+
+
+def _collectives(plan, phase=None):
+    return [(c.kind, c.axis, c.bytes) for c in plan.collectives if phase is None or c.phase == phase]
+
+
+def test_wide_mlp_gets_megatron_column_then_row_split():
+    # hidden 4096 >> batch 8: moving the [8, 256] activation beats moving 2 x 4 MB of gradients
+    batch, dim, hidden = 8, 256, 4096
+    plan = autopar.plan(MLP(dim, hidden), Mesh((4,), ("tp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
+                        hardware=FLOP_EQ_BYTE)
+    assert plan.placements["layers.0.weight"] == ("S(0)",)  # split by output features (column)
+    assert plan.placements["layers.0.bias"] == ("S(0)",)
+    assert plan.placements["layers.1.weight"] == ("S(1)",)  # split by input features (row)
+    assert _collectives(plan, "forward") == [("all_reduce", "tp", batch * dim * 4)]
+    assert _collectives(plan) == _collectives(plan, "forward")  # nothing else, not even in backward
+
+
+def test_batch_heavy_mlp_gets_pure_data_parallel():
+    # batch 4096 >> hidden 64: moving 17 KB of gradients beats moving the 512 KB activations
+    batch, dim, hidden = 4096, 32, 64
+    model = MLP(dim, hidden)
+    plan = autopar.plan(model, Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
+                        hardware=FLOP_EQ_BYTE)
+    assert all(p == ("R",) for p in plan.placements.values())  # weights replicated
+    assert plan.inputs == {"x": ("S(0)",), "target": ("S(0)",)}  # batch split
+    forward = _collectives(plan, "forward")
+    assert forward == [("all_reduce", "dp", 4)]  # only the scalar loss, returned whole
+    backward = sorted(_collectives(plan, "backward"))
+    grads = sorted(("all_reduce", "dp", p.numel() * 4) for p in model.parameters())
+    assert backward == grads  # one all-reduce per gradient, nothing else
+
+
+def test_pins_fix_parameters_and_the_solver_plans_the_rest():
+    batch, dim, hidden = 4096, 32, 64
+    pins = {"layers.0.weight": "S(0)"}
+    plan = autopar.plan(MLP(dim, hidden), Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
+                        hardware=FLOP_EQ_BYTE, pins=pins)
+    assert plan.placements["layers.0.weight"] == ("S(0)",)
+    assert plan.pinned == ("layers.0.weight",)

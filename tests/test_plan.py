@@ -1,0 +1,59 @@
+"""Plans: made without devices, printable, JSON round-trip, large meshes."""
+
+import torch
+
+import autopar
+from autopar import Mesh, ShardingPlan
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.mlp import MLP
+from tests.conftest import FLOP_EQ_BYTE
+
+
+def _mlp_plan(mesh=Mesh((4,), ("tp",))):
+    return autopar.plan(MLP(256, 4096), mesh, (torch.randn(8, 256), torch.randn(8, 256)), hardware=FLOP_EQ_BYTE)
+
+
+def test_plan_round_trips_through_json():
+    plan = _mlp_plan()
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan
+    assert again.placements == plan.placements
+    assert again.collectives == plan.collectives
+    assert again.predicted_step_s == plan.predicted_step_s
+
+
+def test_plan_table_shows_placements_collectives_and_totals():
+    plan = _mlp_plan()
+    text = str(plan)
+    assert "layers.0.weight  (S(0))" in text
+    assert "all_reduce" in text and "forward" in text
+    assert "predicted step" in text and "peak memory per device" in text
+    assert f"solver: {plan.solver.status}" in text
+    graph = autopar.annotated_graph(plan)
+    assert "<- all_reduce[tp]" in graph
+
+
+def test_plan_reports_parameters_inputs_time_and_memory():
+    plan = _mlp_plan()
+    assert set(plan.placements) == {"layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
+    assert set(plan.inputs) == {"x", "target"}
+    assert all(len(p) == 1 for p in plan.placements.values())
+    assert plan.predicted_step_s > 0 and plan.peak_memory_bytes > 0
+    assert plan.predicted_step_s == plan.compute_s + plan.communication_s
+    assert plan.solver.status == "OPTIMAL"
+    # parameters' memory is the local pieces: the weights are split 4 ways
+    full = sum(p.numel() * 4 for p in MLP(256, 4096).parameters())
+    assert plan.memory.params_bytes < full / 2
+
+
+def test_plan_for_64_ranks_needs_no_devices():
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, dim=64, num_heads=8, num_layers=1))
+    inputs = (torch.randint(0, 256, (64, 32)), torch.randint(0, 256, (64, 32)))
+    plan = autopar.plan(model, Mesh((8, 8), ("dp", "tp")), inputs, hardware="h100", solver_time_limit_s=60)
+    assert plan.mesh.size == 64
+    assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
+    assert all(len(p) == 2 for p in plan.placements.values())
+
+
+def test_same_model_gives_same_plan():
+    assert _mlp_plan() == _mlp_plan()
