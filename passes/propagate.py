@@ -13,7 +13,7 @@ from torch import fx
 
 from autopar.errors import InfeasiblePlanError, UnsupportedOpError
 from autopar.mesh import Mesh
-from autopar.placement import Placements, R, Shard, format_placements
+from autopar.placement import Partial, Placements, R, Shard, format_placements
 from autopar.passes.capture import Captured
 from autopar.passes.rules import rule_for, tensor_args
 from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef
@@ -66,6 +66,8 @@ def placement_problem(value: torch.Tensor, placements: Placements, mesh: Mesh) -
     """Why ``placements`` cannot lay out ``value`` on ``mesh``, or ``None`` if they can."""
     seen: set[int] = set()
     for axis, p in enumerate(placements):
+        if isinstance(p, Partial) and not value.is_floating_point():
+            return f"a {value.dtype} tensor cannot hold partial sums"
         if isinstance(p, Shard):
             if p.dim >= value.ndim:
                 return f"dim {p.dim} does not exist in a {value.ndim}-d tensor"

@@ -67,7 +67,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     followed: set[tuple[str, ValueRef]] = set()
     ind: dict[str, list[list]] = {}
     for n in space.nodes:
-        shared = _follow_operand(n, by_name, ind)
+        shared = _follow_operand(n, by_name, ind) if not any(node_costs[n.name]) else None
         if shared is not None:
             followed.add((n.name, n.args[0]))
         ind[n.name] = shared if shared is not None else _one_strategy_per_node(solver, n)
@@ -122,10 +122,11 @@ def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:
 
 
 def _follows(node: NodeSpace, by_name: dict[str, NodeSpace]) -> bool:
-    """A one-input op with one strategy per operand layout (views, unary pointwise ops) shares
-    its operand's variables instead of getting its own: it runs in whatever layout the operand
-    arrives in. Strategies needing a layout the operand never has are dropped; moving the
-    operand first is then the same as moving the op's result after it."""
+    """A free one-input op with one strategy per operand layout (a view, a detach) shares its
+    operand's variables instead of getting its own: it runs in whatever layout the operand
+    arrives in. Strategies needing a layout the operand never has are dropped: moving a view's
+    operand costs the same bytes as moving the view after it. (The caller checks the op is
+    free.)"""
     if node.kind != "op" or len(node.args) != 1:
         return False
     ref = node.args[0]

@@ -50,8 +50,8 @@ def pointwise_rule(node: fx.Node) -> list[Row]:
 
 def _partial_rows(node: fx.Node, num_args: int) -> list[Row]:
     linear = _LINEAR.get(node.target)
-    if linear is None or num_args == 0 or not val(node).is_floating_point():
-        return []  # sums of integers or booleans are not what a partial placement means
+    if linear is None or num_args == 0:
+        return []
     if linear == "all":
         if node.target in (aten.add.Tensor, aten.sub.Tensor) and num_args < 2:
             return []  # x + scalar is not linear in x

@@ -1,0 +1,92 @@
+"""The MIP against exhaustive search and a chain dynamic program, on random small problems."""
+
+import itertools
+import random
+
+import pytest
+
+from autopar.placement import R, S
+from autopar.passes.solver import solve
+from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace
+
+LAYOUTS = [(R,), (S(0),), (S(1),)]
+
+
+def _random_space(num_nodes: int, seed: int, *, chain: bool):
+    """Random DAG: each node reads one or two earlier nodes; strategies are random layout pairs."""
+    rng = random.Random(seed)
+    nodes, costs, table = [], {}, {}
+    for i in range(num_nodes):
+        name = f"n{i}"
+        if i == 0:
+            args = ()
+        elif chain:
+            args = ((f"n{i - 1}", 0),)
+        else:
+            args = tuple(sorted({(f"n{rng.randrange(i)}", 0) for _ in range(rng.choice([1, 2]))}))
+        strategies = list(dict.fromkeys(
+            Strategy((rng.choice(LAYOUTS),), tuple(rng.choice(LAYOUTS) for _ in args)) for _ in range(4)
+        ))
+        nodes.append(NodeSpace(name, "op", "op", args, tuple(strategies), "forward"))
+        costs[name] = [rng.uniform(0, 10) for _ in strategies]
+        for p, q in itertools.product(LAYOUTS, LAYOUTS):
+            table[name, p, q] = 0.0 if p == q else rng.uniform(0, 10)
+    space = StrategySpace(tuple(nodes), {})
+    return space, costs, lambda ref, p, q: table[ref[0], p, q]
+
+
+def _plan_cost(space, costs, transition, choice):
+    """Compute plus every distinct (tensor, target layout) move, as the rewriter runs them."""
+    by_name = space.index()
+    total = sum(costs[n][k] for n, k in choice.items())
+    moves = set()
+    for n in space.nodes:
+        strategy = n.strategies[choice[n.name]]
+        for ref, need in zip(n.args, strategy.inputs):
+            have = by_name[ref[0]].strategies[choice[ref[0]]].outputs[0]
+            if have != need:
+                moves.add((ref, have, need))
+    return total + sum(transition(ref, p, q) for ref, p, q in moves)
+
+
+def _brute_force(space, costs, transition):
+    names = [n.name for n in space.nodes]
+    best = min(
+        itertools.product(*[range(len(n.strategies)) for n in space.nodes]),
+        key=lambda ks: _plan_cost(space, costs, transition, dict(zip(names, ks))),
+    )
+    return _plan_cost(space, costs, transition, dict(zip(names, best)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mip_matches_exhaustive_search_on_small_dags(seed):
+    space, costs, transition = _random_space(6, seed, chain=False)
+    solution = solve(space, costs, transition, relative_gap=0.0)
+    assert solution.status == "OPTIMAL"
+    assert _plan_cost(space, costs, transition, solution.choice) == pytest.approx(_brute_force(space, costs, transition))
+    assert solution.objective_s == pytest.approx(_plan_cost(space, costs, transition, solution.choice))
+
+
+def _chain_dp(space, costs, transition):
+    best = {k: costs[space.nodes[0].name][k] for k in range(len(space.nodes[0].strategies))}
+    for prev, node in zip(space.nodes, space.nodes[1:]):
+        best = {
+            k: costs[node.name][k] + min(
+                best[j] + (0.0 if prev.strategies[j].outputs[0] == s.inputs[0]
+                           else transition((prev.name, 0), prev.strategies[j].outputs[0], s.inputs[0]))
+                for j in best)
+            for k, s in enumerate(node.strategies)
+        }
+    return min(best.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mip_matches_dynamic_program_on_chains(seed):
+    space, costs, transition = _random_space(40, seed, chain=True)
+    solution = solve(space, costs, transition, relative_gap=0.0)
+    assert solution.objective_s == pytest.approx(_chain_dp(space, costs, transition))
+
+
+def test_repeated_solves_choose_the_same_plan():
+    space, costs, transition = _random_space(30, 3, chain=False)
+    assert solve(space, costs, transition).choice == solve(space, costs, transition).choice
