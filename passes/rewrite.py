@@ -30,6 +30,9 @@ c10d = torch.ops._c10d_functional
 
 # ops whose argument 1 is the output's shape
 _VIEW_SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+# a local piece may arrive with other strides than the whole tensor had (after a collective or
+# a slice), so views become reshapes, which copy only when the strides require it
+_AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
 def _parse(text: str | None) -> Placements | None:
@@ -62,13 +65,10 @@ class _Rank:
         self.mesh = mesh
         self.coordinate = coordinate
         self.group_names = group_names
-        self.emitted: list[Step] = []
 
     def move(self, t: torch.Tensor, src: Placements, dst: Placements, shape: tuple[int, ...]) -> torch.Tensor:
         for step in transition(src, dst, shape, t.element_size(), self.mesh):
             t = getattr(self, step.kind)(t, step)
-            if step.is_collective:
-                self.emitted.append(step)
         return t
 
     def _n_group(self, step: Step) -> tuple[int, str]:
@@ -106,8 +106,8 @@ class _Rank:
 
 
 def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int],
-            group_names: Sequence[str]) -> tuple[fx.GraphModule, list[Step]]:
-    """The per-rank joint graph of the rank at ``coordinate``, and the collectives it runs.
+            group_names: Sequence[str]) -> fx.GraphModule:
+    """The per-rank joint graph of the rank at ``coordinate``.
 
     Its placeholders are the local pieces of the joint graph's inputs (in the plan's
     placements); its outputs are the forward results whole and each parameter's gradient in
@@ -142,7 +142,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             strategy = strategies[node.name]
             local_args = [fetch(a, p) for a, p in zip(tensor_args(node), strategy.inputs)]
             args, kwargs = _local_call_args(node, local_args, strategy, mesh)
-            result = node.target(*args, **kwargs)
+            result = _AS_RESHAPE.get(node.target, node.target)(*args, **kwargs)
             results = result if isinstance(result, (list, tuple)) else [result]
             for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
                 env[node.name, i] = value, layout
@@ -168,7 +168,28 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             f"could not build the per-rank graph at mesh coordinate {tuple(coordinate)}: "
             f"{type(exc).__name__}: {exc}\nFix: plan again with fallback=True, or pin the failing tensor replicated"
         ) from exc
-    return gm, rank.emitted
+    return gm
+
+
+_GRAPH_COLLECTIVES = {
+    c10d.all_reduce.default: ("all_reduce", "in"),
+    c10d.all_gather_into_tensor.default: ("all_gather", "out"),
+    c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
+    c10d.all_to_all_single.default: ("all_to_all", "in"),
+}
+
+
+def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tuple[str, int, int]]:
+    """``(kind, mesh axis, bytes per rank)`` of every collective in a per-rank graph, read from
+    the graph itself, with bytes counted as :class:`~autopar.passes.redistribute.Step` does."""
+    axis_of = {name: axis for axis, name in enumerate(group_names)}
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _GRAPH_COLLECTIVES:
+            kind, side = _GRAPH_COLLECTIVES[node.target]
+            value = node.meta["val"] if side == "out" else node.args[0].meta["val"]
+            found.append((kind, axis_of[node.args[-1]], value.numel() * value.element_size()))
+    return found
 
 
 def _value(node: fx.Node) -> torch.Tensor:

@@ -13,7 +13,7 @@ from autopar.placement import Shard, format_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
-from autopar.passes.rewrite import placeholder_layouts, rewrite
+from autopar.passes.rewrite import graph_collectives, placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.partition import Partitioned, partition
 from autopar.runtime.state import gather_whole, local_piece
@@ -100,8 +100,10 @@ class ParallelModule(torch.nn.Module):
         rank = dist.get_rank()
         coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
         groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
-        joint, self.collectives = rewrite(captured, plan, coordinate=coordinate, group_names=groups)
+        joint = rewrite(captured, plan, coordinate=coordinate, group_names=groups)
         self.per_rank_graph = joint
+        self.collectives = [(kind, self._mesh.axis_names[axis], nbytes)
+                            for kind, axis, nbytes in graph_collectives(joint, groups)]
         is_tangent = [k.kind == "tangent" for k in captured.inputs]
         output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
         grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}

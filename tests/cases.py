@@ -27,6 +27,44 @@ def make_model(name: str):
     return model, batches
 
 
+def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
+    """Hand-written layouts as pins: ``dp`` (batch split, weights replicated), ``fsdp`` (batch
+    and every parameter split on dim 0), ``megatron`` (column/row tensor parallel, on the last
+    axis) and ``2d`` (data parallel on the first axis, Megatron on the second)."""
+    if preset is None:
+        return None
+    model, _ = make_model(model_name)
+    names = [n for n, _ in model.named_parameters()]
+    ndim = len(axis_names)
+    batch = {"x": None, "target": None} if model_name == "mlp" else {"idx": None, "targets": None}
+    if preset == "dp":
+        return {**{k: ("S(0)",) + ("R",) * (ndim - 1) for k in batch}, **{n: ("R",) * ndim for n in names}}
+    if preset == "fsdp":
+        return {**{k: ("S(0)",) * 1 + ("R",) * (ndim - 1) for k in batch}, **{n: ("S(0)",) + ("R",) * (ndim - 1) for n in names}}
+    if model_name == "mlp":
+        split = {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)",
+                 "layers.2.weight": "S(0)", "layers.2.bias": "S(0)"}
+    else:
+        split = {"blocks.0.attn.qkv.weight": "S(0)", "blocks.0.attn.proj.weight": "S(1)",
+                 "blocks.0.fc1.weight": "S(0)", "blocks.0.fc1.bias": "S(0)", "blocks.0.fc2.weight": "S(1)"}
+    if preset == "megatron":
+        return {n: ("R",) * (ndim - 1) + (p,) for n, p in split.items()}
+    if preset == "2d":
+        assert ndim == 2
+        return {**{k: ("S(0)", "R") for k in batch}, **{n: ("R", p) for n, p in split.items()}}
+    raise ValueError(preset)
+
+
+def run_cases(cases: list[dict]) -> list[dict]:
+    """Run several :func:`compare_with_one_device` cases in one set of ranks."""
+    results = []
+    for case in cases:
+        case = dict(case)
+        case["pins"] = pins_for(case.pop("preset", None), case["model_name"], case["axis_names"])
+        results.append(compare_with_one_device(**case))
+    return results
+
+
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -76,7 +114,7 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
         "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params),
         "param_max": max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params),
         "plan": pmodel.plan.to_json(),
-        "ran": [(s.kind, pmodel.plan.mesh.axis_names[s.axis], s.bytes) for s in pmodel.collectives],
+        "ran": list(pmodel.collectives),
         "rank": dist.get_rank(),
     }
 
