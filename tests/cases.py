@@ -139,3 +139,49 @@ def _gather_grads(pmodel) -> dict[str, torch.Tensor]:
 
     layouts = {k.name: pmodel._layouts[n] for n, k in zip(pmodel._captured.placeholders, pmodel._captured.inputs)}
     return {name: gather_whole(p.grad, layouts[name], pmodel._device_mesh) for name, p in pmodel.module.named_parameters()}
+
+
+def decorated_and_lazy() -> dict:
+    """The decorator on a class and on a factory; inputs taken from the first call."""
+    mesh = autopar.Mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    reference = MLP(16, 32)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    ref_loss = reference(x, y)
+
+    @autopar.compile(mesh=mesh, hardware=SYNTHETIC)
+    class Net(MLP):
+        pass
+
+    @autopar.compile(mesh=mesh, hardware=SYNTHETIC)
+    def build():
+        torch.manual_seed(0)
+        return MLP(16, 32)
+
+    torch.manual_seed(0)
+    from_class = Net(16, 32)
+    from_factory = build()
+    before_call = isinstance(from_class, autopar.runtime.module.ParallelModule)
+    losses = [float(m(x, y)) for m in (from_class, from_factory)]
+    return {"is_parallel": before_call, "losses": losses, "ref": float(ref_loss),
+            "planned": from_factory.plan.mesh == mesh}
+
+
+def wrong_input_shape() -> str:
+    model, batches = make_model("mlp")
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), batches[0], hardware=SYNTHETIC)
+    try:
+        pmodel(torch.randn(6, 16), torch.randn(6, 16))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def saved_plan_and_inductor() -> dict:
+    """Plan once, save it as JSON, compile from the saved plan with Inductor, train."""
+    result = compare_with_one_device("mlp", (2,), ("tp",), "adamw", backend="inductor")
+    model, batches = make_model("mlp")
+    plan = autopar.ShardingPlan.from_json(result["plan"])
+    again = autopar.compile(model, plan.mesh, batches[0], plan=plan)
+    result["same_plan"] = again.plan == plan
+    return result

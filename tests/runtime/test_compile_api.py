@@ -1,0 +1,27 @@
+"""autopar.compile as users call it: decorator, lazy inputs, saved plans, Inductor, bad input."""
+
+import pytest
+
+from tests.cases import decorated_and_lazy, saved_plan_and_inductor, wrong_input_shape
+from tests.harness import run_ranks
+
+
+@pytest.mark.slow
+def test_decorator_on_class_and_factory_plans_on_first_call():
+    for r in run_ranks(2, decorated_and_lazy):
+        assert r["is_parallel"] and r["planned"]
+        assert r["losses"] == pytest.approx([r["ref"], r["ref"]], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_inputs_of_another_shape_are_refused_with_the_expected_shape():
+    for message in run_ranks(2, wrong_input_shape):
+        assert "input 'x' has shape (6, 16) but the plan expects (8, 16)" in message
+        assert "every rank passes the whole global batch" in message
+
+
+@pytest.mark.slow
+def test_inductor_compiled_ranks_match_one_device_and_saved_plans_reload():
+    for r in run_ranks(2, saved_plan_and_inductor):
+        assert r["loss_rel"] <= 1e-5 and r["grad_ok"] and r["param_ok"]
+        assert r["same_plan"]
