@@ -109,8 +109,8 @@ def _layouts(value: torch.Tensor, mesh: Mesh) -> list[Placements]:
 
 def _placeholder_space(node, kind, mesh, pin, grads, aliases, phase) -> NodeSpace:
     value = node.meta["val"]
-    if kind.kind == "tangent":
-        layouts = [(R,) * mesh.ndim]
+    if kind.kind in ("tangent", "input") and pin is None:
+        layouts = [(R,) * mesh.ndim]  # every rank is given the whole tensor; ops slice it for free
     elif pin is not None:
         problem = placement_problem(value, pin, mesh)
         if problem:

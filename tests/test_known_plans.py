@@ -31,7 +31,9 @@ def test_batch_heavy_mlp_gets_pure_data_parallel():
     plan = autopar.plan(model, Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
                         hardware=FLOP_EQ_BYTE)
     assert all(p == ("R",) for p in plan.placements.values())  # weights replicated
-    assert plan.inputs == {"x": ("S(0)",), "target": ("S(0)",)}  # batch split
+    assert plan.inputs == {"x": ("R",), "target": ("R",)}  # every rank is given the whole batch
+    first = plan.node("addmm")
+    assert first.inputs[1] == "(S(0))" and first.outputs == ("(S(0))",)  # and computes on its rows
     forward = _collectives(plan, "forward")
     assert forward == [("all_reduce", "dp", 4)]  # only the scalar loss, returned whole
     backward = sorted(_collectives(plan, "backward"))
