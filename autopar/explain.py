@@ -51,8 +51,9 @@ def plan_table(plan: ShardingPlan) -> str:
     lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
     heavy = [n for n in plan.nodes if any(h in n.op for h in _HEAVY)]
     lines += ["", "Heavy ops"]
-    lines += _table(["node", "op", "phase", "inputs", "output", "compute"],
-                    [[n.name, n.op.removeprefix("aten."), n.phase, " ".join(n.inputs), str(n.outputs[0]), _time(n.compute_s)]
+    lines += _table(["module", "op", "node", "phase", "inputs", "output", "compute"],
+                    [[n.module or "-", n.op.removeprefix("aten.").removesuffix(".default"), n.name, n.phase,
+                      " ".join(n.inputs), str(n.outputs[0]), _time(n.compute_s)]
                      for n in heavy])
     lines += ["", "Collectives"]
     lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
@@ -73,7 +74,8 @@ def annotated_graph(plan: ShardingPlan) -> str:
     for n in plan.nodes:
         lines.extend(moves.get(n.name, []))
         outs = ", ".join(str(o) for o in n.outputs)
-        lines.append(f"{n.phase[:3]}  {n.name} = {n.op}({', '.join(n.inputs)}) -> {outs}")
+        where = f"  # {n.module}" if n.module else ""
+        lines.append(f"{n.phase[:3]}  {n.name} = {n.op}({', '.join(n.inputs)}) -> {outs}{where}")
     for consumer in moves:
         if consumer not in {n.name for n in plan.nodes}:
             lines.append(f"{consumer}:")

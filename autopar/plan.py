@@ -39,6 +39,8 @@ class NodePlan:
 
     name: str
     op: str
+    module: str
+    """Qualified name of the module the op comes from (``""`` for the root or unknown)."""
     phase: str
     outputs: tuple[str | None, ...]
     """Placements of each output, formatted like ``(S(0), R)``."""

@@ -120,6 +120,24 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     return captured
 
 
+def module_paths(captured: Captured) -> dict[str, str]:
+    """The qualified name of the module each op node comes from; backward ops take the module
+    of the forward op they differentiate (same autograd sequence number)."""
+    paths: dict[str, str] = {}
+    by_seq: dict[int, str] = {}
+    nodes = [n for n in captured.graph.graph.nodes if n.op == "call_function"]
+    for node in nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            paths[node.name] = list(stack.values())[-1][0]
+            if "seq_nr" in node.meta:
+                by_seq.setdefault(node.meta["seq_nr"], paths[node.name])
+    for node in nodes:
+        if node.name not in paths and node.meta.get("seq_nr") in by_seq:
+            paths[node.name] = by_seq[node.meta["seq_nr"]]
+    return paths
+
+
 def _input_names(model: torch.nn.Module, count: int) -> list[str]:
     params = [
         p.name for p in inspect.signature(model.forward).parameters.values()

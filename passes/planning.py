@@ -5,7 +5,7 @@ from autopar.cost_model.estimate import CostModel, estimate_memory
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan, SolverInfo
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, module_paths
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
 
@@ -32,8 +32,9 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     by_name = space.index()
     chosen = {name: by_name[name].strategies[k] for name, k in solution.choice.items()}
     node_costs = costs.node_costs(space)
+    modules = module_paths(captured)
     nodes = tuple(
-        NodePlan(n.name, n.target, n.phase,
+        NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
                  tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
                  tuple(format_placements(p) for p in chosen[n.name].inputs),
                  node_costs[n.name][solution.choice[n.name]])

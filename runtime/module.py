@@ -116,9 +116,21 @@ class ParallelModule(torch.nn.Module):
         log.info("rank %d at %s runs %d collectives per step (%s backend)", rank, coordinate, len(self.collectives), self._backend)
 
     def _plan_on_rank0(self, captured: Captured) -> ShardingPlan:
-        box = [self._planner(captured).to_json() if dist.get_rank() == 0 else None]
+        """Rank 0 plans and sends the plan to every rank; if planning fails there, every rank
+        raises the same error instead of waiting for a plan that never comes."""
+        box: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [("plan", self._planner(captured).to_json())]
+            except Exception as exc:
+                box = [("error", exc)]
+                dist.broadcast_object_list(box, src=0)
+                raise
         dist.broadcast_object_list(box, src=0)
-        return ShardingPlan.from_json(box[0])
+        kind, value = box[0]
+        if kind == "error":
+            raise value
+        return ShardingPlan.from_json(value)
 
     def _shard_state(self, captured: Captured, coordinate) -> None:
         for node, kind in zip(captured.placeholders, captured.inputs):

@@ -185,3 +185,14 @@ def saved_plan_and_inductor() -> dict:
     again = autopar.compile(model, plan.mesh, batches[0], plan=plan)
     result["same_plan"] = again.plan == plan
     return result
+
+
+def planning_error_on_every_rank() -> str:
+    """Rank 0 plans; an error there must reach every rank, not leave them waiting."""
+    model = MLP(16, 32)
+    try:
+        autopar.compile(model, autopar.Mesh((2,), ("dp",)), (torch.randn(5, 16), torch.randn(5, 16)),
+                        pins={"x": "S(0)"})
+    except autopar.InfeasiblePlanError as exc:
+        return str(exc)
+    return "no error"

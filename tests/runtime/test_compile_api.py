@@ -2,7 +2,9 @@
 
 import pytest
 
-from tests.cases import decorated_and_lazy, saved_plan_and_inductor, wrong_input_shape
+from tests.cases import (
+    decorated_and_lazy, planning_error_on_every_rank, saved_plan_and_inductor, wrong_input_shape,
+)
 from tests.harness import run_ranks
 
 
@@ -25,3 +27,9 @@ def test_inductor_compiled_ranks_match_one_device_and_saved_plans_reload():
     for r in run_ranks(2, saved_plan_and_inductor):
         assert r["loss_rel"] <= 1e-5 and r["grad_ok"] and r["param_ok"]
         assert r["same_plan"]
+
+
+@pytest.mark.slow
+def test_a_planning_error_reaches_every_rank_instead_of_hanging():
+    for message in run_ranks(2, planning_error_on_every_rank, timeout_s=120):
+        assert "dim 0 (size 5) is not divisible by mesh axis 'dp' (size 2)" in message
