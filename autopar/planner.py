@@ -54,7 +54,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
               t1 - t0, len(space.nodes), sum(len(n.strategies) for n in space.nodes), t2 - t1, t3 - t2,
               time.perf_counter() - t3)
     log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
-             len(space.nodes), mesh, solution.status, result.predicted_step_s,
+             len(space.nodes), mesh, solution.info.status, result.predicted_step_s,
              result.peak_memory_bytes / 1e9, len(result.collectives))
     return result
 

@@ -4,7 +4,7 @@ from autopar.cost_model.comm import step_time_s
 from autopar.cost_model.estimate import CostModel, estimate_memory
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
-from autopar.plan import Collective, NodePlan, ShardingPlan, SolverInfo
+from autopar.plan import Collective, NodePlan, ShardingPlan
 from autopar.passes.capture import Captured, module_paths
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
@@ -55,8 +55,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
         memory=estimate_memory(space, solution.choice, costs),
-        solver=SolverInfo(solution.status, solution.objective_s, solution.bound_s, solution.solve_s,
-                          solution.num_variables, solution.num_constraints),
+        solver=solution.info,
     )
 
 

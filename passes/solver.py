@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ortools.linear_solver import pywraplp
 
 from autopar.errors import InfeasiblePlanError
+from autopar.plan import SolverInfo
 from autopar.placement import Placements
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 
@@ -41,13 +42,9 @@ class Solution:
     """The chosen strategy index of every node and how the solve went."""
 
     choice: dict[str, int]
-    status: str
-    """``"OPTIMAL"`` or ``"FEASIBLE"`` (stopped at the time limit with a plan)."""
-    objective_s: float
-    bound_s: float
-    solve_s: float
-    num_variables: int
-    num_constraints: int
+    info: SolverInfo
+    """Status (``"OPTIMAL"``, or ``"FEASIBLE"`` when stopped at the time limit with a plan),
+    objective, bound, time and size."""
 
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
@@ -101,8 +98,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         name: max(range(len(terms)), key=lambda k: sum(v.solution_value() for v in terms[k]))
         for name, terms in ind.items()
     }
-    result = Solution(
-        choice=choice,
+    info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
         objective_s=objective.Value() / _SCALE,
         bound_s=objective.BestBound() / _SCALE,
@@ -110,9 +106,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
     )
-    log.debug("solved %d variables, %d constraints in %.2fs: %s", result.num_variables,
-              result.num_constraints, elapsed, result.status)
-    return result
+    log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
+              info.num_constraints, elapsed, info.status)
+    return Solution(choice, info)
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:

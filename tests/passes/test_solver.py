@@ -62,9 +62,9 @@ def _brute_force(space, costs, transition):
 def test_mip_matches_exhaustive_search_on_small_dags(seed):
     space, costs, transition = _random_space(6, seed, chain=False)
     solution = solve(space, costs, transition, relative_gap=0.0)
-    assert solution.status == "OPTIMAL"
+    assert solution.info.status == "OPTIMAL"
     assert _plan_cost(space, costs, transition, solution.choice) == pytest.approx(_brute_force(space, costs, transition))
-    assert solution.objective_s == pytest.approx(_plan_cost(space, costs, transition, solution.choice))
+    assert solution.info.objective_s == pytest.approx(_plan_cost(space, costs, transition, solution.choice))
 
 
 def _chain_dp(space, costs, transition):
@@ -84,7 +84,7 @@ def _chain_dp(space, costs, transition):
 def test_mip_matches_dynamic_program_on_chains(seed):
     space, costs, transition = _random_space(40, seed, chain=True)
     solution = solve(space, costs, transition, relative_gap=0.0)
-    assert solution.objective_s == pytest.approx(_chain_dp(space, costs, transition))
+    assert solution.info.objective_s == pytest.approx(_chain_dp(space, costs, transition))
 
 
 def test_repeated_solves_choose_the_same_plan():
