@@ -18,6 +18,7 @@ from torch._decomp import get_decompositions
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
+    InputMutationAOTOutput,
     ParamAOTInput,
     PlainAOTInput,
     PlainAOTOutput,
@@ -109,6 +110,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
         out_spec = joint.out_spec
     inputs = tuple(_input_kind(n.meta["desc"], names) for n in graph.graph.nodes if n.op == "placeholder")
     output_node = graph.graph.output_node()
+    mutated = [d.mutated_input.target for d in output_node.meta["desc"] if isinstance(d, InputMutationAOTOutput)]
+    if mutated:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward() updates {', '.join(mutated)} in place; autopar does not "
+            "shard in-place buffer updates yet (batch norm's running statistics are one). Fix: use "
+            "LayerNorm/GroupNorm, or set track_running_stats=False on the batch norms"
+        )
     outputs = tuple(_output_kind(d) for d in output_node.meta["desc"])
     if not any(i.kind == "tangent" for i in inputs):
         raise CaptureError(

@@ -196,3 +196,32 @@ def planning_error_on_every_rank() -> str:
     except autopar.InfeasiblePlanError as exc:
         return str(exc)
     return "no error"
+
+
+class _TwoOutputs(MLP):
+    def forward(self, x, target):
+        hidden = x
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden)
+            if i < len(self.layers) - 1:
+                hidden = torch.relu(hidden)
+        return {"loss": torch.nn.functional.mse_loss(hidden, target), "out": hidden}
+
+
+def dict_outputs() -> dict:
+    """A model returning a dict of the loss and its activations; backward through the loss."""
+    torch.manual_seed(0)
+    model = _TwoOutputs(16, 32)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    ref = reference(x, y)
+    ref["loss"].backward()
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("tp",)), (x, y), hardware=SYNTHETIC)
+    got = pmodel(x, y)
+    got["loss"].backward()
+    grads = _gather_grads(pmodel)
+    return {
+        "keys": sorted(got),
+        "out_ok": torch.allclose(got["out"], ref["out"], rtol=1e-4, atol=1e-5),
+        "grad_ok": all(torch.allclose(grads[k], p.grad, rtol=1e-4, atol=1e-5) for k, p in reference.named_parameters()),
+    }

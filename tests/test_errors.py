@@ -97,3 +97,17 @@ def test_unsupported_ops_are_listed_when_fallback_is_off():
         autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),), fallback=False)
     plan = autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),))  # falls back to replicated
     assert next(n for n in plan.nodes if n.op == "aten.cumsum.default").outputs == ("(R)",)
+
+
+def test_in_place_buffer_updates_are_refused_with_the_buffers_named():
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.fc(x)).sum()
+
+    with pytest.raises(autopar.CaptureError, match=r"updates bn.running_mean, bn.running_var.*track_running_stats=False"):
+        autopar.plan(Normed(), Mesh((2,)), (torch.randn(8, 4),))

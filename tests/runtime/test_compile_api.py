@@ -3,7 +3,7 @@
 import pytest
 
 from tests.cases import (
-    decorated_and_lazy, planning_error_on_every_rank, saved_plan_and_inductor, wrong_input_shape,
+    decorated_and_lazy, dict_outputs, planning_error_on_every_rank, saved_plan_and_inductor, wrong_input_shape,
 )
 from tests.harness import run_ranks
 
@@ -33,3 +33,10 @@ def test_inductor_compiled_ranks_match_one_device_and_saved_plans_reload():
 def test_a_planning_error_reaches_every_rank_instead_of_hanging():
     for message in run_ranks(2, planning_error_on_every_rank, timeout_s=120):
         assert "dim 0 (size 5) is not divisible by mesh axis 'dp' (size 2)" in message
+
+
+@pytest.mark.slow
+def test_models_returning_a_dict_get_it_back_whole():
+    for r in run_ranks(2, dict_outputs):
+        assert r["keys"] == ["loss", "out"]
+        assert r["out_ok"] and r["grad_ok"]
