@@ -9,7 +9,7 @@ import torch
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.mesh import Mesh
 from autopar.plan import ShardingPlan
-from autopar.planner import Pins, check_mesh, parse_pins, plan_captured
+from autopar.planner import Pins, check_mesh, parse_memory, parse_pins, plan_captured
 from autopar.runtime.module import BACKENDS, ParallelModule
 
 
@@ -21,7 +21,8 @@ def default_backend(model: torch.nn.Module) -> str:
 
 def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
             example_inputs: Sequence[torch.Tensor] | None = None, *, hardware: "str | Profile" = "h100",
-            pins: Pins | None = None, plan: ShardingPlan | None = None, backend: str | None = None,
+            pins: Pins | None = None, memory_budget: "int | str | None" = None,
+            plan: ShardingPlan | None = None, backend: str | None = None,
             fallback: bool = True, solver_time_limit_s: float = 120.0):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
@@ -38,7 +39,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     Options are those of :func:`autopar.plan`, plus ``plan`` (run this plan instead of solving),
     and ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU).
     """
-    options = dict(hardware=hardware, pins=pins, plan=plan, backend=backend, fallback=fallback,
+    options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
                    solver_time_limit_s=solver_time_limit_s)
     if model is None:
         if mesh is None:
@@ -51,14 +52,15 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     check_mesh(mesh)
     resolve_profile(hardware)
     parse_pins(pins, mesh)
+    parse_memory(memory_budget)
     if plan is not None and not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
 
     def planner(captured):
-        return plan_captured(captured, mesh, hardware=hardware, pins=pins, fallback=fallback,
-                             solver_time_limit_s=solver_time_limit_s)
+        return plan_captured(captured, mesh, hardware=hardware, pins=pins, memory_budget=memory_budget,
+                             fallback=fallback, solver_time_limit_s=solver_time_limit_s)
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
                           backend=backend or default_backend(model), planner=planner)

@@ -40,7 +40,8 @@ def plan_table(plan: ShardingPlan) -> str:
         f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
         f"communication {_time(plan.communication_s)}); peak memory per device {_size(plan.peak_memory_bytes)} "
         f"(params {_size(mem.params_bytes)}, grads {_size(mem.grads_bytes)}, optimizer {_size(mem.optimizer_bytes)}, "
-        f"activations {_size(mem.activations_bytes)}, temporaries {_size(mem.transient_bytes)})",
+        f"activations {_size(mem.activations_bytes)}, temporaries {_size(mem.transient_bytes)})"
+        + (f", budget {_size(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables, solved in {plan.solver.solve_s:.2f} s",
         "",

@@ -96,6 +96,8 @@ class ShardingPlan:
     compute_s: float
     communication_s: float
     memory: MemoryEstimate
+    memory_budget_bytes: int | None
+    """The per-device budget the plan was made under, if any."""
     solver: SolverInfo
 
     def __post_init__(self) -> None:
@@ -134,6 +136,7 @@ class ShardingPlan:
             "compute_s": self.compute_s,
             "communication_s": self.communication_s,
             "memory": asdict(self.memory),
+            "memory_budget_bytes": self.memory_budget_bytes,
             "solver": asdict(self.solver),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -158,6 +161,7 @@ class ShardingPlan:
             compute_s=data["compute_s"],
             communication_s=data["communication_s"],
             memory=MemoryEstimate(**data["memory"]),
+            memory_budget_bytes=data["memory_budget_bytes"],
             solver=SolverInfo(**data["solver"]),
         )
 

@@ -1,13 +1,16 @@
 """Planning: capture → propagate → cost → solve → ShardingPlan, with no devices needed."""
 
 import logging
+import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from autopar.cost_model.estimate import CostModel
+from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import Profile, resolve_profile
+from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
 from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan
@@ -29,27 +32,56 @@ def parse_pins(pins: Pins | None, mesh: Mesh) -> dict[str, Placements]:
     return {name: parse_placements(value, mesh.ndim) for name, value in pins.items()}
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_memory(value: "int | float | str | None") -> int | None:
+    """Bytes from ``40_000_000_000``, ``"40GB"`` (powers of 10) or ``"512MiB"`` (powers of 2)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", value.upper())
+        if not match:
+            raise ValueError(f"memory_budget={value!r} is not a size; write bytes or a size like '40GB' or '512MiB'")
+        value = float(match.group(1)) * _UNITS[match.group(2)]
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes or a size like '40GB', got {value!r}")
+    return int(value)
+
+
 def check_mesh(mesh: Mesh) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, e.g. Mesh((2, 2), ('dp', 'tp')), got {type(mesh).__name__}")
 
 
 def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" = "h100",
-                  pins: Pins | None = None, fallback: bool = True,
-                  solver_time_limit_s: float = 120.0) -> ShardingPlan:
+                  pins: Pins | None = None, memory_budget: "int | str | None" = None,
+                  fallback: bool = True, solver_time_limit_s: float = 120.0) -> ShardingPlan:
     """Plan an already captured graph (see :func:`autopar.plan`)."""
     check_mesh(mesh)
     profile = resolve_profile(hardware)
     parsed = parse_pins(pins, mesh)
+    budget = parse_memory(memory_budget)
     t0 = time.perf_counter()
     space = propagate(captured, mesh, pins=parsed, fallback=fallback)
     t1 = time.perf_counter()
     costs = CostModel(captured, mesh, profile)
     node_costs = costs.node_costs(space)
     t2 = time.perf_counter()
-    solution = solve(space, node_costs, costs.transition_s, time_limit_s=solver_time_limit_s)
+    memory = memory_terms(space, costs)
+    log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
+             sum(len(n.strategies) for n in space.nodes), mesh)
+    try:
+        solution = solve(space, node_costs, costs.transition_s, memory=memory if budget else None,
+                         budget_bytes=budget, time_limit_s=solver_time_limit_s)
+    except InfeasiblePlanError:
+        if budget is None:
+            raise
+        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, budget, mesh, solver_time_limit_s)) from None
     t3 = time.perf_counter()
-    result = build_plan(captured, space, solution, costs, hardware_name=profile.name, pinned=tuple(parsed))
+    result = build_plan(captured, space, solution, costs, memory, hardware_name=profile.name,
+                        pinned=tuple(parsed), memory_budget_bytes=budget)
     log.debug("propagate %.2fs (%d nodes, %d strategies), cost %.2fs, solve %.2fs, plan %.2fs",
               t1 - t0, len(space.nodes), sum(len(n.strategies) for n in space.nodes), t2 - t1, t3 - t2,
               time.perf_counter() - t3)
@@ -59,8 +91,38 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     return result
 
 
+def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, time_limit_s: float) -> str:
+    """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
+    least = solve(space, node_costs, costs.transition_s, memory=memory, minimise="memory", time_limit_s=time_limit_s)
+    est = memory.estimate(least.choice)
+    parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
+             "activations": est.activations_bytes, "temporaries": est.transient_bytes}
+    largest = max(parts, key=parts.get)
+    state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
+    if state >= budget:
+        over = f"parameters, gradients and optimizer state alone need {_gb(state)} per device"
+    else:
+        over = f"the {largest} ({_gb(parts[largest])}) do not fit in what the rest leaves"
+    factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
+    return (
+        f"no plan on {mesh} fits memory_budget={_gb(budget)} per device: the least memory any plan needs "
+        f"is {_gb(est.peak_bytes)}, {_gb(est.peak_bytes - budget)} over ("
+        + ", ".join(f"{k} {_gb(v)}" for k, v in parts.items())
+        + f"); {over}.\nFix: raise memory_budget to at least {_gb(est.peak_bytes)}, or plan for a mesh about "
+        f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
+    )
+
+
+def _gb(nbytes: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor], *,
-         hardware: "str | Profile" = "h100", pins: Pins | None = None, fallback: bool = True,
+         hardware: "str | Profile" = "h100", pins: Pins | None = None,
+         memory_budget: "int | str | None" = None, fallback: bool = True,
          solver_time_limit_s: float = 120.0) -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
@@ -72,6 +134,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
         hardware: ``"h100"``, ``"a100"``, ``"cpu"`` or a profile object.
         pins: fixed placements by parameter qualified name or forward argument name, one
             placement per mesh axis (a string for 1-D meshes): ``{"fc1.weight": ("R", "S(0)")}``.
+        memory_budget: per-device bytes, or a size like ``"40GB"`` / ``"512MiB"``; the plan's
+            predicted peak stays under it or planning fails saying what is over and what fits.
         fallback: run ops that have no sharding rule replicated (with a warning) instead of
             raising :class:`~autopar.errors.UnsupportedOpError`.
         solver_time_limit_s: stop the MIP after this long with the best plan found.
@@ -81,5 +145,6 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
         raise TypeError("example_inputs must be a tuple of tensors, e.g. (x, y)")
     resolve_profile(hardware)
     parse_pins(pins, mesh)
+    parse_memory(memory_budget)
     return plan_captured(capture(model, tuple(example_inputs)), mesh, hardware=hardware, pins=pins,
-                         fallback=fallback, solver_time_limit_s=solver_time_limit_s)
+                         memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s)

@@ -2,6 +2,7 @@
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -54,26 +55,58 @@ def _transition(src, dst, shape, itemsize, mesh) -> tuple[Step, ...]:
     return transition(src, dst, shape, itemsize, mesh)
 
 
-def estimate_memory(space: StrategySpace, choice: dict[str, int], costs: CostModel,
-                    *, optimizer_slots: int = 2) -> MemoryEstimate:
-    """Per-device peak: parameters, their gradients and ``optimizer_slots`` optimizer states
-    each (2 for Adam), the forward values the backward reads, and the largest temporary."""
+@dataclass(frozen=True, slots=True)
+class MemoryTerms:
+    """Per-device memory as a function of the chosen strategies, by part: for each part, node
+    name → bytes under each of the node's strategies. The peak is the sum of the summed parts
+    plus the largest temporary."""
+
+    params: dict[str, list[float]]
+    grads: dict[str, list[float]]
+    optimizer: dict[str, list[float]]
+    activations: dict[str, list[float]]
+    """Forward values the backward reads, charged to the node producing them."""
+    temporaries: dict[str, list[float]]
+    """Each op's outputs; only the largest counts."""
+
+    def summed(self) -> dict[str, list[float]]:
+        total: dict[str, list[float]] = {}
+        for part in (self.params, self.grads, self.optimizer, self.activations):
+            for name, sizes in part.items():
+                total[name] = [a + b for a, b in zip(total.get(name, [0.0] * len(sizes)), sizes)]
+        return total
+
+    def estimate(self, choice: dict[str, int]) -> MemoryEstimate:
+        def total(part):
+            return int(sum(sizes[choice[name]] for name, sizes in part.items()))
+
+        temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items()), default=0)
+        return MemoryEstimate(total(self.params), total(self.grads), total(self.optimizer),
+                              total(self.activations), int(temporaries))
+
+
+def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = 2) -> MemoryTerms:
+    """Parameters, their gradients and ``optimizer_slots`` optimizer states each (2 for Adam),
+    the forward values the backward reads, and the largest temporary."""
     by_name = space.index()
-    chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
-    params = grads = 0
-    for n in space.nodes:
-        if n.kind in ("param", "buffer"):
-            size = costs.local_bytes((n.name, 0), chosen[n.name].outputs[0])
-            params += size
-            grads += size if n.args else 0
-    saved: set[ValueRef] = set()
+    params, grads, optimizer, activations, temporaries = {}, {}, {}, {}, {}
+    saved: dict[str, set[int]] = {}
     for n in space.nodes:
         if n.phase == "backward" and n.kind == "op":
-            saved.update(ref for ref in n.args if by_name[ref[0]].phase == "forward" and by_name[ref[0]].kind in ("op", "input"))
-    activations = sum(costs.local_bytes(ref, chosen[ref[0]].outputs[ref[1]]) for ref in saved)
-    transient = max(
-        (costs.local_bytes((n.name, i), p) for n in space.nodes if n.kind == "op"
-         for i, p in enumerate(chosen[n.name].outputs) if p is not None),
-        default=0,
-    )
-    return MemoryEstimate(params, grads, optimizer_slots * grads, activations, transient)
+            for name, index in n.args:
+                if by_name[name].phase == "forward" and by_name[name].kind in ("op", "input"):
+                    saved.setdefault(name, set()).add(index)
+    for n in space.nodes:
+        if n.kind in ("param", "buffer"):
+            sizes = [float(costs.local_bytes((n.name, 0), s.outputs[0])) for s in n.strategies]
+            params[n.name] = sizes
+            if n.args:
+                grads[n.name] = sizes
+                optimizer[n.name] = [optimizer_slots * b for b in sizes]
+        if n.name in saved:
+            activations[n.name] = [float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in saved[n.name]))
+                                   for s in n.strategies]
+        if n.kind == "op":
+            temporaries[n.name] = [float(max((costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None), default=0))
+                                   for s in n.strategies]
+    return MemoryTerms(params, grads, optimizer, activations, temporaries)

@@ -1,7 +1,7 @@
 """Turn the solver's choice into a :class:`~autopar.plan.ShardingPlan`."""
 
 from autopar.cost_model.comm import step_time_s
-from autopar.cost_model.estimate import CostModel, estimate_memory
+from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
@@ -27,7 +27,8 @@ def edge_transitions(space: StrategySpace, chosen: dict[str, Strategy]):
 
 
 def build_plan(captured: Captured, space: StrategySpace, solution: Solution, costs: CostModel,
-               *, hardware_name: str, pinned: tuple[str, ...]) -> ShardingPlan:
+               memory: MemoryTerms, *, hardware_name: str, pinned: tuple[str, ...],
+               memory_budget_bytes: int | None) -> ShardingPlan:
     mesh = costs.mesh
     by_name = space.index()
     chosen = {name: by_name[name].strategies[k] for name, k in solution.choice.items()}
@@ -54,7 +55,8 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         collectives=collectives,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=estimate_memory(space, solution.choice, costs),
+        memory=memory.estimate(solution.choice),
+        memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
     )
 

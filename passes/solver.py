@@ -8,6 +8,8 @@ tensor and target layout, however many consumers share it::
                 Σ_q t_c,p,q = z_v,p      for every reader c of v   (the copy leaves the producer's layout)
                 Σ_p t_c,p,q = w_c,q      for every reader c of v   (and arrives in the reader's layout)
                 y_v,p,q ≥ t_c,p,q        for every reader c, p ≠ q (one move serves every reader)
+                Σ_n Σ_k m_n,k · x_n,k + T ≤ budget       (memory budget, when given)
+                T ≥ Σ_k o_n,k · x_n,k    for every op n            (T: the largest temporary)
                 x_n,k ∈ {0, 1},  0 ≤ t, y ≤ 1
 
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
@@ -15,8 +17,11 @@ tensor and target layout, however many consumers share it::
 and ``w_c,q`` the sum of a reader's one-hots that need it in layout ``q``. Each reader's
 ``t_c`` is a transport between the two (tight: integral whenever the one-hots are), and
 ``y_v,p,q`` moves ``v`` from ``p`` to ``q`` at the modelled cost ``r_v(p, q)`` once, however many
-readers need that copy, as the rewriter emits it. Grouping strategies by layout keeps the
-variables per tensor to the distinct layouts instead of the strategies.
+readers need that copy, as the rewriter emits it. ``m_n,k`` is the memory node ``n`` holds for
+the whole step under strategy ``k`` (a parameter's piece with its gradient and optimizer state,
+or a forward value the backward reads) and ``o_n,k`` the size of its outputs. Grouping
+strategies by layout keeps the variables per tensor to the distinct layouts instead of the
+strategies.
 """
 
 import logging
@@ -29,12 +34,14 @@ from ortools.linear_solver import pywraplp
 
 from autopar.errors import InfeasiblePlanError
 from autopar.plan import SolverInfo
+from autopar.cost_model.estimate import MemoryTerms
 from autopar.placement import Placements
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 
 log = logging.getLogger(__name__)
 
 _SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
+_MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +58,15 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
-          *, time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
+          *, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
+          minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
 
-    The search stops at a plan proven within ``relative_gap`` of the optimum, or at
-    ``time_limit_s`` with the best plan found (status ``FEASIBLE``; the bound is reported).
+    With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
+    (:func:`_memory_budget`); ``minimise="memory"`` looks for the plan with the least memory
+    instead of the fastest. The search stops at a plan proven within ``relative_gap`` of the
+    optimum, or at ``time_limit_s`` with the best plan found (status ``FEASIBLE``; the bound is
+    reported). Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
     """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("CBC")
@@ -82,17 +93,27 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         producer = by_name[ref[0]]
         _layout_available(solver, costs, ref, producer, readers, ind, transition_s)
     objective = solver.Objective()
-    for var, cost in costs.items():
-        objective.SetCoefficient(var, cost * _SCALE)
+    if memory is not None:
+        memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes)
+    if minimise == "memory":
+        for var, coef in memory_coefs.items():
+            objective.SetCoefficient(var, coef)
+        objective.SetCoefficient(peak, 1.0)
+        scale = _MEMORY_SCALE
+    else:
+        for var, cost in costs.items():
+            objective.SetCoefficient(var, cost * _SCALE)
+        scale = _SCALE
     objective.SetMinimization()
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     status = solver.Solve(params)
     elapsed = time.perf_counter() - started
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        reason = "within the memory budget" if budget_bytes is not None else "for these pins"
         raise InfeasiblePlanError(
-            f"the solver found no plan (status {status}) for {len(space.nodes)} nodes in {elapsed:.1f}s.\n"
-            "Fix: remove conflicting pins, or raise the time limit (solver_time_limit_s=...)"
+            f"the solver found no plan {reason} (status {status}) for {len(space.nodes)} nodes in {elapsed:.1f}s.\n"
+            "Fix: remove conflicting pins, raise the budget, or raise the time limit (solver_time_limit_s=...)"
         )
     choice = {
         name: max(range(len(terms)), key=lambda k: sum(v.solution_value() for v in terms[k]))
@@ -100,8 +121,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     }
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
-        objective_s=objective.Value() / _SCALE,
-        bound_s=objective.BestBound() / _SCALE,
+        objective_s=objective.Value() / scale,
+        bound_s=objective.BestBound() / scale,
         solve_s=elapsed,
         num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
@@ -181,3 +202,19 @@ def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, transition_s: T
         moves[p, q] = solver.NumVar(0.0, 1.0, "")
         costs[moves[p, q]] += transition_s(ref, p, q)
     solver.Add(moves[p, q] >= (1 if need is None else need))  # one copy serves every reader
+
+
+def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None):
+    """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
+    is a variable at least every op's output size under its chosen strategy."""
+    coefs: dict = defaultdict(float)
+    for name, sizes in memory.summed().items():
+        for k, terms in enumerate(ind[name]):
+            for var in terms:
+                coefs[var] += sizes[k] * _MEMORY_SCALE
+    peak = solver.NumVar(0.0, solver.infinity(), "largest_temporary")
+    for name, sizes in memory.temporaries.items():
+        solver.Add(peak >= sum(sizes[k] * _MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
+    if budget_bytes is not None:
+        solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
+    return coefs, peak

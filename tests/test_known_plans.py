@@ -48,3 +48,33 @@ def test_pins_fix_parameters_and_the_solver_plans_the_rest():
                         hardware=FLOP_EQ_BYTE, pins=pins)
     assert plan.placements["layers.0.weight"] == ("S(0)",)
     assert plan.pinned == ("layers.0.weight",)
+
+
+def test_memory_budget_below_replicated_state_flips_data_parallel_to_sharded_parameters():
+    # batch-heavy MLP fed by a per-rank data loader: data parallel, unless its replicated
+    # parameters, gradients and Adam state do not fit
+    batch, dim, hidden = 4096, 64, 256
+    inputs = (torch.randn(batch, dim), torch.randn(batch, dim))
+    loader = {"x": "S(0)", "target": "S(0)"}
+    mesh = Mesh((4,), ("dp",))
+    free = autopar.plan(MLP(dim, hidden), mesh, inputs, hardware=FLOP_EQ_BYTE, pins=loader)
+    assert all(p == ("R",) for p in free.placements.values())
+    state = free.memory.params_bytes + free.memory.grads_bytes + free.memory.optimizer_bytes
+    budget = free.peak_memory_bytes - state // 2
+    tight = autopar.plan(MLP(dim, hidden), mesh, inputs, hardware=FLOP_EQ_BYTE, pins=loader, memory_budget=budget)
+    assert tight.peak_memory_bytes <= budget < free.peak_memory_bytes
+    assert tight.placements["layers.0.weight"] != ("R",) and tight.placements["layers.1.weight"] != ("R",)
+    assert tight.memory_budget_bytes == budget
+    assert tight.predicted_step_s >= free.predicted_step_s  # memory is bought with time
+
+
+def test_budgets_parse_sizes():
+    from autopar.planner import parse_memory
+
+    assert parse_memory("40GB") == 40 * 10**9
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory(1000) == 1000
+    import pytest
+
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_memory("lots")
