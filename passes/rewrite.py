@@ -21,15 +21,12 @@ from autopar.placement import Placements, R, parse_placement, parse_placements_t
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, transition
-from autopar.passes.rules import tensor_args
-from autopar.passes.rules.factory import SHAPE_ARG
+from autopar.passes.rules import shape_arg, tensor_args
 from autopar.passes.strategy import Strategy, ValueRef
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-# ops whose argument 1 is the output's shape
-_VIEW_SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 # a local piece may arrive with other strides than the whole tensor had (after a collective or
 # a slice), so views become reshapes, which copy only when the strides require it
 _AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
@@ -204,7 +201,7 @@ def _local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: St
         raise RewriteError(f"node {node.name} ({node.target}) takes a non-tensor graph value; autopar needs static shapes")
     args, kwargs = tree_unflatten(flat, spec)
     args = list(args)
-    position = 1 if node.target in _VIEW_SHAPE_ARG else SHAPE_ARG.get(node.target)
+    position = shape_arg(node.target)
     if position is not None:
         args[position] = list(local_shape(tuple(_value(node).shape), strategy.outputs[0], mesh))
     return args, kwargs

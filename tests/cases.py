@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 
 # compute dear, communication cheap: the solver splits work across ranks
@@ -21,6 +22,10 @@ def make_model(name: str):
     elif name == "gpt":
         cfg = GPTConfig(vocab_size=64, block_size=8, dim=16, num_heads=4, num_layers=1)
         model = GPT(cfg)
+        batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
+    elif name == "llama":
+        cfg = LlamaConfig(vocab_size=64, dim=16, num_heads=4, num_kv_heads=2, hidden=32, num_layers=1, max_seq=8)
+        model = Llama(cfg)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
     else:
         raise ValueError(name)
@@ -37,6 +42,7 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     names = [n for n, _ in model.named_parameters()]
     ndim = len(axis_names)
     batch = {"x": None, "target": None} if model_name == "mlp" else {"idx": None, "targets": None}
+    assert model_name != "llama" or preset in ("dp", "fsdp"), "no hand-written tensor-parallel pins for llama"
     if preset == "dp":
         return {**{k: ("S(0)",) + ("R",) * (ndim - 1) for k in batch}, **{n: ("R",) * ndim for n in names}}
     if preset == "fsdp":

@@ -22,6 +22,7 @@ Row = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]
 Rule = Callable[[fx.Node], list[Row]]
 
 _RULES: dict[object, Rule] = {}
+_SHAPE_ARGS: dict[object, int] = {}
 
 
 def register(*ops) -> Callable[[Rule], Rule]:
@@ -35,6 +36,19 @@ def register(*ops) -> Callable[[Rule], Rule]:
         return fn
 
     return wrap
+
+
+def register_shape_arg(position: int, *ops) -> None:
+    """Mark argument ``position`` of ``ops`` as the op's output shape: on a rank it becomes
+    the local output shape."""
+    for op in ops:
+        _SHAPE_ARGS[op] = position
+
+
+def shape_arg(op) -> int | None:
+    """Position of ``op``'s output-shape argument, if it has one."""
+    _load()
+    return _SHAPE_ARGS.get(op)
 
 
 def rule_for(op) -> Rule | None:

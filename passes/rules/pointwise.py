@@ -14,8 +14,8 @@ prims = torch.ops.prims
 # or an index set of arguments that must be partial together.
 _LINEAR: dict[object, object] = {
     aten.add.Tensor: "all", aten.sub.Tensor: "all",
-    aten.mul.Tensor: "one",
-    aten.div.Tensor: {0}, prims.div.default: {0},
+    aten.mul.Tensor: "one", aten.mul.Scalar: "all",
+    aten.div.Tensor: {0}, aten.div.Scalar: "all", prims.div.default: {0},
     aten.neg.default: "all",
     aten.threshold_backward.default: {0},
     aten.gelu_backward.default: {0},

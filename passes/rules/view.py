@@ -6,9 +6,13 @@ import torch
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, tensor_args, val
+from autopar.passes.rules import Row, register, register_shape_arg, tensor_args, val
 
 aten = torch.ops.aten
+prims = torch.ops.prims
+
+register_shape_arg(1, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                   aten.slice_backward.default, prims.broadcast_in_dim.default)
 
 
 def reshape_dim_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
@@ -80,6 +84,27 @@ def cat_rule(node: fx.Node) -> list[Row]:
     k = len(args)
     rows: list[Row] = [((R,), (R,) * k), ((P,), (P,) * k)]
     rows += [((S(d),), (S(d),) * k) for d in range(out.ndim) if d != dim]  # split along another dim
+    return rows
+
+
+@register(prims.broadcast_in_dim.default)
+def broadcast_in_dim_rule(node: fx.Node) -> list[Row]:
+    """``broadcast_in_dim(x, shape, dims)``: input dim ``i`` becomes output dim ``dims[i]``."""
+    x, out = val(node.args[0]), val(node)
+    rows: list[Row] = [((R,), (R,)), ((P,), (P,))]
+    for d, e in enumerate(node.args[2]):
+        if x.shape[d] == out.shape[e] > 1:
+            rows.append(((S(e),), (S(d),)))  # the split follows the data
+    return rows
+
+
+@register(aten.slice_backward.default)
+def slice_backward_rule(node: fx.Node) -> list[Row]:
+    """``slice_backward(grad, input_sizes, dim, start, end, step)`` pads ``grad`` with zeros."""
+    grad = val(node.args[0])
+    dim = node.args[2] % grad.ndim
+    rows: list[Row] = [((R,), (R,)), ((P,), (P,))]  # zero padding is linear
+    rows += [((S(d),), (S(d),)) for d in range(grad.ndim) if d != dim]  # split another dim
     return rows
 
 

@@ -25,6 +25,8 @@ FOUR = [
     dict(model_name="gpt", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp"),
     dict(model_name="gpt", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="fsdp"),
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="2d"),
+    dict(model_name="llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
+    dict(model_name="llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="fsdp"),
 ]
 TWO = [
     dict(model_name="mlp", mesh_shape=(2,), axis_names=("dp",), optimizer_name="sgd"),
@@ -70,9 +72,9 @@ def test_per_rank_graph_runs_exactly_the_planned_collectives(results, case):
 
 @pytest.mark.slow
 def test_pins_are_kept_in_the_plan(results):
-    plan = autopar.ShardingPlan.from_json(results[_name(FOUR[-1])][0]["plan"])
+    plan = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-2d"][0]["plan"])
     assert plan.placements["blocks.0.fc1.weight"] == ("R", "S(0)")
     assert plan.placements["blocks.0.fc2.weight"] == ("R", "S(1)")
     assert plan.inputs["idx"] == ("S(0)", "R")
-    fsdp = autopar.ShardingPlan.from_json(results[_name(FOUR[-2])][0]["plan"])
+    fsdp = autopar.ShardingPlan.from_json(results["gpt-4-adamw-fsdp"][0]["plan"])
     assert all(p == ("S(0)",) for p in fsdp.placements.values())
