@@ -6,25 +6,17 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 
 def _load_model(spec: str):
-    """A built-in model name (``gpt``, ``mlp``) or a Python file defining ``make_model()`` that
-    returns ``(model, example_inputs)``."""
-    if spec == "gpt":
-        from autopar.demo import BATCH, DEMO_CONFIG
-        from autopar.examples.gpt import GPT
+    """A built-in example (``autopar.examples.EXAMPLES``) or a Python file defining
+    ``make_model()`` that returns ``(model, example_inputs)``."""
+    from autopar.examples import EXAMPLES, make_example
 
-        shape = (BATCH, DEMO_CONFIG.block_size)
-        return GPT(DEMO_CONFIG), (torch.randint(0, DEMO_CONFIG.vocab_size, shape), torch.randint(0, DEMO_CONFIG.vocab_size, shape))
-    if spec == "mlp":
-        from autopar.examples.mlp import MLP
-
-        return MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256))
+    if spec in EXAMPLES:
+        return make_example(spec)
     path = Path(spec)
     if not path.is_file():
-        raise SystemExit(f"autopar plan: {spec!r} is neither a built-in model (gpt, mlp) nor a file")
+        raise SystemExit(f"autopar plan: {spec!r} is neither a built-in model ({', '.join(sorted(EXAMPLES))}) nor a file")
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -79,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print the plan of a model for a mesh")
-    p.add_argument("model", help="gpt, mlp, or a .py file defining make_model() -> (model, example_inputs)")
+    p.add_argument("model", help="gpt, llama, mlp, or a .py file defining make_model() -> (model, example_inputs)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
     p.add_argument("--hardware", default="h100", help="h100, a100 or cpu (default h100)")

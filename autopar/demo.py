@@ -1,5 +1,5 @@
-"""``autopar demo``: plan a small GPT for a 2×2 mesh, train it on 4 local ranks and compare the
-run with single-device training.
+"""``autopar demo``: plan a small model (a GPT by default) for a 2×2 mesh, train it on 4 local
+ranks and compare the run with single-device training.
 
 Run as ``autopar demo``; it starts the ranks through torchrun and runs this module on each.
 """
@@ -15,15 +15,13 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples import make_example
 from autopar.runtime.launch import torchrun
-
-DEMO_CONFIG = GPTConfig(vocab_size=256, block_size=32, dim=64, num_heads=4, num_layers=2)
-BATCH = 8
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt", help="built-in example: gpt, llama or mlp (default gpt)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 or 4 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated (default dp,tp or dp)")
     p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
@@ -48,11 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, mesh)
 
 
-def _batches(steps: int):
+def _batches(example, steps: int):
+    """``steps`` batches shaped like the example's inputs: token ids below the example's
+    largest id, or normal floats."""
     gen = torch.Generator().manual_seed(1)
-    shape = (BATCH, DEMO_CONFIG.block_size)
-    return [(torch.randint(0, DEMO_CONFIG.vocab_size, shape, generator=gen),
-             torch.randint(0, DEMO_CONFIG.vocab_size, shape, generator=gen)) for _ in range(steps)]
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen)
+        return torch.randint(0, int(t.max()) + 1, t.shape, generator=gen)
+
+    return [tuple(like(t) for t in example) for _ in range(steps)]
 
 
 def _train(model, batches):
@@ -73,9 +77,9 @@ def _train(model, batches):
 def _run(args, mesh: autopar.Mesh) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
-    model = GPT(DEMO_CONFIG)
+    model, example = make_example(args.model)
     reference = copy.deepcopy(model)
-    batches = _batches(args.steps)
+    batches = _batches(example, args.steps)
     started = time.perf_counter()
     pmodel = autopar.compile(model, mesh, batches[0], hardware=args.hardware, backend=args.backend)
     rank = dist.get_rank()

@@ -1,1 +1,37 @@
-"""Small models that ship with autopar: the demo's GPT and the MLPs of the test suite."""
+"""Models that ship with autopar, each with the example inputs the demo and ``autopar plan`` use."""
+
+import torch
+
+
+def _gpt():
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=32, dim=64, num_heads=4, num_layers=2)
+    shape = (8, cfg.block_size)
+    return GPT(cfg), (torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape))
+
+
+def _llama():
+    from autopar.examples.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=2, max_seq=32)
+    shape = (8, 32)
+    return Llama(cfg), (torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape))
+
+
+def _mlp():
+    from autopar.examples.mlp import MLP
+
+    return MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256))
+
+
+EXAMPLES = {"gpt": _gpt, "llama": _llama, "mlp": _mlp}
+"""Name → function returning ``(model, example_inputs)``; the inputs are a global batch."""
+
+
+def make_example(name: str):
+    """``(model, example_inputs)`` of a built-in example."""
+    try:
+        return EXAMPLES[name]()
+    except KeyError:
+        raise ValueError(f"unknown example model {name!r}; choose one of {sorted(EXAMPLES)}") from None

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
 _MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
+_LARGE = 150_000  # variables past which CBC's root relaxation alone takes minutes on a small host
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
             objective.SetCoefficient(var, cost * _SCALE)
         scale = _SCALE
     objective.SetMinimization()
+    if solver.NumVariables() > _LARGE:
+        log.warning("the plan's integer program has %d variables; CBC may take minutes and may not stop at "
+                    "the time limit. Pins on the large tensors, or a 1-D mesh, shrink it.", solver.NumVariables())
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     status = solver.Solve(params)
