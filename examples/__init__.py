@@ -19,13 +19,20 @@ def _llama():
     return Llama(cfg), (torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape))
 
 
+def _bert():
+    from autopar.examples.bert import Bert, BertConfig, masked_batch
+
+    cfg = BertConfig(vocab_size=256, max_seq=32, dim=64, num_heads=4, hidden=256, num_layers=2)
+    return Bert(cfg), masked_batch(cfg, 8, 32, torch.Generator().manual_seed(0))
+
+
 def _mlp():
     from autopar.examples.mlp import MLP
 
     return MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256))
 
 
-EXAMPLES = {"gpt": _gpt, "llama": _llama, "mlp": _mlp}
+EXAMPLES = {"bert": _bert, "gpt": _gpt, "llama": _llama, "mlp": _mlp}
 """Name → function returning ``(model, example_inputs)``; the inputs are a global batch."""
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.examples.bert import Bert, BertConfig, masked_batch
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
@@ -27,6 +28,11 @@ def make_model(name: str):
         cfg = LlamaConfig(vocab_size=64, dim=16, num_heads=4, num_kv_heads=2, hidden=32, num_layers=1, max_seq=8)
         model = Llama(cfg)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
+    elif name == "bert":
+        cfg = BertConfig(vocab_size=64, max_seq=8, dim=16, num_heads=4, hidden=32, num_layers=1)
+        model = Bert(cfg)
+        gen = torch.Generator().manual_seed(0)
+        batches = [masked_batch(cfg, 4, 8, gen) for _ in range(3)]
     else:
         raise ValueError(name)
     return model, batches
@@ -41,8 +47,8 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     model, _ = make_model(model_name)
     names = [n for n, _ in model.named_parameters()]
     ndim = len(axis_names)
-    batch = {"x": None, "target": None} if model_name == "mlp" else {"idx": None, "targets": None}
-    assert model_name != "llama" or preset in ("dp", "fsdp"), "no hand-written tensor-parallel pins for llama"
+    batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels")}.get(model_name, ("idx", "targets"))
+    assert model_name in ("mlp", "gpt") or preset in ("dp", "fsdp"), f"no tensor-parallel pins for {model_name}"
     if preset == "dp":
         return {**{k: ("S(0)",) + ("R",) * (ndim - 1) for k in batch}, **{n: ("R",) * ndim for n in names}}
     if preset == "fsdp":
@@ -80,9 +86,9 @@ def make_optimizer(name: str, params):
 def _train(model, batches, optimizer_name):
     opt = make_optimizer(optimizer_name, model.parameters())
     losses, grads = [], None
-    for x, y in batches:
+    for batch in batches:
         opt.zero_grad()
-        loss = model(x, y)
+        loss = model(*batch)
         loss.backward()
         if grads is None:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}

@@ -17,6 +17,7 @@ from autopar.passes.propagate import placement_problem
 from autopar.passes.rewrite import _local_call_args
 from autopar.passes.rules import registered_ops, rule_for, tensor_args
 from autopar.passes.strategy import Strategy
+from autopar.examples.bert import Bert, BertConfig, masked_batch
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
@@ -99,11 +100,13 @@ def test_every_rule_row_matches_the_whole_tensor_result():
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=32, block_size=8, dim=16, num_heads=4, num_layers=1))
+    bert_cfg = BertConfig(vocab_size=32, max_seq=8, dim=16, num_heads=4, hidden=32, num_layers=1)
     llama = Llama(LlamaConfig(vocab_size=32, dim=16, num_heads=4, num_kv_heads=2, hidden=32, num_layers=1, max_seq=8))
     cases = [
         (MLP(8, 16, num_layers=3), (torch.randn(4, 8), torch.randn(4, 8))),
         (gpt, (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))),
         (llama, (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))),
+        (Bert(bert_cfg), masked_batch(bert_cfg, 4, 8, gen)),
     ]
     checked_ops, checked_rows = set(), 0
     for model, inputs in cases:

@@ -27,6 +27,8 @@ FOUR = [
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="2d"),
     dict(model_name="llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="fsdp"),
+    dict(model_name="bert", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
+    dict(model_name="bert", mesh_shape=(4,), axis_names=("dp",), optimizer_name="sgd", preset="dp"),
 ]
 TWO = [
     dict(model_name="mlp", mesh_shape=(2,), axis_names=("dp",), optimizer_name="sgd"),
