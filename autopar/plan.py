@@ -99,10 +99,12 @@ class ShardingPlan:
     memory_budget_bytes: int | None
     """The per-device budget the plan was made under, if any."""
     solver: SolverInfo
+    stage_s: Mapping[str, float]
+    """Wall time of each planning stage: capture, propagate, cost, solve, plan."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placements", MappingProxyType(dict(self.placements)))
-        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
+        for name in ("placements", "inputs", "stage_s"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
     @property
     def predicted_step_s(self) -> float:
@@ -138,6 +140,7 @@ class ShardingPlan:
             "memory": asdict(self.memory),
             "memory_budget_bytes": self.memory_budget_bytes,
             "solver": asdict(self.solver),
+            "stage_s": dict(self.stage_s),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -163,6 +166,7 @@ class ShardingPlan:
             memory=MemoryEstimate(**data["memory"]),
             memory_budget_bytes=data["memory_budget_bytes"],
             solver=SolverInfo(**data["solver"]),
+            stage_s=data["stage_s"],
         )
 
     def _decisions(self) -> tuple:

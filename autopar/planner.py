@@ -80,11 +80,11 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
             raise
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, budget, mesh, solver_time_limit_s)) from None
     t3 = time.perf_counter()
+    stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
     result = build_plan(captured, space, solution, costs, memory, hardware_name=profile.name,
-                        pinned=tuple(parsed), memory_budget_bytes=budget)
-    log.debug("propagate %.2fs (%d nodes, %d strategies), cost %.2fs, solve %.2fs, plan %.2fs",
-              t1 - t0, len(space.nodes), sum(len(n.strategies) for n in space.nodes), t2 - t1, t3 - t2,
-              time.perf_counter() - t3)
+                        pinned=tuple(parsed), memory_budget_bytes=budget,
+                        stage_s={**stages, "plan": time.perf_counter() - t3})
+    log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
     log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
              len(space.nodes), mesh, solution.info.status, result.predicted_step_s,
              result.peak_memory_bytes / 1e9, len(result.collectives))

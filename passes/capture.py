@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,8 @@ class Captured:
     """Pytree spec that rebuilds the model's return value from the forward outputs."""
     graph_hash: str
     """Fingerprint of the graph's ops and shapes, used to refuse stale plans."""
+    capture_s: float
+    """Wall time the capture took."""
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -95,6 +98,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             "with functools.partial or module attributes before calling autopar"
         )
     names = _input_names(model, len(example_inputs))
+    started = time.perf_counter()
     try:
         exported = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as exc:  # torch.export raises many unrelated exception types
@@ -123,7 +127,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             f"{type(model).__name__}'s outputs do not depend on any parameter, so there is no "
             "training step to parallelize; return the loss from forward()"
         )
-    captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph))
+    captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph), time.perf_counter() - started)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
     return captured
 

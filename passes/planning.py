@@ -28,7 +28,7 @@ def edge_transitions(space: StrategySpace, chosen: dict[str, Strategy]):
 
 def build_plan(captured: Captured, space: StrategySpace, solution: Solution, costs: CostModel,
                memory: MemoryTerms, *, hardware_name: str, pinned: tuple[str, ...],
-               memory_budget_bytes: int | None) -> ShardingPlan:
+               memory_budget_bytes: int | None, stage_s: dict[str, float]) -> ShardingPlan:
     mesh = costs.mesh
     by_name = space.index()
     chosen = {name: by_name[name].strategies[k] for name, k in solution.choice.items()}
@@ -58,6 +58,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         memory=memory.estimate(solution.choice),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
+        stage_s=stage_s,
     )
 
 

@@ -39,7 +39,7 @@ def _parse(text: str | None) -> Placements | None:
 
 
 def plan_strategies(captured: Captured, plan: ShardingPlan) -> dict[str, Strategy]:
-    """The plan's strategy of every node of ``captured``, placeholders and the output included."""
+    """The plan's strategy of every op and placeholder of ``captured``."""
     mesh = plan.mesh
     strategies = {n.name: Strategy(tuple(_parse(o) for o in n.outputs), tuple(_parse(i) for i in n.inputs))
                   for n in plan.nodes}
@@ -138,7 +138,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 continue
             strategy = strategies[node.name]
             local_args = [fetch(a, p) for a, p in zip(tensor_args(node), strategy.inputs)]
-            args, kwargs = _local_call_args(node, local_args, strategy, mesh)
+            args, kwargs = local_call_args(node, local_args, strategy, mesh)
             result = _AS_RESHAPE.get(node.target, node.target)(*args, **kwargs)
             results = result if isinstance(result, (list, tuple)) else [result]
             for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
@@ -193,7 +193,10 @@ def _value(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
 
-def _local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh):
+def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh):
+    """``node``'s ``(args, kwargs)`` on one rank: tensor arguments replaced by ``local_args``
+    (in :func:`~autopar.passes.rules.tensor_args` order), an output-shape argument by the
+    local output shape."""
     flat, spec = tree_flatten((node.args, node.kwargs))
     it = iter(local_args)
     flat = [next(it) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a for a in flat]

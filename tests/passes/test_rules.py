@@ -14,7 +14,7 @@ from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.capture import capture
 from autopar.passes.propagate import placement_problem
-from autopar.passes.rewrite import _local_call_args
+from autopar.passes.rewrite import local_call_args
 from autopar.passes.rules import registered_ops, rule_for, tensor_args
 from autopar.passes.strategy import Strategy
 from autopar.examples.bert import Bert, BertConfig, masked_batch
@@ -84,7 +84,7 @@ def _check_row(node, values, row, gen) -> bool:
     strategy = Strategy(tuple(None if o is None else (o,) for o in outs), tuple((p,) for p in ins))
     results = []
     for rank in range(2):
-        call_args, call_kwargs = _local_call_args(node, [p[rank] for p in arg_pieces], strategy, MESH)
+        call_args, call_kwargs = local_call_args(node, [p[rank] for p in arg_pieces], strategy, MESH)
         result = node.target(*call_args, **call_kwargs)
         results.append(result if isinstance(result, (list, tuple)) else [result])
     for i, placement in enumerate(outs):
