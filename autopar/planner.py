@@ -75,8 +75,8 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     try:
         solution = solve(space, node_costs, costs.transition_s, memory=memory if budget else None,
                          budget_bytes=budget, time_limit_s=solver_time_limit_s)
-    except InfeasiblePlanError:
-        if budget is None:
+    except InfeasiblePlanError as exc:
+        if budget is None or "time limit" in str(exc):
             raise
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, budget, mesh, solver_time_limit_s)) from None
     t3 = time.perf_counter()

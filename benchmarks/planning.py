@@ -27,7 +27,11 @@ def _plan_one(model_name: str, shape: tuple[int, ...], hardware: str, limit_s: f
     model, inputs = make_example(model_name)
     names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
     started = time.perf_counter()
-    plan = autopar.plan(model, autopar.Mesh(shape, names), inputs, hardware=hardware, solver_time_limit_s=limit_s)
+    try:
+        plan = autopar.plan(model, autopar.Mesh(shape, names), inputs, hardware=hardware, solver_time_limit_s=limit_s)
+    except autopar.AutoparError as exc:
+        queue.put({"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started})
+        return
     queue.put({
         "wall_s": time.perf_counter() - started,
         "stage_s": dict(plan.stage_s),

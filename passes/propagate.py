@@ -16,7 +16,7 @@ from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, R, Shard, format_placements
 from autopar.passes.capture import Captured
 from autopar.passes.rules import rule_for, tensor_args
-from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef
+from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,7 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
     pins = dict(pins or {})
     graph = captured.graph.graph
     backward = _tangent_dependent(graph)
-    aliases = {
-        node.name: (node.args[0].name, node.args[1]) for node in graph.nodes
-        if node.op == "call_function" and node.target.__name__ == "getitem"
-    }
+    aliases = getitem_aliases(graph)
     grads = _grad_refs(captured)
     nodes: list[NodeSpace] = []
     unsupported: list[fx.Node] = []

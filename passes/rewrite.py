@@ -22,7 +22,7 @@ from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import shape_arg, tensor_args
-from autopar.passes.strategy import Strategy, ValueRef
+from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -113,8 +113,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     mesh = plan.mesh
     strategies = plan_strategies(captured, plan)
     graph = captured.graph.graph
-    aliases = {n.name: (n.args[0].name, n.args[1]) for n in graph.nodes
-               if n.op == "call_function" and n.target.__name__ == "getitem"}
+    aliases = getitem_aliases(graph)
     rank = _Rank(mesh, coordinate, group_names)
     layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
 

@@ -113,11 +113,17 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     status = solver.Solve(params)
     elapsed = time.perf_counter() - started
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        reason = "within the memory budget" if budget_bytes is not None else "for these pins"
+    if status == pywraplp.Solver.NOT_SOLVED:
         raise InfeasiblePlanError(
-            f"the solver found no plan {reason} (status {status}) for {len(space.nodes)} nodes in {elapsed:.1f}s.\n"
-            "Fix: remove conflicting pins, raise the budget, or raise the time limit (solver_time_limit_s=...)"
+            f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
+            f"its time limit ({elapsed:.0f} s).\nFix: raise solver_time_limit_s, pin the large tensors, or plan "
+            "for a 1-D mesh"
+        )
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        reason = "within the memory budget" if budget_bytes is not None else "that satisfies the pins"
+        raise InfeasiblePlanError(
+            f"no plan {reason} exists for {len(space.nodes)} nodes (solver status {status}).\n"
+            "Fix: remove conflicting pins, or raise the memory budget"
         )
     choice = {
         name: max(range(len(terms)), key=lambda k: sum(v.solution_value() for v in terms[k]))

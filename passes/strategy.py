@@ -2,10 +2,20 @@
 
 from dataclasses import dataclass
 
+from torch import fx
+
 from autopar.placement import Placements
 
 ValueRef = tuple[str, int]
 """A tensor of the graph: (name of the node producing it, index among that node's outputs)."""
+
+
+def getitem_aliases(graph: fx.Graph) -> dict[str, ValueRef]:
+    """Nodes that only pick one output of a multi-output op (``getitem``), by name."""
+    return {
+        node.name: (node.args[0].name, node.args[1]) for node in graph.nodes
+        if node.op == "call_function" and node.target.__name__ == "getitem"
+    }
 
 
 @dataclass(frozen=True, slots=True)
