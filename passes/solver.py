@@ -24,7 +24,9 @@ strategies by layout keeps the variables per tensor to the distinct layouts inst
 strategies.
 """
 
+import array
 import logging
+import multiprocessing as mp
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -107,12 +109,13 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         scale = _SCALE
     objective.SetMinimization()
     if solver.NumVariables() > _LARGE:
-        log.warning("the plan's integer program has %d variables; CBC may take minutes and may not stop at "
-                    "the time limit. Pins on the large tensors, or a 1-D mesh, shrink it.", solver.NumVariables())
+        log.warning("the plan's integer program has %d variables; CBC may not solve it within the time limit. "
+                    "Pins on the large tensors, or a 1-D mesh, shrink it.", solver.NumVariables())
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
-    status = solver.Solve(params)
+    outcome = _solve_before_deadline(solver, params, time_limit_s * 1.1 + 5.0)
     elapsed = time.perf_counter() - started
+    status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     if status == pywraplp.Solver.NOT_SOLVED:
         raise InfeasiblePlanError(
             f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
@@ -125,14 +128,15 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
             f"no plan {reason} exists for {len(space.nodes)} nodes (solver status {status}).\n"
             "Fix: remove conflicting pins, or raise the memory budget"
         )
+    _, values, objective_value, bound = outcome
     choice = {
-        name: max(range(len(terms)), key=lambda k: sum(v.solution_value() for v in terms[k]))
+        name: max(range(len(terms)), key=lambda k: sum(values[v.index()] for v in terms[k]))
         for name, terms in ind.items()
     }
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
-        objective_s=objective.Value() / scale,
-        bound_s=objective.BestBound() / scale,
+        objective_s=objective_value / scale,
+        bound_s=bound / scale,
         solve_s=elapsed,
         num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
@@ -228,3 +232,36 @@ def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float |
     if budget_bytes is not None:
         solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
     return coefs, peak
+
+
+def _solve_before_deadline(solver, params, deadline_s: float):
+    """Run CBC in a forked child and give up at ``deadline_s``: CBC honours its own time limit
+    only between branch-and-bound nodes, not inside a long root relaxation. Returns ``(status,
+    variable values, objective, bound)``, or ``None`` when the deadline passed."""
+    if "fork" not in mp.get_all_start_methods():
+        status = solver.Solve(params)
+        return status, [v.solution_value() for v in solver.variables()], solver.Objective().Value(), solver.Objective().BestBound()
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_solve_child, args=(solver, params, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(deadline_s):
+            return None
+        return receive.recv()
+    except EOFError:
+        raise InfeasiblePlanError(f"the MIP solver stopped without an answer (exit code {child.exitcode})") from None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+
+
+def _solve_child(solver, params, send) -> None:
+    status = solver.Solve(params)
+    objective = solver.Objective()
+    values = array.array("d", (v.solution_value() for v in solver.variables()))
+    send.send((status, values, objective.Value(), objective.BestBound()))
+    send.close()

@@ -90,3 +90,17 @@ def test_mip_matches_dynamic_program_on_chains(seed):
 def test_repeated_solves_choose_the_same_plan():
     space, costs, transition = _random_space(30, 3, chain=False)
     assert solve(space, costs, transition).choice == solve(space, costs, transition).choice
+
+
+@pytest.mark.slow
+def test_a_program_too_big_to_solve_stops_at_the_deadline_with_a_clear_error():
+    import time
+
+    import autopar
+    from autopar.examples import make_example
+
+    model, inputs = make_example("llama")  # about 390k variables on a 2x2 mesh
+    started = time.perf_counter()
+    with pytest.raises(autopar.InfeasiblePlanError, match=r"(?s)no plan for .* within its time limit.*Fix: raise solver_time_limit_s"):
+        autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), inputs, hardware="cpu", solver_time_limit_s=5)
+    assert time.perf_counter() - started < 60
