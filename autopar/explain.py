@@ -8,12 +8,15 @@ from autopar.plan import ShardingPlan
 _HEAVY = ("mm", "addmm", "bmm", "embedding", "scaled_dot_product", "convolution", "layer_norm")
 
 
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+def format_bytes(nbytes: float) -> str:
+    """``1.5 MiB``-style sizes (powers of 2) for tables and messages."""
+    if abs(nbytes) < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         nbytes /= 1024
-    return ""
+        if abs(nbytes) < 1024 or unit == "GiB":
+            break
+    return f"{nbytes:.1f} {unit}"
 
 
 def _time(seconds: float) -> str:
@@ -38,10 +41,10 @@ def plan_table(plan: ShardingPlan) -> str:
     lines = [
         f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})",
         f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
-        f"communication {_time(plan.communication_s)}); peak memory per device {_size(plan.peak_memory_bytes)} "
-        f"(params {_size(mem.params_bytes)}, grads {_size(mem.grads_bytes)}, optimizer {_size(mem.optimizer_bytes)}, "
-        f"activations {_size(mem.activations_bytes)}, temporaries {_size(mem.transient_bytes)})"
-        + (f", budget {_size(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
+        f"communication {_time(plan.communication_s)}); peak memory per device {format_bytes(plan.peak_memory_bytes)} "
+        f"(params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
+        f"activations {format_bytes(mem.activations_bytes)}, temporaries {format_bytes(mem.transient_bytes)})"
+        + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables, solved in {plan.solver.solve_s:.2f} s; "
         f"planning took {sum(plan.stage_s.values()):.2f} s ("
@@ -60,7 +63,7 @@ def plan_table(plan: ShardingPlan) -> str:
                      for n in heavy])
     lines += ["", "Collectives"]
     lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
-                    [[c.kind, c.axis, c.phase, _size(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
+                    [[c.kind, c.axis, c.phase, format_bytes(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
                      for c in plan.collectives])
     counts = Counter((c.phase, c.kind) for c in plan.collectives)
     if counts:
@@ -72,7 +75,7 @@ def annotated_graph(plan: ShardingPlan) -> str:
     """One line per op of the joint graph with its placements, collectives where they happen."""
     moves: dict[str, list[str]] = {}
     for c in plan.collectives:
-        moves.setdefault(c.consumer, []).append(f"    <- {c.kind}[{c.axis}] {c.tensor} {c.src} -> {c.dst} ({_size(c.bytes)})")
+        moves.setdefault(c.consumer, []).append(f"    <- {c.kind}[{c.axis}] {c.tensor} {c.src} -> {c.dst} ({format_bytes(c.bytes)})")
     lines = []
     for n in plan.nodes:
         lines.extend(moves.get(n.name, []))

@@ -11,6 +11,7 @@ import torch
 from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.errors import InfeasiblePlanError
+from autopar.explain import format_bytes
 from autopar.mesh import Mesh
 from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan
@@ -100,24 +101,17 @@ def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, time
     largest = max(parts, key=parts.get)
     state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
     if state >= budget:
-        over = f"parameters, gradients and optimizer state alone need {_gb(state)} per device"
+        over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
     else:
-        over = f"the {largest} ({_gb(parts[largest])}) do not fit in what the rest leaves"
+        over = f"the {largest} ({format_bytes(parts[largest])}) do not fit in what the rest leaves"
     factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
     return (
-        f"no plan on {mesh} fits memory_budget={_gb(budget)} per device: the least memory any plan needs "
-        f"is {_gb(est.peak_bytes)}, {_gb(est.peak_bytes - budget)} over ("
-        + ", ".join(f"{k} {_gb(v)}" for k, v in parts.items())
-        + f"); {over}.\nFix: raise memory_budget to at least {_gb(est.peak_bytes)}, or plan for a mesh about "
+        f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "
+        f"is {format_bytes(est.peak_bytes)}, {format_bytes(est.peak_bytes - budget)} over ("
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+        + f"); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes ({format_bytes(est.peak_bytes)}), or plan for a mesh about "
         f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
     )
-
-
-def _gb(nbytes: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor], *,

@@ -115,7 +115,7 @@ def test_in_place_buffer_updates_are_refused_with_the_buffers_named():
 
 def test_infeasible_memory_budget_says_what_is_over_and_what_would_fit():
     with pytest.raises(autopar.InfeasiblePlanError,
-                       match=r"(?s)no plan on Mesh\(dp=4\) fits memory_budget=1 KB per device: the least memory any plan "
+                       match=r"(?s)no plan on Mesh\(dp=4\) fits memory_budget=1000 B per device: the least memory any plan "
                              r"needs is .*over \(parameters .*activations .*\).*Fix: raise memory_budget to at least .*"
                              r"mesh about .*x larger"):
         autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(), memory_budget="1KB")
