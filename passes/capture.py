@@ -132,6 +132,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     return captured
 
 
+def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:
+    """The tangent placeholders and every op that depends on them: the backward of a joint
+    graph. Everything else can run in the forward."""
+    found = set(tangents)
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def module_paths(captured: Captured) -> dict[str, str]:
     """The qualified name of the module each op node comes from; backward ops take the module
     of the forward op they differentiate (same autograd sequence number)."""

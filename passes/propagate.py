@@ -14,7 +14,7 @@ from torch import fx
 from autopar.errors import InfeasiblePlanError, UnsupportedOpError
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, R, Shard, format_placements
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.rules import rule_for, tensor_args
 from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 
@@ -31,7 +31,7 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
     """
     pins = dict(pins or {})
     graph = captured.graph.graph
-    backward = _tangent_dependent(graph)
+    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
     aliases = getitem_aliases(graph)
     grads = _grad_refs(captured)
     nodes: list[NodeSpace] = []
@@ -79,15 +79,6 @@ def placement_problem(value: torch.Tensor, placements: Placements, mesh: Mesh) -
 
 def _ref(arg: fx.Node, aliases: dict[str, ValueRef]) -> ValueRef:
     return aliases.get(arg.name, (arg.name, 0))
-
-
-def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(a in found for a in node.all_input_nodes):
-            if node.op != "output":
-                found.add(node)
-    return found
 
 
 def _grad_refs(captured: Captured) -> dict[str, fx.Node]:

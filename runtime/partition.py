@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopar.passes.capture import backward_nodes
+
 
 @dataclass(frozen=True, slots=True)
 class Partitioned:
@@ -25,10 +27,7 @@ def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: lis
     forward result (False), a gradient (True) or unused (None)."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     tangents = {n for n, t in zip(placeholders, is_tangent) if t}
-    backward: set[fx.Node] = set(tangents)
-    for node in joint.graph.nodes:
-        if node.op == "call_function" and any(a in backward for a in node.all_input_nodes):
-            backward.add(node)
+    backward = backward_nodes(joint.graph, tangents)
     outputs = list(joint.graph.output_node().args[0])
     fwd_outputs = [o for o, g in zip(outputs, output_is_grad) if g is False]
     grads = [o for o, g in zip(outputs, output_is_grad) if g]
