@@ -30,7 +30,14 @@ def _plan(args) -> int:
     from autopar.demo import mesh_from
 
     model, inputs = _load_model(args.model)
-    plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware)
+    pins = {}
+    for pin in args.pin:
+        name, sep, placements = pin.partition("=")
+        if not sep:
+            raise SystemExit(f"autopar plan: --pin {pin!r} must look like NAME=S(0),R")
+        pins[name] = tuple(p.strip() for p in placements.split(","))
+    plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware,
+                        pins=pins or None, memory_budget=args.memory_budget)
     print(plan)
     if args.graph:
         print("\n" + autopar.annotated_graph(plan))
@@ -75,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
     p.add_argument("--hardware", default="h100", help="h100, a100 or cpu (default h100)")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME=P0,P1",
+                   help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)")
+    p.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB or 512MiB")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 

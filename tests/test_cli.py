@@ -22,6 +22,14 @@ def test_plan_prints_the_table_and_writes_json(tmp_path):
     assert shown.returncode == 0 and "ShardingPlan for Mesh(tp=4)" in shown.stdout
 
 
+def test_plan_takes_pins_and_a_memory_budget():
+    done = _autopar("plan", "mlp", "--mesh", "2x2", "--pin", "layers.0.weight=R,S(0)", "--pin", "x=S(0),R",
+                    "--memory-budget", "64MiB")
+    assert done.returncode == 0, done.stderr
+    assert "(pinned: layers.0.weight, x)" in done.stdout
+    assert "layers.0.weight  (R, S(0))" in done.stdout and "budget 64.0 MiB" in done.stdout
+
+
 def test_plan_reads_a_model_file(tmp_path):
     (tmp_path / "net.py").write_text(textwrap.dedent("""
         import torch
