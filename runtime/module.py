@@ -110,8 +110,8 @@ class ParallelModule(torch.nn.Module):
         grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
         self._program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots)
         self._captured, self._plan, self._coordinate = captured, plan, coordinate
-        self._layouts = dict(zip(captured.placeholders, placeholder_layouts(captured, plan)))
-        self._shard_state(captured, coordinate)
+        self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
+        self._shard_state(captured)
         self._built = True
         log.info("rank %d at %s runs %d collectives per step (%s backend)", rank, coordinate, len(self.collectives), self._backend)
 
@@ -132,12 +132,12 @@ class ParallelModule(torch.nn.Module):
             raise value
         return ShardingPlan.from_json(value)
 
-    def _shard_state(self, captured: Captured, coordinate) -> None:
-        for node, kind in zip(captured.placeholders, captured.inputs):
+    def _shard_state(self, captured: Captured) -> None:
+        for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
                 tensor = self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
                 with torch.no_grad():
-                    tensor.data = local_piece(tensor.data, self._layouts[node], coordinate, self._mesh.shape)
+                    tensor.data = self.rank_part(kind.name, tensor.data)
 
     def _state(self) -> list[torch.Tensor]:
         return [
@@ -151,9 +151,9 @@ class ParallelModule(torch.nn.Module):
             raise TypeError(f"the model was compiled for {len(nodes)} inputs ({', '.join(k.name for _, k in nodes)}), got {len(inputs)}")
         local = []
         for x, (node, kind) in zip(inputs, nodes):
-            layout = self._layouts[node]
+            layout = self._layouts[kind.name]
             whole = tuple(node.meta["val"].shape)
-            per_rank = kind.name in self._plan.pinned and any(isinstance(p, Shard) for p in layout)
+            per_rank = self.passes_own_part(kind.name)
             expected = local_shape(whole, layout, self._mesh) if per_rank else whole
             if tuple(x.shape) != expected:
                 how = (f"its pinned placements {format_placements(layout)} mean each rank passes only its own part"
@@ -162,8 +162,22 @@ class ParallelModule(torch.nn.Module):
                     f"input '{kind.name}' has shape {tuple(x.shape)} but the plan expects {expected}: {how}. "
                     "Fix: pass inputs of the planned shape, or compile again for the new shape"
                 )
-            local.append(x if per_rank else local_piece(x, layout, self._coordinate, self._mesh.shape))
+            local.append(x if per_rank else self.rank_part(kind.name, x))
         return local
+
+    def passes_own_part(self, name: str) -> bool:
+        """Whether each rank passes only its own part of input ``name`` (its placements were
+        pinned to a split) rather than the whole tensor."""
+        return name in self._plan.pinned and any(isinstance(p, Shard) for p in self._layouts[name])
+
+    def rank_part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the parameter, buffer or input ``name`` of the given whole value."""
+        return local_piece(whole, self._layouts[name], self._coordinate, self._mesh.shape)
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole value of parameter, buffer or input ``name`` from every rank's piece
+        ``local`` (a collective: every rank calls it)."""
+        return gather_whole(local, self._layouts[name], self._device_mesh)
 
     # state -------------------------------------------------------------------------------
 
@@ -174,11 +188,9 @@ class ParallelModule(torch.nn.Module):
         """
         if not self._built:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        layouts = {k.name: self._layouts[n] for n, k in zip(self._captured.placeholders, self._captured.inputs)}
         state = {}
         for name, tensor in self.module.state_dict().items():
-            layout = layouts.get(name)
-            state[name] = tensor.detach().clone() if layout is None else gather_whole(tensor, layout, self._device_mesh)
+            state[name] = self.gather(name, tensor) if name in self._layouts else tensor.detach().clone()
         return {} if rank0_only and dist.get_rank() != 0 else state
 
 

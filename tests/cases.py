@@ -134,23 +134,12 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
 def _rank_inputs(pmodel, batch):
     """Each rank's own part of inputs whose placement is pinned to a split, as a per-rank data
     loader would give it; the whole batch otherwise."""
-    from autopar.placement import parse_placement
-    from autopar.runtime.state import local_piece
-
-    plan = pmodel.plan
-    out = []
-    for name, x in zip(plan.inputs, batch):
-        layout = tuple(parse_placement(p) for p in plan.inputs[name])
-        pinned = name in plan.pinned and any(p != "R" for p in plan.inputs[name])
-        out.append(local_piece(x, layout, pmodel._coordinate, plan.mesh.shape) if pinned else x)
-    return out
+    return [pmodel.rank_part(name, x) if pmodel.passes_own_part(name) else x
+            for name, x in zip(pmodel.plan.inputs, batch)]
 
 
 def _gather_grads(pmodel) -> dict[str, torch.Tensor]:
-    from autopar.runtime.state import gather_whole
-
-    layouts = {k.name: pmodel._layouts[n] for n, k in zip(pmodel._captured.placeholders, pmodel._captured.inputs)}
-    return {name: gather_whole(p.grad, layouts[name], pmodel._device_mesh) for name, p in pmodel.module.named_parameters()}
+    return {name: pmodel.gather(name, p.grad) for name, p in pmodel.module.named_parameters()}
 
 
 def decorated_and_lazy() -> dict:
