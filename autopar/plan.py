@@ -5,9 +5,10 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class SolverInfo:
     solve_s: float
     num_variables: int
     num_constraints: int
+    shared_nodes: int = 0
+    """Nodes of repeated layers that took the choice of the first layer of their stack."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,9 @@ class ShardingPlan:
 
     mesh: Mesh
     hardware: str
+    links: tuple[Link, ...]
+    """The α-β link of each mesh axis the plan was costed with; the rewriter reshards tensors
+    in the order these make cheapest, as the solver assumed."""
     graph_hash: str
     """Fingerprint of the captured graph; a plan is refused for any other graph."""
     placements: Mapping[str, tuple[str, ...]]
@@ -129,6 +135,7 @@ class ShardingPlan:
             "format_version": FORMAT_VERSION,
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "hardware": self.hardware,
+            "links": [[link.latency_s, link.s_per_byte] for link in self.links],
             "graph_hash": self.graph_hash,
             "placements": {k: list(v) for k, v in self.placements.items()},
             "inputs": {k: list(v) for k, v in self.inputs.items()},
@@ -155,6 +162,7 @@ class ShardingPlan:
         return cls(
             mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
             hardware=data["hardware"],
+            links=tuple(Link(*link) for link in data["links"]),
             graph_hash=data["graph_hash"],
             placements={k: tuple(v) for k, v in data["placements"].items()},
             inputs={k: tuple(v) for k, v in data["inputs"].items()},
@@ -170,7 +178,7 @@ class ShardingPlan:
         )
 
     def _decisions(self) -> tuple:
-        return (self.mesh, self.hardware, self.graph_hash, tuple(self.placements.items()),
+        return (self.mesh, self.hardware, self.links, self.graph_hash, tuple(self.placements.items()),
                 tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives)
 
     def __eq__(self, other) -> bool:

@@ -16,11 +16,17 @@ from autopar.mesh import Mesh
 from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
+from autopar.passes.layers import repeated_layers
 from autopar.passes.planning import build_plan
 from autopar.passes.propagate import propagate
-from autopar.passes.solver import solve
+from autopar.passes.solver import program_size, solve
 
 log = logging.getLogger("autopar")
+
+SHARE_ABOVE = 20_000
+"""Program size (:func:`~autopar.passes.solver.program_size`) from which repeated layers share
+variables by default. Smaller programs solve in seconds without it and keep plans that differ
+from layer to layer (an MLP alternating column and row splits)."""
 
 Pins = Mapping[str, "str | Sequence[str | Placement]"]
 
@@ -58,7 +64,8 @@ def check_mesh(mesh: Mesh) -> None:
 
 def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" = "h100",
                   pins: Pins | None = None, memory_budget: "int | str | None" = None,
-                  fallback: bool = True, solver_time_limit_s: float = 120.0) -> ShardingPlan:
+                  fallback: bool = True, solver_time_limit_s: float = 120.0,
+                  share_layers: bool | None = None) -> ShardingPlan:
     """Plan an already captured graph (see :func:`autopar.plan`)."""
     check_mesh(mesh)
     profile = resolve_profile(hardware)
@@ -71,15 +78,17 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     node_costs = costs.node_costs(space)
     t2 = time.perf_counter()
     memory = memory_terms(space, costs)
+    shared = _shared_layers(captured, space, node_costs, memory, share_layers)
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
              sum(len(n.strategies) for n in space.nodes), mesh)
     try:
-        solution = solve(space, node_costs, costs.transition_s, memory=memory if budget else None,
-                         budget_bytes=budget, time_limit_s=solver_time_limit_s)
+        solution = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves,
+                         memory=memory if budget else None, budget_bytes=budget, shared=shared,
+                         time_limit_s=solver_time_limit_s)
     except InfeasiblePlanError as exc:
         if budget is None or "time limit" in str(exc):
             raise
-        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, budget, mesh, solver_time_limit_s)) from None
+        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, budget, mesh, shared, solver_time_limit_s)) from None
     t3 = time.perf_counter()
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
     result = build_plan(captured, space, solution, costs, memory, hardware_name=profile.name,
@@ -92,9 +101,21 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     return result
 
 
-def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, time_limit_s: float) -> str:
+def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: bool | None) -> dict[str, str]:
+    """Repeated layers share variables when asked, or by default when the program would be large."""
+    if share_layers is False:
+        return {}
+    shared = repeated_layers(captured, space, node_costs, memory)
+    if share_layers is None and program_size(space) < SHARE_ABOVE:
+        return {}
+    return shared
+
+
+def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, shared, time_limit_s: float) -> str:
     """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
-    least = solve(space, node_costs, costs.transition_s, memory=memory, minimise="memory", time_limit_s=time_limit_s)
+    least = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves, memory=memory,
+                  minimise="memory", shared=shared,
+                  time_limit_s=time_limit_s)
     est = memory.estimate(least.choice)
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes, "temporaries": est.transient_bytes}
@@ -117,7 +138,7 @@ def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, time
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor], *,
          hardware: "str | Profile" = "h100", pins: Pins | None = None,
          memory_budget: "int | str | None" = None, fallback: bool = True,
-         solver_time_limit_s: float = 120.0) -> ShardingPlan:
+         solver_time_limit_s: float = 120.0, share_layers: bool | None = None) -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
     Args:
@@ -133,6 +154,9 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
         fallback: run ops that have no sharding rule replicated (with a warning) instead of
             raising :class:`~autopar.errors.UnsupportedOpError`.
         solver_time_limit_s: stop the MIP after this long with the best plan found.
+        share_layers: give identical repeated layers (``layers.0``, ``layers.1``, …) one
+            shared choice, so the program grows with the distinct layers, not all of them.
+            ``None`` (default) shares them when the program would be large.
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
@@ -141,4 +165,5 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
     parse_pins(pins, mesh)
     parse_memory(memory_budget)
     return plan_captured(capture(model, tuple(example_inputs)), mesh, hardware=hardware, pins=pins,
-                         memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s)
+                         memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s,
+                         share_layers=share_layers)

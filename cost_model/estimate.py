@@ -1,17 +1,15 @@
 """Prices a strategy space: compute per node strategy, transitions per edge, memory per plan."""
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from autopar.cost_model.comm import step_time_s
 from autopar.cost_model.compute import compute_s, node_work
-from autopar.cost_model.hardware import Profile
+from autopar.cost_model.hardware import Profile, mesh_links
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured
-from autopar.passes.redistribute import Step, local_shape, transition
+from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.strategy import StrategySpace, ValueRef
 from autopar.placement import Placements
 from autopar.plan import MemoryEstimate
@@ -23,6 +21,7 @@ class CostModel:
     def __init__(self, captured: Captured, mesh: Mesh, hardware: Profile):
         self.mesh = mesh
         self.hardware = hardware
+        self.links = mesh_links(hardware, mesh)
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
 
     def value(self, ref: ValueRef) -> torch.Tensor:
@@ -38,21 +37,24 @@ class CostModel:
 
     def steps(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...]:
         value = self.value(ref)
-        return _transition(src, dst, tuple(value.shape), value.element_size(), self.mesh)
+        return transition(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
+                          self.mesh, self.links)
+
+    def step_s(self, step: Step) -> float:
+        return step_s(step, self.mesh, self.links)
 
     def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
-        if src == dst:
-            return 0.0
-        return sum(step_time_s(s, self.mesh, self.hardware) for s in self.steps(ref, src, dst))
+        return sum(self.step_s(s) for s in self.steps(ref, src, dst))
+
+    def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
+        """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""
+        value = self.value(ref)
+        return one_step_moves(tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
+                              self.mesh, self.links)
 
     def local_bytes(self, ref: ValueRef, placements: Placements) -> int:
         value = self.value(ref)
         return math.prod(local_shape(tuple(value.shape), placements, self.mesh)) * value.element_size()
-
-
-@functools.lru_cache(maxsize=65536)
-def _transition(src, dst, shape, itemsize, mesh) -> tuple[Step, ...]:
-    return transition(src, dst, shape, itemsize, mesh)
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,3 +131,8 @@ def resolve_profile(hardware: "str | Profile") -> Profile:
                 "or pass a HardwareProfile / SyntheticProfile"
             ) from None
     raise TypeError(f"hardware must be a profile name or a profile object, got {type(hardware).__name__}")
+
+
+def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
+    """The α-β link of each axis of ``mesh``."""
+    return tuple(hardware.link(mesh, axis) for axis in range(mesh.ndim))

@@ -144,7 +144,9 @@ def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:
 
 def module_paths(captured: Captured) -> dict[str, str]:
     """The qualified name of the module each op node comes from; backward ops take the module
-    of the forward op they differentiate (same autograd sequence number)."""
+    of the forward op they differentiate (same autograd sequence number). Backward ops that this
+    leaves at the root module or without one (gradients of a value used in several places, added
+    up) take the module of their first operand that has one."""
     paths: dict[str, str] = {}
     by_seq: dict[int, str] = {}
     nodes = [n for n in captured.graph.graph.nodes if n.op == "call_function"]
@@ -155,7 +157,14 @@ def module_paths(captured: Captured) -> dict[str, str]:
             if "seq_nr" in node.meta:
                 by_seq.setdefault(node.meta["seq_nr"], paths[node.name])
     for node in nodes:
-        if node.name not in paths and node.meta.get("seq_nr") in by_seq:
+        if node.name in paths:
+            continue
+        operand = next((a.name for a in node.all_input_nodes if paths.get(a.name)), None)
+        if by_seq.get(node.meta.get("seq_nr")):
+            paths[node.name] = by_seq[node.meta["seq_nr"]]
+        elif operand is not None:
+            paths[node.name] = paths[operand]
+        elif node.meta.get("seq_nr") in by_seq:
             paths[node.name] = by_seq[node.meta["seq_nr"]]
     return paths
 

@@ -1,6 +1,5 @@
 """Turn the solver's choice into a :class:`~autopar.plan.ShardingPlan`."""
 
-from autopar.cost_model.comm import step_time_s
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
@@ -47,6 +46,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     return ShardingPlan(
         mesh=mesh,
         hardware=hardware_name,
+        links=costs.links,
         graph_hash=captured.graph_hash,
         placements=placements,
         inputs=inputs,
@@ -73,7 +73,7 @@ def _collectives(space: StrategySpace, chosen, costs: CostModel, mesh: Mesh):
             if step.is_collective:
                 yield Collective(
                     kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase=phase,
-                    time_s=step_time_s(step, mesh, costs.hardware), tensor=_ref_name(ref),
+                    time_s=costs.step_s(step), tensor=_ref_name(ref),
                     consumer=consumer.name, src=format_placements(src), dst=format_placements(dst),
                 )
 

@@ -16,16 +16,22 @@ from       to         step
 ``R``      ``P``      keep the value on the axis' first rank, zeros elsewhere
 ========== ========== =====================================================
 
-Axes that give up a split or a partial sum go first, then axes that take one, so that no dim is
-ever split by two axes in between.
+On an N-D mesh a transition is a sequence of such one-axis steps. Each step is priced with the
+α-β link of its axis on the bytes the tensor has at that point, and the transition takes the
+cheapest sequence through valid layouts (a shortest path): gathering over a slow axis while the
+tensor is still split on a fast one, for example. The solver prices moves the same way.
 """
 
+import functools
+import heapq
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, Replicate, Shard
-
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -59,38 +65,97 @@ def local_shape(shape: tuple[int, ...], placements: Placements, mesh: Mesh) -> t
     return tuple(local)
 
 
-def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
-               mesh: Mesh) -> tuple[Step, ...]:
-    """The steps that turn a tensor laid out as ``src`` into one laid out as ``dst``."""
-    cur = list(src)
-    steps: list[Step] = []
+def valid_layouts(shape: tuple[int, ...], mesh: Mesh, partial: bool) -> tuple[Placements, ...]:
+    """Every layout of a tensor of ``shape``: per axis replicated, split along a dim the axis
+    divides (no dim split by two axes) or, when ``partial``, a partial sum."""
+    options = []
+    for size in mesh.shape:
+        axis = [Replicate()] + [Shard(d) for d, n in enumerate(shape) if n % size == 0]
+        options.append(axis + [Partial()] if partial else axis)
+    layouts = []
+    for combo in itertools.product(*options):
+        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        if len(dims) == len(set(dims)):
+            layouts.append(tuple(combo))
+    return tuple(layouts)
 
-    def nbytes() -> int:
-        return math.prod(local_shape(shape, tuple(cur), mesh)) * itemsize
 
-    def free(dim: int) -> bool:
-        return not any(isinstance(p, Shard) and p.dim == dim for p in cur)
+def one_axis_step(cur: Placements, nxt: Placements, axis: int, shape: tuple[int, ...], itemsize: int,
+                  mesh: Mesh) -> Step | None:
+    """The step that changes ``cur`` into ``nxt`` on ``axis`` alone (they agree elsewhere), or
+    ``None`` for a split turning into a partial sum, which takes two steps."""
+    s, d = cur[axis], nxt[axis]
+    before = math.prod(local_shape(shape, cur, mesh)) * itemsize
+    if isinstance(s, Shard):
+        if isinstance(d, Shard):
+            return Step("all_to_all", axis, s.dim, d.dim, before)
+        if isinstance(d, Replicate):
+            return Step("all_gather", axis, s.dim, bytes=math.prod(local_shape(shape, nxt, mesh)) * itemsize)
+        return None
+    if isinstance(s, Partial):
+        if isinstance(d, Shard):
+            return Step("reduce_scatter", axis, d.dim, bytes=before)
+        return Step("all_reduce", axis, bytes=before)
+    return Step("slice", axis, d.dim) if isinstance(d, Shard) else Step("zero", axis)
 
-    for axis, (s, d) in enumerate(zip(src, dst)):
-        if s == d:
+
+def step_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """Modelled time of one step under the α-β ``links`` (one per mesh axis); local steps are free.
+
+    With ``n`` ranks on the axis and ``B`` bytes as in :attr:`Step.bytes`, bandwidth terms follow
+    the ring algorithms: all-reduce ``α + 2(n-1)/n·B·β``; all-gather, reduce-scatter, all-to-all
+    ``α + (n-1)/n·B·β``.
+    """
+    n = mesh.shape[step.axis]
+    if not step.is_collective or n == 1:
+        return 0.0
+    link = links[step.axis]
+    rounds = 2 if step.kind == "all_reduce" else 1
+    return link.latency_s + rounds * (n - 1) / n * step.bytes * link.s_per_byte
+
+
+def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, partial: bool,
+               mesh: Mesh, links: tuple[Link, ...]) -> tuple[Step, ...]:
+    """The cheapest steps that turn a tensor laid out as ``src`` into one laid out as ``dst``
+    (``partial``: whether the tensor may be a partial sum, i.e. is floating point)."""
+    if src == dst:
+        return ()
+    return _shortest_paths(src, shape, itemsize, partial, mesh, links)[dst][1]
+
+
+def neighbours(cur: Placements, layouts: frozenset, shape, itemsize: int, mesh: Mesh) -> Iterator[tuple[Placements, Step]]:
+    """The layouts one step away from ``cur`` within ``layouts``, with that step."""
+    for axis in range(mesh.ndim):
+        for nxt in layouts:
+            if nxt[axis] != cur[axis] and all(nxt[a] == cur[a] for a in range(mesh.ndim) if a != axis):
+                step = one_axis_step(cur, nxt, axis, shape, itemsize, mesh)
+                if step is not None:
+                    yield nxt, step
+
+
+@functools.lru_cache(maxsize=4096)
+def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: Mesh,
+                    links: tuple[Link, ...]) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
+    layouts = frozenset(valid_layouts(shape, mesh, partial)) | {src}
+    best: dict[Placements, tuple[float, tuple[Step, ...]]] = {}
+    order = itertools.count()
+    heap = [(0.0, 0, next(order), src, ())]
+    while heap:
+        cost, _, _, cur, steps = heapq.heappop(heap)
+        if cur in best:
             continue
-        if isinstance(s, Shard):
-            if isinstance(d, Shard) and free(d.dim):
-                steps.append(Step("all_to_all", axis, s.dim, d.dim, nbytes()))
-                cur[axis] = d
-            else:
-                cur[axis] = Replicate()
-                steps.append(Step("all_gather", axis, s.dim, bytes=nbytes()))
-        elif isinstance(s, Partial):
-            if isinstance(d, Shard) and free(d.dim):
-                steps.append(Step("reduce_scatter", axis, d.dim, bytes=nbytes()))
-                cur[axis] = d
-            else:
-                steps.append(Step("all_reduce", axis, bytes=nbytes()))
-                cur[axis] = Replicate()
-    for axis, d in enumerate(dst):
-        if cur[axis] == d:
-            continue
-        steps.append(Step("slice", axis, d.dim) if isinstance(d, Shard) else Step("zero", axis))
-        cur[axis] = d
-    return tuple(steps)
+        best[cur] = (cost, steps)
+        for nxt, step in neighbours(cur, layouts, shape, itemsize, mesh):
+            if nxt not in best:
+                heapq.heappush(heap, (cost + step_s(step, mesh, links), len(steps) + 1, next(order), nxt, steps + (step,)))
+    return best
+
+
+@functools.lru_cache(maxsize=1024)
+def one_step_moves(shape: tuple[int, ...], itemsize: int, partial: bool, mesh: Mesh,
+                   links: tuple[Link, ...]) -> tuple[tuple[Placements, Placements, float], ...]:
+    """Every one-step move between valid layouts of a tensor, with its modelled time: the arcs
+    whose shortest paths :func:`transition` takes."""
+    layouts = frozenset(valid_layouts(shape, mesh, partial))
+    return tuple((u, v, step_s(step, mesh, links)) for u in sorted(layouts, key=repr)
+                 for v, step in neighbours(u, layouts, shape, itemsize, mesh))

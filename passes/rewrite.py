@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.cost_model.hardware import Link
 from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
@@ -58,13 +59,14 @@ def placeholder_layouts(captured: Captured, plan: ShardingPlan) -> list[Placemen
 class _Rank:
     """Emits the local ops and collectives of one rank while ``make_fx`` traces."""
 
-    def __init__(self, mesh: Mesh, coordinate: Sequence[int], group_names: Sequence[str]):
+    def __init__(self, mesh: Mesh, links: tuple[Link, ...], coordinate: Sequence[int], group_names: Sequence[str]):
         self.mesh = mesh
+        self.links = links
         self.coordinate = coordinate
         self.group_names = group_names
 
     def move(self, t: torch.Tensor, src: Placements, dst: Placements, shape: tuple[int, ...]) -> torch.Tensor:
-        for step in transition(src, dst, shape, t.element_size(), self.mesh):
+        for step in transition(src, dst, shape, t.element_size(), t.dtype.is_floating_point, self.mesh, self.links):
             t = getattr(self, step.kind)(t, step)
         return t
 
@@ -114,7 +116,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     strategies = plan_strategies(captured, plan)
     graph = captured.graph.graph
     aliases = getitem_aliases(graph)
-    rank = _Rank(mesh, coordinate, group_names)
+    rank = _Rank(mesh, plan.links, coordinate, group_names)
     layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
 
     def per_rank(*local_inputs):

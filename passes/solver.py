@@ -29,7 +29,7 @@ import logging
 import multiprocessing as mp
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
@@ -58,12 +58,23 @@ class Solution:
 
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
+OneStepMoves = Callable[[ValueRef], Sequence[tuple[Placements, Placements, float]]]
 
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
           *, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
-          minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
+          one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None, minimise: str = "time", time_limit_s: float = 120.0,
+          relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
+
+    ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
+    given, a tensor with one reader moves along them (:func:`_layout_flow`), which takes fewer
+    variables than all pairs of layouts on N-D meshes. ``transition_s`` must then be the
+    cheapest path over these moves, as :func:`autopar.passes.redistribute.transition` is.
+
+    ``shared`` maps nodes of repeated layers to their counterpart in the first layer
+    (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
+    variables, and the costs of every copy add up on the shared variables.
 
     With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
     (:func:`_memory_budget`); ``minimise="memory"`` looks for the plan with the least memory
@@ -74,30 +85,36 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("CBC")
     solver.SetTimeLimit(int(time_limit_s * 1000))
+    shared = dict(shared or {})
+    first_layers = set(shared.values())
     by_name = space.index()
     followed: set[tuple[str, ValueRef]] = set()
     ind: dict[str, list[list]] = {}
     for n in space.nodes:
-        shared = _follow_operand(n, by_name, ind) if not any(node_costs[n.name]) else None
-        if shared is not None:
+        if n.name in shared:
+            continue
+        follow = None
+        if not any(node_costs[n.name]) and _copied_with_operand(n, shared, first_layers):
+            follow = _follow_operand(n, by_name, ind)
+        if follow is not None:
             followed.add((n.name, n.args[0]))
-        ind[n.name] = shared if shared is not None else _one_strategy_per_node(solver, n)
+        ind[n.name] = follow if follow is not None else _one_strategy_per_node(solver, n)
+    for n in space.nodes:
+        if n.name in shared:
+            first = by_name[shared[n.name]]
+            ind[n.name] = ind[first.name]
+            if (first.name, first.args[0] if first.args else None) in followed:
+                followed.add((n.name, n.args[0]))
     costs: dict = defaultdict(float)
     for n in space.nodes:
         for k, terms in enumerate(ind[n.name]):
             for var in terms:
                 costs[var] += node_costs[n.name][k]
-    consumers: dict[ValueRef, list[tuple[NodeSpace, int]]] = defaultdict(list)
-    for n in space.nodes:
-        for j, ref in enumerate(n.args):
-            if (n.name, ref) not in followed:
-                consumers[ref].append((n, j))
-    for ref, readers in consumers.items():
-        producer = by_name[ref[0]]
-        _layout_available(solver, costs, ref, producer, readers, ind, transition_s)
+    for (ref, readers), count in _tensor_classes(space, shared, followed).items():
+        _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves)
     objective = solver.Objective()
     if memory is not None:
-        memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes)
+        memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes, shared)
     if minimise == "memory":
         for var, coef in memory_coefs.items():
             objective.SetCoefficient(var, coef)
@@ -140,6 +157,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         solve_s=elapsed,
         num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
+        shared_nodes=len(shared),
     )
     log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
               info.num_constraints, elapsed, info.status)
@@ -188,37 +206,90 @@ def _flat(group: list[list]) -> list:
     return [v for terms in group for v in terms]
 
 
-def _layout_available(solver, costs: dict, ref: ValueRef, producer: NodeSpace,
-                      readers: list[tuple[NodeSpace, int]], ind: dict, transition_s: TransitionCost) -> None:
+def _copied_with_operand(node: NodeSpace, shared: dict[str, str], first_layers: set[str]) -> bool:
+    """Whether following its operand means the same for every copy of ``node``: the operand
+    is not itself a copy, and a node of a first layer only follows an operand of that layer."""
+    if len(node.args) != 1:
+        return False
+    operand = node.args[0][0]
+    return operand not in shared and (node.name not in first_layers or operand in first_layers)
+
+
+def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set) -> dict[tuple, int]:
+    """Group the graph's tensors by what the program sees of them: the (shared) tensor and the
+    set of (shared) readers that need it. Every class gets one set of move variables, priced
+    as many times as it has tensors."""
+    readers: dict[ValueRef, set[tuple[str, int]]] = defaultdict(set)
+    for n in space.nodes:
+        for j, ref in enumerate(n.args):
+            if (n.name, ref) not in followed:
+                readers[ref].add((shared.get(n.name, n.name), j))
+    classes: dict[tuple, int] = defaultdict(int)
+    for ref, who in readers.items():
+        classes[(shared.get(ref[0], ref[0]), ref[1]), frozenset(who)] += 1
+    return classes
+
+
+def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], readers: frozenset,
+                      count: int, ind: dict, transition_s: TransitionCost, one_step_moves: OneStepMoves | None) -> None:
+    """Tie every reader's needed layout to the producer's, and price each move ``count`` times."""
+    producer = by_name[ref[0]]
     src = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
     moves: dict[tuple, object] = {}
-    for n, j in readers:
+    for name, j in sorted(readers):
+        n = by_name[name]
         dst = {q: _flat(g) for q, g in _group(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
         if len(src) == 1 and len(dst) == 1:
             (p,), (q,) = src, dst
             if p != q:
-                _move(solver, costs, moves, ref, p, q, transition_s, None)
+                _move(solver, costs, moves, ref, p, q, count, transition_s, None)
             continue
+        if len(readers) == 1 and one_step_moves is not None:
+            arcs = one_step_moves(ref)
+            if len(arcs) < len(src) * len(dst) and _layout_flow(solver, costs, arcs, src, dst, count):
+                continue
         t = {(p, q): solver.NumVar(0.0, 1.0, "") for p in src for q in dst}
         for p in src:  # the reader's copy leaves the producer's layout
             solver.Add(sum(t[p, q] for q in dst) == sum(src[p]))
         for q in dst:  # and arrives in the layout the reader needs
             solver.Add(sum(t[p, q] for p in src) == sum(dst[q]))
         for (p, q), var in t.items():
-            if p != q:
-                _move(solver, costs, moves, ref, p, q, transition_s, var)
+            if p != q and len(readers) == 1:
+                costs[var] += count * transition_s(ref, p, q)  # the only reader: its transport is the move
+            elif p != q:
+                _move(solver, costs, moves, ref, p, q, count, transition_s, var)
 
 
-def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, transition_s: TransitionCost, need) -> None:
-    """Price moving ``ref`` from ``p`` to ``q`` once, whichever readers need it (``need`` is a
-    reader's transport variable, or ``None`` when the move is certain)."""
+def _layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) -> bool:
+    """Move a tensor with one reader as a unit of flow from the producer's layout to the
+    reader's along one-axis moves: a cheapest flow is a cheapest path, the transition's cost,
+    with a variable per move instead of per pair of layouts. False (nothing added) when a
+    layout is outside the moves' layouts."""
+    layouts = {u for u, _, _ in arcs}
+    if not (src.keys() <= layouts and dst.keys() <= layouts):
+        return False
+    out: dict = defaultdict(list)
+    into: dict = defaultdict(list)
+    for u, v, cost in arcs:
+        f = solver.NumVar(0.0, 1.0, "")
+        out[u].append(f)
+        into[v].append(f)
+        costs[f] += count * cost
+    for u in layouts:  # what leaves a layout is what the producer gives it plus what arrives, less what the reader keeps
+        solver.Add(sum(out[u]) - sum(into[u]) == sum(src.get(u, [])) - sum(dst.get(u, [])))
+    return True
+
+
+def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, count: int, transition_s: TransitionCost, need) -> None:
+    """Price moving ``ref`` from ``p`` to ``q`` once per tensor of its class, whichever readers
+    need it (``need`` is a reader's transport variable, or ``None`` when the move is certain)."""
     if (p, q) not in moves:
         moves[p, q] = solver.NumVar(0.0, 1.0, "")
-        costs[moves[p, q]] += transition_s(ref, p, q)
+        costs[moves[p, q]] += count * transition_s(ref, p, q)
     solver.Add(moves[p, q] >= (1 if need is None else need))  # one copy serves every reader
 
 
-def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None):
+def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str]):
     """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
     is a variable at least every op's output size under its chosen strategy."""
     coefs: dict = defaultdict(float)
@@ -228,6 +299,8 @@ def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float |
                 coefs[var] += sizes[k] * _MEMORY_SCALE
     peak = solver.NumVar(0.0, solver.infinity(), "largest_temporary")
     for name, sizes in memory.temporaries.items():
+        if name in shared:
+            continue  # the same constraint as its first layer's
         solver.Add(peak >= sum(sizes[k] * _MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
     if budget_bytes is not None:
         solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
@@ -265,3 +338,15 @@ def _solve_child(solver, params, send) -> None:
     values = array.array("d", (v.solution_value() for v in solver.variables()))
     send.send((status, values, objective.Value(), objective.BestBound()))
     send.close()
+
+
+def program_size(space: StrategySpace) -> int:
+    """A quick measure of the program's size: strategies plus, per tensor read, the pairs of
+    layouts its transport relates."""
+    by_name = space.index()
+    size = 0
+    for n in space.nodes:
+        size += len(n.strategies)
+        for j, (name, index) in enumerate(n.args):
+            size += len({s.outputs[index] for s in by_name[name].strategies}) * len({s.inputs[j] for s in n.strategies})
+    return size
