@@ -7,6 +7,7 @@ gradients. Every node carries its fake value in ``node.meta["val"]``.
 """
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import logging
@@ -26,6 +27,7 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput,
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.errors import CaptureError
 
@@ -99,6 +101,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
         )
     names = _input_names(model, len(example_inputs))
     started = time.perf_counter()
+    model, example_inputs = _off_meta(model, tuple(example_inputs))
     try:
         exported = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as exc:  # torch.export raises many unrelated exception types
@@ -130,6 +133,21 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph), time.perf_counter() - started)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
     return captured
+
+
+def _off_meta(model: torch.nn.Module, example_inputs: tuple) -> tuple[torch.nn.Module, tuple]:
+    """A model built under ``torch.device("meta")`` (one too big for any single device) is
+    traced as a copy on fake CPU tensors of the same shapes: meta tensors have no autograd for
+    some ops (the loss), so their joint graph would lack the backward."""
+    tensors = [*model.parameters(), *model.buffers(), *example_inputs]
+    if not any(t.is_meta for t in tensors):
+        return model, example_inputs
+    fake = copy.deepcopy(model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = fake.to_empty(device="cpu")
+        inputs = tuple(torch.empty_like(t, device="cpu") if t.is_meta else mode.from_tensor(t) for t in example_inputs)
+    return fake, inputs
 
 
 def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:

@@ -1,4 +1,4 @@
-"""Pick one strategy per node by mixed-integer programming (OR-Tools ``pywraplp``, CBC).
+"""Pick one strategy per node by mixed-integer programming (OR-Tools ``pywraplp``, HiGHS).
 
 The program, Alpa's formulation (also XLA auto-sharding's) with resharding priced once per
 tensor and target layout, however many consumers share it::
@@ -27,6 +27,7 @@ strategies.
 import array
 import logging
 import multiprocessing as mp
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 _SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
 _MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
-_LARGE = 150_000  # variables past which CBC's root relaxation alone takes minutes on a small host
+_LARGE = 400_000  # variables past which the root relaxation alone takes minutes on a small host
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     reported). Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
     """
     started = time.perf_counter()
-    solver = pywraplp.Solver.CreateSolver("CBC")
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    solver.SuppressOutput()
     solver.SetTimeLimit(int(time_limit_s * 1000))
     shared = dict(shared or {})
     first_layers = set(shared.values())
@@ -126,20 +128,20 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         scale = _SCALE
     objective.SetMinimization()
     if solver.NumVariables() > _LARGE:
-        log.warning("the plan's integer program has %d variables; CBC may not solve it within the time limit. "
+        log.warning("the plan's integer program has %d variables; the solver may not finish within the time limit. "
                     "Pins on the large tensors, or a 1-D mesh, shrink it.", solver.NumVariables())
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     outcome = _solve_before_deadline(solver, params, time_limit_s * 1.1 + 5.0)
     elapsed = time.perf_counter() - started
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
-    if status == pywraplp.Solver.NOT_SOLVED:
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
         raise InfeasiblePlanError(
             f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
             f"its time limit ({elapsed:.0f} s).\nFix: raise solver_time_limit_s, pin the large tensors, or plan "
             "for a 1-D mesh"
         )
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if status == pywraplp.Solver.INFEASIBLE:
         reason = "within the memory budget" if budget_bytes is not None else "that satisfies the pins"
         raise InfeasiblePlanError(
             f"no plan {reason} exists for {len(space.nodes)} nodes (solver status {status}).\n"
@@ -308,8 +310,8 @@ def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float |
 
 
 def _solve_before_deadline(solver, params, deadline_s: float):
-    """Run CBC in a forked child and give up at ``deadline_s``: CBC honours its own time limit
-    only between branch-and-bound nodes, not inside a long root relaxation. Returns ``(status,
+    """Run the solver in a forked child and give up at ``deadline_s``: MIP solvers honour their
+    own time limit only between steps, not inside a long root relaxation. Returns ``(status,
     variable values, objective, bound)``, or ``None`` when the deadline passed."""
     if "fork" not in mp.get_all_start_methods():
         status = solver.Solve(params)
@@ -333,7 +335,13 @@ def _solve_before_deadline(solver, params, deadline_s: float):
 
 
 def _solve_child(solver, params, send) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
     status = solver.Solve(params)
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        send.send((status, None, None, None))
+        send.close()
+        return
     objective = solver.Objective()
     values = array.array("d", (v.solution_value() for v in solver.variables()))
     send.send((status, values, objective.Value(), objective.BestBound()))
