@@ -22,7 +22,8 @@ class Collective:
     bytes: int
     """Bytes per rank (the gathered result of an all-gather, the input of a reduce-scatter)."""
     phase: str
-    """``forward``, ``backward`` or ``optimizer``."""
+    """``forward``, ``backward``, or ``output``: making a result whole for the caller (the
+    loss of a batch-split step), which nothing else in the step waits for."""
     time_s: float
     """Modelled time."""
     tensor: str

@@ -162,9 +162,10 @@ def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:
 
 def module_paths(captured: Captured) -> dict[str, str]:
     """The qualified name of the module each op node comes from; backward ops take the module
-    of the forward op they differentiate (same autograd sequence number). Backward ops that this
-    leaves at the root module or without one (gradients of a value used in several places, added
-    up) take the module of their first operand that has one."""
+    of the forward op they differentiate (same autograd sequence number). Gradient additions
+    (a value used in several places gets its gradients summed; their sequence number names no
+    useful module) take the module of their last operand that has one, the contribution being
+    added."""
     paths: dict[str, str] = {}
     by_seq: dict[int, str] = {}
     nodes = [n for n in captured.graph.graph.nodes if n.op == "call_function"]
@@ -177,14 +178,18 @@ def module_paths(captured: Captured) -> dict[str, str]:
     for node in nodes:
         if node.name in paths:
             continue
-        operand = next((a.name for a in node.all_input_nodes if paths.get(a.name)), None)
-        if by_seq.get(node.meta.get("seq_nr")):
-            paths[node.name] = by_seq[node.meta["seq_nr"]]
-        elif operand is not None:
-            paths[node.name] = paths[operand]
-        elif node.meta.get("seq_nr") in by_seq:
+        if _GRADIENT_ADDITION in node.meta.get("stack_trace", ""):
+            operand = next((a.name for a in reversed(node.all_input_nodes) if paths.get(a.name)), None)
+            if operand is not None:
+                paths[node.name] = paths[operand]
+                continue
+        if node.meta.get("seq_nr") in by_seq:
             paths[node.name] = by_seq[node.meta["seq_nr"]]
     return paths
+
+
+_GRADIENT_ADDITION = "Gradient addition node"
+"""How autograd marks, in a node's stack trace, the sum of a value's gradients from its uses."""
 
 
 def _input_names(model: torch.nn.Module, count: int) -> list[str]:

@@ -68,7 +68,7 @@ def _fmt(strategy: Strategy) -> tuple[str, ...]:
 
 def _collectives(space: StrategySpace, chosen, costs: CostModel, mesh: Mesh):
     for ref, src, dst, consumer in edge_transitions(space, chosen):
-        phase = "backward" if consumer.kind == "param" else consumer.phase
+        phase = {"param": "backward", "output": "output"}.get(consumer.kind, consumer.phase)
         for step in costs.steps(ref, src, dst):
             if step.is_collective:
                 yield Collective(

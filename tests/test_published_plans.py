@@ -1,0 +1,79 @@
+"""Plans that Alpa and XLA auto-sharding record as optimal, found by autopar's solver under the
+synthetic α-β profile, asserted on placements and on collective counts and bytes."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar import Mesh
+from autopar.examples.bert import BertConfig, EncoderBlock
+from autopar.examples.mlp import MLP
+from tests.conftest import FLOP_EQ_BYTE
+
+
+def _collectives(plan, phase=None):
+    return sorted((c.kind, c.axis, c.bytes) for c in plan.collectives if phase is None or c.phase == phase)
+
+
+def test_six_layer_mlp_alternates_column_and_row_splits():
+    # Alpa tests/shard_parallel/test_mlp.py: L Linear+ReLU layers, batch 32, hidden 256, 4 devices
+    layers, batch, hidden = 6, 32, 256
+    plan = autopar.plan(MLP(hidden, hidden, num_layers=layers), Mesh((4,), ("tp",)),
+                        (torch.randn(batch, hidden), torch.randn(batch, hidden)), hardware=FLOP_EQ_BYTE)
+    for i in range(layers):
+        assert plan.placements[f"layers.{i}.weight"] == (("S(0)",) if i % 2 == 0 else ("S(1)",)), i
+    activation = batch * hidden * 4
+    assert _collectives(plan) == [("all_reduce", "tp", activation)] * (layers - 1)
+    assert len(_collectives(plan, "forward")) == layers // 2  # after each row-split layer
+    assert len(_collectives(plan, "backward")) == layers // 2 - 1  # input gradients of the column-split layers
+
+
+def test_batch_heavy_six_layer_mlp_is_data_parallel():
+    layers, batch, hidden = 6, 256, 32
+    model = MLP(hidden, hidden, num_layers=layers)
+    plan = autopar.plan(model, Mesh((4,), ("dp",)), (torch.randn(batch, hidden), torch.randn(batch, hidden)),
+                        hardware=FLOP_EQ_BYTE)
+    assert all(p == ("R",) for p in plan.placements.values())
+    assert _collectives(plan, "forward") == []
+    assert _collectives(plan, "backward") == sorted(("all_reduce", "dp", p.numel() * 4) for p in model.parameters())
+
+
+def test_2d_mesh_puts_tensor_parallelism_on_the_cheap_axis():
+    # Alpa's 2-D MLP case and XLA auto-sharding's TwoMatmul: axis "b" is 10x cheaper than "a"
+    batch, dim, hidden = 512, 512, 2048
+    profile = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=(1e-10, 1e-11), latency_s=1e-8)
+    plan = autopar.plan(MLP(dim, hidden), Mesh((2, 2), ("a", "b")), (torch.randn(batch, dim), torch.randn(batch, dim)),
+                        hardware=profile)
+    assert plan.placements["layers.0.weight"] == ("R", "S(0)")  # column split on the cheap axis
+    assert plan.placements["layers.1.weight"] == ("R", "S(1)")  # row split on the cheap axis
+    assert plan.node("addmm").outputs == ("(S(0), S(1))",)  # batch split on the other
+    forward = _collectives(plan, "forward")
+    assert forward == [("all_reduce", "b", batch // 2 * dim * 4)]
+    assert {axis for _, axis, _ in _collectives(plan, "backward")} == {"a"}  # gradients summed over the batch split
+
+
+class _EncoderStack(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(x, target)
+
+
+def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
+    # Alpa tests/shard_parallel/test_bert.py: hidden >> batch * sequence
+    layers, batch, seq = 2, 2, 8
+    cfg = BertConfig(dim=512, num_heads=8, hidden=2048, num_layers=layers, max_seq=seq)
+    plan = autopar.plan(_EncoderStack(cfg), Mesh((4,), ("tp",)),
+                        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)), hardware=FLOP_EQ_BYTE)
+    for i in range(layers):
+        for column in ("query", "key", "value", "fc1"):
+            assert plan.placements[f"blocks.{i}.{column}.weight"] == ("S(0)",), (i, column)
+        for row in ("out", "fc2"):
+            assert plan.placements[f"blocks.{i}.{row}.weight"] == ("S(1)",), (i, row)
+    activation = batch * seq * cfg.dim * 4
+    assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
