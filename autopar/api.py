@@ -23,7 +23,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
             example_inputs: Sequence[torch.Tensor] | None = None, *, hardware: "str | Profile" = "h100",
             pins: Pins | None = None, memory_budget: "int | str | None" = None,
             plan: ShardingPlan | None = None, backend: str | None = None,
-            fallback: bool = True, solver_time_limit_s: float = 120.0):
+            fallback: bool = True, solver_time_limit_s: float = 120.0, share_layers: bool | None = None):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
@@ -40,7 +40,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     and ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU).
     """
     options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
-                   solver_time_limit_s=solver_time_limit_s)
+                   solver_time_limit_s=solver_time_limit_s, share_layers=share_layers)
     if model is None:
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
@@ -60,7 +60,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
 
     def planner(captured):
         return plan_captured(captured, mesh, hardware=hardware, pins=pins, memory_budget=memory_budget,
-                             fallback=fallback, solver_time_limit_s=solver_time_limit_s)
+                             fallback=fallback, solver_time_limit_s=solver_time_limit_s, share_layers=share_layers)
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
                           backend=backend or default_backend(model), planner=planner)

@@ -1,10 +1,13 @@
-"""How long planning takes: the example models on 1-D and 2-D meshes, stage by stage.
+"""How long planning takes, stage by stage: the example models on 1-D and 2-D meshes, and a
+LLaMA-3-8B-shaped model for 64 H100s (8x8) from 2 to 64 layers.
 
-Each configuration plans in its own process under a wall-clock limit, so a solve that does not
-finish is recorded as such instead of stopping the benchmark. Prints a table and writes
-``benchmarks/results/planning.json``.
+The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
+global batch 64 x sequence 8192) is built under ``torch.device("meta")`` with meta inputs, as
+users do for models that fit on no single device. Each configuration plans in its own process
+under a wall-clock limit, so a solve that does not finish is recorded as such instead of
+stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.json``.
 
-    python -m benchmarks.planning [--limit-s 120] [--hardware h100]
+    python -m benchmarks.planning [--limit-s 120] [--hardware h100] [--layers 2,8,32,64]
 """
 
 import argparse
@@ -17,16 +20,32 @@ from pathlib import Path
 
 MODELS = ("mlp", "gpt", "bert", "llama")
 MESHES = ((8,), (2, 2), (2, 4))
+SCALE_MESH = (8, 8)
 RESULTS = Path(__file__).parent / "results" / "planning.json"
 
 
-def _plan_one(model_name: str, shape: tuple[int, ...], hardware: str, limit_s: float, queue) -> None:
+def llama3_8b_shaped(num_layers: int):
+    """The LLaMA-3-8B-shaped model and a global batch, on the meta device."""
+    import torch
+
+    from autopar.examples.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128256, dim=4096, num_heads=32, num_kv_heads=8, hidden=14336,
+                      num_layers=num_layers, max_seq=8192, rope_theta=500000.0)
+    with torch.device("meta"):
+        model = Llama(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (64, cfg.max_seq))
+    return model, (tokens, tokens)
+
+
+def _plan_one(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limit_s: float, queue) -> None:
     import autopar
     from autopar.examples import make_example
 
-    model, inputs = make_example(model_name)
-    names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
+    name, layers = model_spec
     started = time.perf_counter()
+    model, inputs = llama3_8b_shaped(layers) if name == "llama3-8b" else make_example(name)
+    names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
     try:
         plan = autopar.plan(model, autopar.Mesh(shape, names), inputs, hardware=hardware, solver_time_limit_s=limit_s)
     except autopar.AutoparError as exc:
@@ -38,19 +57,21 @@ def _plan_one(model_name: str, shape: tuple[int, ...], hardware: str, limit_s: f
         "status": plan.solver.status,
         "gap": (plan.solver.objective_s - plan.solver.bound_s) / plan.solver.objective_s if plan.solver.objective_s else 0.0,
         "variables": plan.solver.num_variables,
+        "shared_nodes": plan.solver.shared_nodes,
         "nodes": len(plan.nodes),
         "predicted_step_s": plan.predicted_step_s,
+        "peak_memory_bytes": plan.peak_memory_bytes,
         "collectives": len(plan.collectives),
     })
 
 
-def run(model_name: str, shape: tuple[int, ...], hardware: str, limit_s: float) -> dict:
+def run(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limit_s: float) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_plan_one, args=(model_name, shape, hardware, limit_s, queue))
+    proc = ctx.Process(target=_plan_one, args=(model_spec, shape, hardware, limit_s, queue))
     started = time.perf_counter()
     proc.start()
-    proc.join(limit_s * 1.5 + 30)
+    proc.join(limit_s * 1.5 + 120)
     if proc.is_alive():
         proc.kill()
         proc.join()
@@ -60,31 +81,46 @@ def run(model_name: str, shape: tuple[int, ...], hardware: str, limit_s: float) 
     return queue.get()
 
 
+_HEADER = (f"{'model':9} {'layers':>6} {'mesh':5} {'nodes':>5} {'shared':>6} {'variables':>9} {'status':12} "
+           f"{'gap':>6} {'wall s':>7} {'capture':>7} {'propagate':>9} {'solve':>7}")
+
+
+def _row(r: dict) -> str:
+    stages = r.get("stage_s", {})
+    return (f"{r['model']:9} {r['layers'] or '':>6} {r['mesh']:5} {r.get('nodes', ''):>5} {r.get('shared_nodes', ''):>6} "
+            f"{r.get('variables', ''):>9} {r['status']:12} {r['gap'] * 100 if 'gap' in r else float('nan'):>5.2f}% "
+            f"{r['wall_s']:>7.1f} {stages.get('capture', float('nan')):>7.2f} "
+            f"{stages.get('propagate', float('nan')):>9.2f} {stages.get('solve', float('nan')):>7.2f}")
+
+
+def _table(title: str, configs, hardware: str, limit_s: float) -> list[dict]:
+    print(f"\n{title}\n{_HEADER}\n{'-' * len(_HEADER)}", flush=True)
+    rows = []
+    for spec, shape in configs:
+        r = run(spec, shape, hardware, limit_s)
+        r.update(model=spec[0], layers=spec[1], mesh="x".join(map(str, shape)))
+        rows.append(r)
+        print(_row(r), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per configuration")
     parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--layers", default="2,8,32,64", help="layer counts of the 8B-shaped model")
     args = parser.parse_args()
-    rows = []
-    header = f"{'model':6} {'mesh':5} {'nodes':>5} {'variables':>9} {'status':12} {'gap':>6} {'wall s':>7} {'capture':>7} {'solve':>7}"
-    print(header)
-    print("-" * len(header))
-    for model_name in MODELS:
-        for shape in MESHES:
-            r = run(model_name, shape, args.hardware, args.limit_s)
-            r.update(model=model_name, mesh="x".join(map(str, shape)))
-            rows.append(r)
-            stages = r.get("stage_s", {})
-            print(f"{model_name:6} {r['mesh']:5} {r.get('nodes', ''):>5} {r.get('variables', ''):>9} {r['status']:12} "
-                  f"{r['gap'] * 100 if 'gap' in r else float('nan'):>5.2f}% {r['wall_s']:>7.1f} "
-                  f"{stages.get('capture', float('nan')):>7.2f} {stages.get('solve', float('nan')):>7.2f}", flush=True)
+    zoo = _table("Example models (autopar.examples, as `autopar plan` builds them)",
+                 [((name, 0), shape) for name in MODELS for shape in MESHES], args.hardware, args.limit_s)
+    scale = _table(f"LLaMA-3-8B-shaped on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device), by layer count",
+                   [(("llama3-8b", int(n)), SCALE_MESH) for n in args.layers.split(",")], args.hardware, args.limit_s)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     import torch
 
     RESULTS.write_text(json.dumps({
         "hardware_profile": args.hardware, "solver_time_limit_s": args.limit_s,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": time.strftime("%Y-%m-%d"), "rows": rows,
+        "date": time.strftime("%Y-%m-%d"), "examples": zoo, "llama3_8b_shaped": scale,
     }, indent=1))
     print(f"\nwrote {RESULTS}")
 

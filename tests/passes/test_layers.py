@@ -1,0 +1,97 @@
+"""Repeated layers sharing variables, cheapest-order reshards, and the flow form of moves."""
+
+import pytest
+import torch
+
+import autopar
+from autopar import Mesh
+from autopar.cost_model.hardware import Link
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.llama import Llama, LlamaConfig
+from autopar.examples.mlp import MLP
+from autopar.passes.capture import capture
+from autopar.passes.redistribute import transition
+from autopar.placement import R, Shard
+from autopar.planner import plan_captured
+from tests.conftest import FLOP_EQ_BYTE
+
+
+def _llama(layers: int):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=layers, max_seq=32)
+    return Llama(cfg), (torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32)))
+
+
+def test_the_program_does_not_grow_with_repeated_layers():
+    mesh = Mesh((4,), ("dp",))
+    plans = {}
+    for n in (2, 4):
+        model, inputs = _llama(n)
+        plans[n] = autopar.plan(model, mesh, inputs, hardware=FLOP_EQ_BYTE, share_layers=True)
+    assert plans[2].solver.num_variables == plans[4].solver.num_variables
+    per_layer = (plans[4].solver.shared_nodes - plans[2].solver.shared_nodes) // 2
+    assert plans[2].solver.shared_nodes == per_layer > 100  # every node of the second layer, backward included
+    assert plans[4].placements["blocks.3.w1.weight"] == plans[4].placements["blocks.0.w1.weight"]
+
+
+def test_shared_layers_find_the_plan_of_unshared_ones_when_layers_agree():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, dim=64, num_heads=4, num_layers=3))
+    captured = capture(model, (torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32))))
+    mesh = Mesh((4,), ("tp",))
+    shared = plan_captured(captured, mesh, hardware="h100", share_layers=True)
+    alone = plan_captured(captured, mesh, hardware="h100", share_layers=False)
+    assert shared.solver.shared_nodes > 0 and alone.solver.shared_nodes == 0
+    assert shared.solver.num_variables < alone.solver.num_variables / 2
+    assert shared.predicted_step_s == pytest.approx(alone.predicted_step_s, rel=1e-6)
+    assert shared.solver.objective_s == pytest.approx(shared.predicted_step_s, rel=1e-6)  # copies priced in full
+
+
+def test_small_programs_keep_one_choice_per_layer_by_default():
+    plan = autopar.plan(MLP(256, 256, num_layers=6), Mesh((4,), ("tp",)),
+                        (torch.randn(32, 256), torch.randn(32, 256)), hardware=FLOP_EQ_BYTE)
+    assert plan.solver.shared_nodes == 0
+
+
+def test_one_step_moves_as_flow_give_the_same_optimum_as_all_pairs():
+    captured = capture(*_two_layer_mlp())
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    flow = plan_captured(captured, mesh, hardware="h100")
+    import autopar.planner as planner
+
+    solve = planner.solve
+    try:
+        planner.solve = lambda *a, **k: solve(*a, **{**k, "one_step_moves": None})
+        pairs = plan_captured(captured, mesh, hardware="h100")
+    finally:
+        planner.solve = solve
+    assert flow.solver.num_variables < pairs.solver.num_variables
+    assert flow.solver.objective_s == pytest.approx(pairs.solver.objective_s, rel=1e-6)
+    assert flow.predicted_step_s == pytest.approx(pairs.predicted_step_s, rel=1e-6)
+
+
+def _two_layer_mlp():
+    torch.manual_seed(0)
+    return MLP(256, 1024), (torch.randn(64, 256), torch.randn(64, 256))
+
+
+@pytest.mark.parametrize("slow_axis", [0, 1])
+def test_reshards_gather_over_the_slow_axis_while_the_tensor_is_small(slow_axis):
+    mesh = Mesh((2, 2), ("a", "b"))
+    slow, fast = Link(1e-6, 1e-9), Link(1e-6, 1e-12)
+    links = (slow, fast) if slow_axis == 0 else (fast, slow)
+    steps = transition((Shard(0), Shard(1)), (R, R), (64, 64), 4, True, mesh, links)
+    assert [s.kind for s in steps] == ["all_gather", "all_gather"]
+    assert steps[0].axis == slow_axis
+    assert [s.bytes for s in steps] == [64 * 64 * 4 // 2, 64 * 64 * 4]
+
+
+def test_a_model_on_the_meta_device_plans_like_the_real_one():
+    torch.manual_seed(0)
+    real, inputs = _two_layer_mlp()
+    with torch.device("meta"):
+        meta = MLP(256, 1024)
+        meta_inputs = tuple(torch.empty_like(x) for x in inputs)
+    mesh = Mesh((4,), ("tp",))
+    assert autopar.plan(meta, mesh, meta_inputs, hardware=FLOP_EQ_BYTE) == autopar.plan(real, mesh, inputs, hardware=FLOP_EQ_BYTE)
+    assert next(meta.parameters()).is_meta  # the user's model is left as it was
