@@ -1,12 +1,14 @@
 """Sharding propagation: list each node's strategies on the whole mesh.
 
 Rules give rows for one mesh axis (:mod:`autopar.passes.rules`); a strategy on an N-D mesh picks
-one row per axis. Layouts are dropped when a tensor dim would be split by two axes at once or
-when a mesh axis does not divide the dim it splits, so uneven shapes are planned around.
+one row per axis. A dim may be split by several axes (the first axis cuts it, the next cuts each
+piece) when the op does the same thing on each of them. Layouts are dropped when the mesh axes
+do not divide the dim they split, so uneven shapes are planned around.
 """
 
 import itertools
 import logging
+import math
 
 import torch
 from torch import fx
@@ -60,21 +62,37 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
 
 
 def placement_problem(value: torch.Tensor, placements: Placements, mesh: Mesh) -> str | None:
-    """Why ``placements`` cannot lay out ``value`` on ``mesh``, or ``None`` if they can."""
-    seen: set[int] = set()
+    """Why ``placements`` cannot lay out ``value`` on ``mesh``, or ``None`` if they can.
+
+    A dim split by several mesh axes is cut by the first axis, each piece by the next, and so on,
+    so the product of their sizes must divide it.
+    """
+    splits: dict[int, list[int]] = {}
     for axis, p in enumerate(placements):
         if isinstance(p, Partial) and not value.is_floating_point():
             return f"a {value.dtype} tensor cannot hold partial sums"
         if isinstance(p, Shard):
             if p.dim >= value.ndim:
                 return f"dim {p.dim} does not exist in a {value.ndim}-d tensor"
-            if p.dim in seen:
-                return f"dim {p.dim} is split by two mesh axes"
-            seen.add(p.dim)
-            if value.shape[p.dim] % mesh.shape[axis]:
-                return (f"dim {p.dim} (size {value.shape[p.dim]}) is not divisible by mesh axis "
-                        f"'{mesh.axis_names[axis]}' (size {mesh.shape[axis]})")
+            splits.setdefault(p.dim, []).append(axis)
+    for dim, axes in splits.items():
+        if value.shape[dim] % math.prod(mesh.shape[a] for a in axes):
+            names = " x ".join(f"'{mesh.axis_names[a]}' (size {mesh.shape[a]})" for a in axes)
+            return f"dim {dim} (size {value.shape[dim]}) is not divisible by mesh axis {names}"
     return None
+
+
+def _co_split_rows_agree(combo, placements: list[Placements]) -> bool:
+    """A dim split by several mesh axes is split the same way by the op on each of them: the
+    axes then act as one axis of their combined size, for which the rule's row holds."""
+    for layout in placements:
+        seen: dict[int, int] = {}
+        for axis, p in enumerate(layout):
+            if isinstance(p, Shard):
+                if p.dim in seen and combo[seen[p.dim]] != combo[axis]:
+                    return False
+                seen[p.dim] = axis
+    return True
 
 
 def _ref(arg: fx.Node, aliases: dict[str, ValueRef]) -> ValueRef:
@@ -134,6 +152,8 @@ def _op_space(node, mesh, aliases, phase, unsupported, fallback) -> NodeSpace:
             for i, o in enumerate(out_vals)
         )
         inputs = tuple(tuple(row[1][k] for row in combo) for k in range(len(args)))
+        if not _co_split_rows_agree(combo, [p for p in outputs + inputs if p is not None]):
+            continue
         if all(placement_problem(v, p, mesh) is None for v, p in zip(out_vals + in_vals, outputs + inputs) if p is not None):
             strategies.append(Strategy(outputs, inputs))
     strategies = tuple(dict.fromkeys(strategies))

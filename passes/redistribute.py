@@ -66,26 +66,41 @@ def local_shape(shape: tuple[int, ...], placements: Placements, mesh: Mesh) -> t
 
 
 def valid_layouts(shape: tuple[int, ...], mesh: Mesh, partial: bool) -> tuple[Placements, ...]:
-    """Every layout of a tensor of ``shape``: per axis replicated, split along a dim the axis
-    divides (no dim split by two axes) or, when ``partial``, a partial sum."""
+    """Every layout of a tensor of ``shape``: per axis replicated, split along a dim or, when
+    ``partial``, a partial sum. A dim split by several axes must be divisible by the product of
+    their sizes (the first axis cuts it, each later axis cuts the pieces)."""
     options = []
     for size in mesh.shape:
         axis = [Replicate()] + [Shard(d) for d, n in enumerate(shape) if n % size == 0]
         options.append(axis + [Partial()] if partial else axis)
     layouts = []
     for combo in itertools.product(*options):
-        dims = [p.dim for p in combo if isinstance(p, Shard)]
-        if len(dims) == len(set(dims)):
+        factor: dict[int, int] = {}
+        for size, p in zip(mesh.shape, combo):
+            if isinstance(p, Shard):
+                factor[p.dim] = factor.get(p.dim, 1) * size
+        if all(shape[d] % f == 0 for d, f in factor.items()):
             layouts.append(tuple(combo))
     return tuple(layouts)
+
+
+def _innermost(layout: Placements, dim: int, axis: int) -> bool:
+    """Whether no axis after ``axis`` splits ``dim``: only the innermost cut of a dim can be
+    gathered, and a new cut can only go inside the existing ones."""
+    return not any(isinstance(p, Shard) and p.dim == dim for p in layout[axis + 1:])
 
 
 def one_axis_step(cur: Placements, nxt: Placements, axis: int, shape: tuple[int, ...], itemsize: int,
                   mesh: Mesh) -> Step | None:
     """The step that changes ``cur`` into ``nxt`` on ``axis`` alone (they agree elsewhere), or
-    ``None`` for a split turning into a partial sum, which takes two steps."""
+    ``None`` where no single step does: a split turning into a partial sum, or a cut of a dim
+    that a later axis also cuts."""
     s, d = cur[axis], nxt[axis]
     before = math.prod(local_shape(shape, cur, mesh)) * itemsize
+    if isinstance(s, Shard) and not _innermost(cur, s.dim, axis):
+        return None
+    if isinstance(d, Shard) and not _innermost(cur, d.dim, axis):
+        return None
     if isinstance(s, Shard):
         if isinstance(d, Shard):
             return Step("all_to_all", axis, s.dim, d.dim, before)

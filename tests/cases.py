@@ -39,8 +39,8 @@ def make_model(name: str):
 
 
 def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
-    """Hand-written layouts as pins: ``dp`` (batch split, weights replicated), ``fsdp`` (batch
-    and every parameter split on dim 0), ``megatron`` (column/row tensor parallel, on the last
+    """Hand-written layouts as pins: ``dp`` (batch split over every mesh axis, weights
+    replicated), ``fsdp`` (batch and every parameter split on dim 0 over every axis), ``megatron`` (column/row tensor parallel, on the last
     axis) and ``2d`` (data parallel on the first axis, Megatron on the second)."""
     if preset is None:
         return None
@@ -50,9 +50,9 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels")}.get(model_name, ("idx", "targets"))
     assert model_name in ("mlp", "gpt") or preset in ("dp", "fsdp"), f"no tensor-parallel pins for {model_name}"
     if preset == "dp":
-        return {**{k: ("S(0)",) + ("R",) * (ndim - 1) for k in batch}, **{n: ("R",) * ndim for n in names}}
+        return {**{k: ("S(0)",) * ndim for k in batch}, **{n: ("R",) * ndim for n in names}}
     if preset == "fsdp":
-        return {**{k: ("S(0)",) * 1 + ("R",) * (ndim - 1) for k in batch}, **{n: ("S(0)",) + ("R",) * (ndim - 1) for n in names}}
+        return {**{k: ("S(0)",) * ndim for k in batch}, **{n: ("S(0)",) * ndim for n in names}}
     if model_name == "mlp":
         split = {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)",
                  "layers.2.weight": "S(0)", "layers.2.bias": "S(0)"}

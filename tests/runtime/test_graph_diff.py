@@ -25,6 +25,8 @@ FOUR = [
     dict(model_name="gpt", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp"),
     dict(model_name="gpt", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="fsdp"),
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="2d"),
+    dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="dp"),
+    dict(model_name="llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="fsdp"),
     dict(model_name="llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="fsdp"),
     dict(model_name="bert", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
@@ -80,3 +82,8 @@ def test_pins_are_kept_in_the_plan(results):
     assert plan.inputs["idx"] == ("S(0)", "R")
     fsdp = autopar.ShardingPlan.from_json(results["gpt-4-adamw-fsdp"][0]["plan"])
     assert all(p == ("S(0)",) for p in fsdp.placements.values())
+    fsdp_2d = autopar.ShardingPlan.from_json(results["llama-2x2-adamw-fsdp"][0]["plan"])
+    params = [n for n in fsdp_2d.pinned if n in fsdp_2d.placements]
+    assert len(params) > 10 and all(fsdp_2d.placements[n] == ("S(0)", "S(0)") for n in params)  # one dim cut by both axes
+    ddp_2d = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-dp"][0]["plan"])
+    assert ddp_2d.inputs["idx"] == ("S(0)", "S(0)")

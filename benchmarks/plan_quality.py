@@ -1,0 +1,167 @@
+"""The solver's plan against hand-written layouts, under the same cost model.
+
+For full-size versions of the example models (built on the meta device) and meshes of 8, 2x4, 8x8
+and 16x16 H100s, plans the model with autopar (under the device's memory) and with the layouts
+an expert writes by hand, expressed as pins on the parameters and the batch (autopar then
+plans the activations around them):
+
+- ``ddp``: the batch split over every mesh axis, parameters replicated.
+- ``fsdp``: the batch split over every axis, every parameter split on dim 0 over every axis
+  (ZeRO-3).
+- ``megatron``: column/row tensor parallelism on the last axis (inside a host), the batch split
+  over the others.
+- ``fsdp+tp``: Megatron on the last axis, and parameters split over the other axes on their
+  other dim, with the batch (2-D meshes only).
+
+Prints the predicted step time and per-device peak memory of each plan, whether it fits in the
+device's memory, and the ratio of the best hand-written plan that fits to autopar's; writes
+``benchmarks/results/plan_quality.json``.
+
+    python -m benchmarks.plan_quality [--models gpt,bert,llama,mlp] [--meshes 8,2x4,8x8,16x16]
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "plan_quality.json"
+
+# Megatron's split of each example's parameters: "col" splits the output features (dim 0 of a
+# Linear weight, and its bias), "row" the input features (dim 1).
+MEGATRON = {
+    "gpt": {r"attn\.qkv\.(weight|bias)": "col", r"attn\.proj\.weight": "row", r"fc1\.(weight|bias)": "col",
+            r"fc2\.weight": "row"},
+    "bert": {r"(query|key|value)\.(weight|bias)": "col", r"\.out\.weight": "row", r"fc1\.(weight|bias)": "col",
+             r"fc2\.weight": "row"},
+    "llama": {r"attn\.(wq|wk|wv)\.weight": "col", r"attn\.wo\.weight": "row", r"\.(w1|w3)\.weight": "col",
+              r"\.w2\.weight": "row"},
+    "mlp": {r"layers\.[0-9]*[02468]\.(weight|bias)": "col", r"layers\.[0-9]*[13579]\.weight": "row"},
+}
+
+
+def full_size(name: str):
+    """A full-size example model on the meta device and its global batch."""
+    from autopar.examples.bert import Bert, BertConfig
+    from autopar.examples.gpt import GPT, GPTConfig
+    from autopar.examples.llama import Llama, LlamaConfig
+    from autopar.examples.mlp import MLP
+
+    with torch.device("meta"):
+        if name == "gpt":  # GPT-2 XL-sized, widths rounded to multiples of 256
+            cfg = GPTConfig(vocab_size=50432, block_size=1024, dim=2048, num_heads=16, num_layers=24)
+            model, batch, seq, vocab = GPT(cfg), 256, 1024, cfg.vocab_size
+        elif name == "bert":  # BERT-large
+            cfg = BertConfig(vocab_size=30720, max_seq=512, dim=1024, num_heads=16, hidden=4096, num_layers=24)
+            model, batch, seq, vocab = Bert(cfg), 256, 512, cfg.vocab_size
+        elif name == "llama":  # LLaMA-3-8B-shaped
+            cfg = LlamaConfig(vocab_size=128256, dim=4096, num_heads=32, num_kv_heads=8, hidden=14336,
+                              num_layers=32, max_seq=2048, rope_theta=500000.0)
+            model, batch, seq, vocab = Llama(cfg), 256, 2048, cfg.vocab_size
+        elif name == "mlp":
+            model = MLP(8192, 32768, num_layers=8)
+            x = torch.empty(4096, 8192)
+            return model, (x, x)
+        else:
+            raise ValueError(name)
+        tokens = torch.randint(0, vocab, (batch, seq))
+        if name == "bert":
+            return model, (tokens, torch.zeros_like(tokens), tokens)
+        return model, (tokens, tokens)
+
+
+def hand_written(name: str, model: torch.nn.Module, batch_names, ndim: int) -> dict[str, dict]:
+    """Pins of each hand-written layout that applies to a mesh with ``ndim`` axes."""
+    params = {k: p.dim() for k, p in model.named_parameters()}
+    every = ("S(0)",) * ndim
+    batch = {k: every for k in batch_names}
+    layouts = {
+        "ddp": {**batch, **{k: ("R",) * ndim for k in params}},
+        "fsdp": {**batch, **{k: every for k in params}},
+    }
+
+    def megatron_split(k: str) -> str | None:
+        return next((kind for pattern, kind in MEGATRON[name].items() if re.search(pattern, k)), None)
+
+    tp_batch = {k: ("S(0)",) * (ndim - 1) + ("R",) for k in batch_names}
+    megatron, fsdp_tp = dict(tp_batch), dict(tp_batch)
+    for k, rank in params.items():
+        split = megatron_split(k)
+        tp = {"col": "S(0)", "row": "S(1)"}.get(split, "R")
+        megatron[k] = ("R",) * (ndim - 1) + (tp,)
+        other = "S(1)" if split == "col" and rank == 2 else "S(0)"
+        fsdp_tp[k] = (other,) * (ndim - 1) + (tp,) if not (split == "col" and rank == 1) else ("R",) * (ndim - 1) + (tp,)
+    layouts["megatron"] = megatron
+    if ndim >= 2:
+        layouts["fsdp+tp"] = fsdp_tp
+    return layouts
+
+
+def _plan(captured, mesh, **kwargs) -> dict:
+    from autopar import AutoparError
+    from autopar.planner import plan_captured
+
+    started = time.perf_counter()
+    try:
+        plan = plan_captured(captured, mesh, hardware="h100", **kwargs)
+    except AutoparError as exc:
+        return {"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started}
+    return {"status": plan.solver.status, "step_s": plan.predicted_step_s, "peak_bytes": plan.peak_memory_bytes,
+            "collectives": len(plan.collectives), "wall_s": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,bert,llama,mlp")
+    parser.add_argument("--meshes", default="8,2x4,8x8,16x16")
+    parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per plan")
+    args = parser.parse_args()
+
+    import autopar
+    from autopar.cost_model.hardware import resolve_profile
+    from autopar.passes.capture import capture
+
+    device_bytes = resolve_profile("h100").memory_bytes
+    rows = []
+    header = f"{'model':6} {'mesh':6} {'plan':9} {'step ms':>9} {'peak GiB':>9} {'fits':>4} {'vs autopar':>10}  status"
+    print(f"H100 profile, {device_bytes / 2**30:.0f} GiB per device; autopar plans under that budget\n{header}\n{'-' * len(header)}")
+    for name in args.models.split(","):
+        model, inputs = full_size(name)
+        captured = capture(model, inputs)
+        batch_names = [k.name for k in captured.inputs if k.kind == "input"]
+        for spec in args.meshes.split(","):
+            shape = tuple(int(n) for n in spec.split("x"))
+            mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):])
+            results = {"autopar": _plan(captured, mesh, memory_budget=device_bytes, solver_time_limit_s=args.limit_s)}
+            for label, pins in hand_written(name, model, batch_names, len(shape)).items():
+                results[label] = _plan(captured, mesh, pins=pins, solver_time_limit_s=args.limit_s)
+            fitting = [r["step_s"] for k, r in results.items() if k != "autopar" and r.get("peak_bytes", 1e30) <= device_bytes]
+            best_hand = min(fitting, default=None)
+            for label, r in results.items():
+                fits = r.get("peak_bytes", 1e30) <= device_bytes
+                ratio = r["step_s"] / results["autopar"]["step_s"] if "step_s" in r and "step_s" in results["autopar"] else None
+                rows.append({"model": name, "mesh": spec, "plan": label, "fits": fits, "ratio_to_autopar": ratio, **r})
+                print(f"{name:6} {spec:6} {label:9} {r.get('step_s', float('nan')) * 1e3:>9.2f} "
+                      f"{r.get('peak_bytes', float('nan')) / 2**30:>9.2f} {'yes' if fits else 'no':>4} "
+                      f"{'' if ratio is None else f'{ratio:.3f}':>10}  {r['status']}", flush=True)
+            auto = results["autopar"].get("step_s")
+            if auto is not None and best_hand is not None:
+                verdict = "autopar at least as fast" if auto <= best_hand * (1 + 1e-9) else "HAND-WRITTEN FASTER"
+                print(f"{'':6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
+            rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "hardware_profile": "h100", "device_memory_bytes": device_bytes,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "date": time.strftime("%Y-%m-%d"), "rows": rows,
+    }, indent=1))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
