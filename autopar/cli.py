@@ -1,4 +1,4 @@
-"""The ``autopar`` command: plan, explain, run, demo."""
+"""The ``autopar`` command: plan, explain, run, demo, calibrate."""
 
 import argparse
 import importlib.util
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="bert, gpt, llama, mlp, or a .py file defining make_model() -> (model, example_inputs)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
-    p.add_argument("--hardware", default="h100", help="h100, a100 or cpu (default h100)")
+    p.add_argument("--hardware", default="h100", help="h100, a100, cpu, or a profile file from `autopar calibrate` (default h100)")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=P0,P1",
                    help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)")
     p.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB or 512MiB")
@@ -99,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all hosts")
 
     sub.add_parser("demo", help="plan a small GPT for 2x2, train on 4 local ranks, compare with one device", add_help=False)
+    sub.add_parser("calibrate", help="measure this machine's compute and gloo collectives into a profile file",
+                   add_help=False)
 
+    if argv[:1] == ["calibrate"]:
+        from autopar.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     if argv[:1] == ["demo"]:
         from autopar.demo import main as demo_main
 

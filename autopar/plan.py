@@ -136,7 +136,7 @@ class ShardingPlan:
             "format_version": FORMAT_VERSION,
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "hardware": self.hardware,
-            "links": [[link.latency_s, link.s_per_byte] for link in self.links],
+            "links": [asdict(link) for link in self.links],
             "graph_hash": self.graph_hash,
             "placements": {k: list(v) for k, v in self.placements.items()},
             "inputs": {k: list(v) for k, v in self.inputs.items()},
@@ -163,7 +163,8 @@ class ShardingPlan:
         return cls(
             mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
             hardware=data["hardware"],
-            links=tuple(Link(*link) for link in data["links"]),
+            links=tuple(Link(link["latency_s"], link["s_per_byte"], tuple(tuple(k) for k in link["per_kind"]))
+                        for link in data["links"]),
             graph_hash=data["graph_hash"],
             placements={k: tuple(v) for k, v in data["placements"].items()},
             inputs={k: tuple(v) for k, v in data["inputs"].items()},

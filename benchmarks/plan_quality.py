@@ -22,6 +22,7 @@ device's memory, and the ratio of the best hand-written plan that fits to autopa
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -45,8 +46,9 @@ MEGATRON = {
 }
 
 
-def full_size(name: str):
-    """A full-size example model on the meta device and its global batch."""
+def full_size(name: str, devices: int):
+    """A full-size example model on the meta device and a global batch of a few sequences per
+    device (2 for GPT, 4 for BERT, 1 for LLaMA; 4096 rows for the MLP)."""
     from autopar.examples.bert import Bert, BertConfig
     from autopar.examples.gpt import GPT, GPTConfig
     from autopar.examples.llama import Llama, LlamaConfig
@@ -55,14 +57,14 @@ def full_size(name: str):
     with torch.device("meta"):
         if name == "gpt":  # GPT-2 XL-sized, widths rounded to multiples of 256
             cfg = GPTConfig(vocab_size=50432, block_size=1024, dim=2048, num_heads=16, num_layers=24)
-            model, batch, seq, vocab = GPT(cfg), 256, 1024, cfg.vocab_size
+            model, batch, seq, vocab = GPT(cfg), 2 * devices, 1024, cfg.vocab_size
         elif name == "bert":  # BERT-large
             cfg = BertConfig(vocab_size=30720, max_seq=512, dim=1024, num_heads=16, hidden=4096, num_layers=24)
-            model, batch, seq, vocab = Bert(cfg), 256, 512, cfg.vocab_size
+            model, batch, seq, vocab = Bert(cfg), 4 * devices, 512, cfg.vocab_size
         elif name == "llama":  # LLaMA-3-8B-shaped
             cfg = LlamaConfig(vocab_size=128256, dim=4096, num_heads=32, num_kv_heads=8, hidden=14336,
                               num_layers=32, max_seq=2048, rope_theta=500000.0)
-            model, batch, seq, vocab = Llama(cfg), 256, 2048, cfg.vocab_size
+            model, batch, seq, vocab = Llama(cfg), devices, 2048, cfg.vocab_size
         elif name == "mlp":
             model = MLP(8192, 32768, num_layers=8)
             x = torch.empty(4096, 8192)
@@ -75,31 +77,44 @@ def full_size(name: str):
         return model, (tokens, tokens)
 
 
-def hand_written(name: str, model: torch.nn.Module, batch_names, ndim: int) -> dict[str, dict]:
-    """Pins of each hand-written layout that applies to a mesh with ``ndim`` axes."""
-    params = {k: p.dim() for k, p in model.named_parameters()}
+def hand_written(name: str, model: torch.nn.Module, batch_names, mesh_shape: tuple[int, ...]) -> dict[str, dict]:
+    """Pins of each hand-written layout that applies to ``mesh_shape``. A parameter whose dim
+    the mesh axes do not divide stays replicated on those axes (FSDP would pad it)."""
+    ndim = len(mesh_shape)
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
     every = ("S(0)",) * ndim
     batch = {k: every for k in batch_names}
-    layouts = {
-        "ddp": {**batch, **{k: ("R",) * ndim for k in params}},
-        "fsdp": {**batch, **{k: every for k in params}},
-    }
 
     def megatron_split(k: str) -> str | None:
         return next((kind for pattern, kind in MEGATRON[name].items() if re.search(pattern, k)), None)
 
+    layouts = {"ddp": {**batch, **{k: ("R",) * ndim for k in shapes}},
+               "fsdp": {**batch, **{k: _fit(every, shape, mesh_shape) for k, shape in shapes.items()}}}
     tp_batch = {k: ("S(0)",) * (ndim - 1) + ("R",) for k in batch_names}
     megatron, fsdp_tp = dict(tp_batch), dict(tp_batch)
-    for k, rank in params.items():
+    for k, shape in shapes.items():
         split = megatron_split(k)
         tp = {"col": "S(0)", "row": "S(1)"}.get(split, "R")
-        megatron[k] = ("R",) * (ndim - 1) + (tp,)
-        other = "S(1)" if split == "col" and rank == 2 else "S(0)"
-        fsdp_tp[k] = (other,) * (ndim - 1) + (tp,) if not (split == "col" and rank == 1) else ("R",) * (ndim - 1) + (tp,)
+        megatron[k] = _fit(("R",) * (ndim - 1) + (tp,), shape, mesh_shape)
+        other = "S(1)" if split == "col" else "S(0)"
+        fsdp_tp[k] = _fit((other,) * (ndim - 1) + (tp,), shape, mesh_shape)
     layouts["megatron"] = megatron
     if ndim >= 2:
         layouts["fsdp+tp"] = fsdp_tp
     return layouts
+
+
+def _fit(layout: tuple[str, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[str, ...]:
+    """``layout`` with replicated axes wherever a split dim does not exist or is not divided."""
+    fitted, factor = [], {}
+    for size, p in zip(mesh_shape, layout):
+        dim = int(p[2:-1]) if p.startswith("S(") else None
+        if dim is not None and dim < len(shape) and shape[dim] % (factor.get(dim, 1) * size) == 0:
+            factor[dim] = factor.get(dim, 1) * size
+            fitted.append(p)
+        else:
+            fitted.append("R")
+    return tuple(fitted)
 
 
 def _plan(captured, mesh, **kwargs) -> dict:
@@ -131,14 +146,14 @@ def main() -> None:
     header = f"{'model':6} {'mesh':6} {'plan':9} {'step ms':>9} {'peak GiB':>9} {'fits':>4} {'vs autopar':>10}  status"
     print(f"H100 profile, {device_bytes / 2**30:.0f} GiB per device; autopar plans under that budget\n{header}\n{'-' * len(header)}")
     for name in args.models.split(","):
-        model, inputs = full_size(name)
-        captured = capture(model, inputs)
-        batch_names = [k.name for k in captured.inputs if k.kind == "input"]
         for spec in args.meshes.split(","):
             shape = tuple(int(n) for n in spec.split("x"))
+            model, inputs = full_size(name, math.prod(shape))
+            captured = capture(model, inputs)
+            batch_names = [k.name for k in captured.inputs if k.kind == "input"]
             mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):])
             results = {"autopar": _plan(captured, mesh, memory_budget=device_bytes, solver_time_limit_s=args.limit_s)}
-            for label, pins in hand_written(name, model, batch_names, len(shape)).items():
+            for label, pins in hand_written(name, model, batch_names, shape).items():
                 results[label] = _plan(captured, mesh, pins=pins, solver_time_limit_s=args.limit_s)
             fitting = [r["step_s"] for k, r in results.items() if k != "autopar" and r.get("peak_bytes", 1e30) <= device_bytes]
             best_hand = min(fitting, default=None)
@@ -152,7 +167,7 @@ def main() -> None:
             auto = results["autopar"].get("step_s")
             if auto is not None and best_hand is not None:
                 verdict = "autopar at least as fast" if auto <= best_hand * (1 + 1e-9) else "HAND-WRITTEN FASTER"
-                print(f"{'':6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
+                print(f"{name:6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
             rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({

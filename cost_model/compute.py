@@ -65,6 +65,6 @@ def work_divisor(strategy: Strategy, mesh: Mesh) -> int:
 def compute_s(work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile) -> float:
     flops, nbytes = work
     if flops == 0 and nbytes == 0:
-        return 0.0
+        return hardware.compute_s(0.0, 0.0)  # a view: no work, but a profile may charge running an op
     divisor = work_divisor(strategy, mesh)
     return hardware.compute_s(flops / divisor, nbytes / divisor)

@@ -31,7 +31,10 @@ class CostModel:
     def node_costs(self, space: StrategySpace) -> dict[str, list[float]]:
         costs = {}
         for n in space.nodes:
-            work = node_work(self.graph_nodes[n.name]) if n.kind == "op" else (0.0, 0.0)
+            if n.kind != "op":
+                costs[n.name] = [0.0] * len(n.strategies)
+                continue
+            work = node_work(self.graph_nodes[n.name])
             costs[n.name] = [compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
         return costs
 

@@ -5,7 +5,10 @@ and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and second
 ``beta`` of the link under a mesh axis (:meth:`link`).
 """
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from autopar.mesh import Mesh
 
@@ -18,6 +21,15 @@ class Link:
     """α, the fixed cost of one collective call."""
     s_per_byte: float
     """β, the inverse of the bandwidth."""
+    per_kind: tuple[tuple[str, float, float], ...] = ()
+    """Measured ``(collective kind, α, β)`` that replace the two above for that kind (a
+    calibrated profile has one per collective)."""
+
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        for name, alpha, beta in self.per_kind:
+            if name == kind:
+                return alpha, beta
+        return self.latency_s, self.s_per_byte
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,9 +54,12 @@ class HardwareProfile:
     """Devices joined by the intra-host link."""
     intra_host: Link
     inter_host: Link
+    op_overhead_s: float = 0.0
+    """Fixed time of running one op, whatever its size (dispatch and launch); it matters for
+    eager execution of small graphs, as on a CPU host."""
 
     def compute_s(self, flops: float, bytes_moved: float) -> float:
-        return max(flops / self.flops_per_s, bytes_moved / self.memory_bytes_per_s) / self.efficiency
+        return self.op_overhead_s + max(flops / self.flops_per_s, bytes_moved / self.memory_bytes_per_s) / self.efficiency
 
     def link(self, mesh: Mesh, axis: int) -> Link:
         inner = 1
@@ -117,18 +132,21 @@ PROFILES = {p.name: p for p in (H100, A100, CPU)}
 Profile = HardwareProfile | SyntheticProfile
 
 
-def resolve_profile(hardware: "str | Profile") -> Profile:
-    """Return the profile named by ``hardware`` (``"h100"``, ``"a100"``, ``"cpu"``) or
-    ``hardware`` itself when it is already a profile."""
+def resolve_profile(hardware: "str | os.PathLike | Profile") -> Profile:
+    """Return the profile named by ``hardware`` (``"h100"``, ``"a100"``, ``"cpu"``), the one saved
+    in the JSON file it names (``autopar calibrate`` writes one), or ``hardware`` itself when it
+    is already a profile."""
     if isinstance(hardware, (HardwareProfile, SyntheticProfile)):
         return hardware
+    if isinstance(hardware, os.PathLike) or (isinstance(hardware, str) and hardware.endswith(".json")):
+        return load_profile(hardware)
     if isinstance(hardware, str):
         try:
             return PROFILES[hardware.lower()]
         except KeyError:
             raise ValueError(
-                f"hardware={hardware!r} is not a known profile; use one of {sorted(PROFILES)} "
-                "or pass a HardwareProfile / SyntheticProfile"
+                f"hardware={hardware!r} is not a known profile; use one of {sorted(PROFILES)}, "
+                "a profile file written by `autopar calibrate`, or a HardwareProfile / SyntheticProfile"
             ) from None
     raise TypeError(f"hardware must be a profile name or a profile object, got {type(hardware).__name__}")
 
@@ -136,3 +154,24 @@ def resolve_profile(hardware: "str | Profile") -> Profile:
 def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
     """The α-β link of each axis of ``mesh``."""
     return tuple(hardware.link(mesh, axis) for axis in range(mesh.ndim))
+
+
+def save_profile(profile: HardwareProfile, path: "str | os.PathLike", **measured) -> None:
+    """Write ``profile`` as JSON (with any raw ``measured`` figures, for the record)."""
+    data = {"format": "autopar-hardware-profile", "version": 1, "profile": asdict(profile), "measured": measured}
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def load_profile(path: "str | os.PathLike") -> HardwareProfile:
+    """Read a profile written by :func:`save_profile`."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"hardware={str(path)!r}: no such profile file; `autopar calibrate --out {path}` writes one") from None
+    if data.get("format") != "autopar-hardware-profile" or data.get("version") != 1:
+        raise ValueError(f"{path} is not an autopar hardware profile (version 1); write one with `autopar calibrate`")
+    fields = dict(data["profile"])
+    for tier in ("intra_host", "inter_host"):
+        link = fields[tier]
+        fields[tier] = Link(link["latency_s"], link["s_per_byte"], tuple(tuple(k) for k in link["per_kind"]))
+    return HardwareProfile(**fields)

@@ -124,9 +124,9 @@ def step_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
     n = mesh.shape[step.axis]
     if not step.is_collective or n == 1:
         return 0.0
-    link = links[step.axis]
+    alpha, beta = links[step.axis].alpha_beta(step.kind)
     rounds = 2 if step.kind == "all_reduce" else 1
-    return link.latency_s + rounds * (n - 1) / n * step.bytes * link.s_per_byte
+    return alpha + rounds * (n - 1) / n * step.bytes * beta
 
 
 def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, partial: bool,

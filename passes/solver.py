@@ -96,7 +96,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         if n.name in shared:
             continue
         follow = None
-        if not any(node_costs[n.name]) and _copied_with_operand(n, shared, first_layers):
+        if len(set(node_costs[n.name])) == 1 and _copied_with_operand(n, shared, first_layers):
             follow = _follow_operand(n, by_name, ind)
         if follow is not None:
             followed.add((n.name, n.args[0]))
@@ -173,11 +173,11 @@ def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:
 
 
 def _follows(node: NodeSpace, by_name: dict[str, NodeSpace]) -> bool:
-    """A free one-input op with one strategy per operand layout (a view, a detach) shares its
-    operand's variables instead of getting its own: it runs in whatever layout the operand
-    arrives in. Strategies needing a layout the operand never has are dropped: moving a view's
-    operand costs the same bytes as moving the view after it. (The caller checks the op is
-    free.)"""
+    """A one-input op with one strategy per operand layout, costing the same under each (a view,
+    a detach), shares its operand's variables instead of getting its own: it runs in whatever
+    layout the operand arrives in. Strategies needing a layout the operand never has are
+    dropped: moving a view's operand costs the same bytes as moving the view after it. (The
+    caller checks the cost.)"""
     if node.kind != "op" or len(node.args) != 1:
         return False
     ref = node.args[0]

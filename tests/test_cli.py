@@ -73,3 +73,20 @@ def test_demo_trains_on_four_ranks_and_matches_one_device():
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "ShardingPlan for Mesh(dp=2 x tp=2)" in done.stdout
     assert "MATCH: the parallel run reproduces single-device training" in done.stdout
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_profile_that_plans_use(tmp_path):
+    out = tmp_path / "cpu.json"
+    done = _autopar("calibrate", "-n", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "all_to_all" in done.stdout and out.exists()
+    from autopar.cost_model.hardware import load_profile
+
+    profile = load_profile(out)
+    assert profile.flops_per_s > 1e8 and profile.memory_bytes_per_s > 1e8 and 0 < profile.op_overhead_s < 1e-3
+    kinds = {kind for kind, _, _ in profile.intra_host.per_kind}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    planned = _autopar("plan", "mlp", "--mesh", "2", "--hardware", str(out))
+    assert planned.returncode == 0, planned.stderr
+    assert f"on '{profile.name}'" in planned.stdout

@@ -1,0 +1,132 @@
+"""``autopar calibrate``: measure this machine into a hardware profile.
+
+Started on N local ranks through torchrun (as training is), every rank measures at the same
+time, so the figures include the ranks' contention for cores and memory:
+
+- matmul throughput (``torch.mm`` of square fp32 matrices, the fastest size),
+- memory bandwidth (``torch.add`` over 64 MiB operands: 3 tensors' bytes per call),
+- the fixed time of running one op (an add of one-element tensors),
+- α and β of each collective over the N ranks (the functional collectives the per-rank graph
+  uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes, with ``k`` the ring
+  factor of :func:`autopar.passes.redistribute.step_s`.
+
+Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
+
+    autopar calibrate [-n 4] [--out cpu-profile.json]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from autopar.cost_model.hardware import HardwareProfile, Link, save_profile
+from autopar.passes.redistribute import COLLECTIVE_KINDS
+
+_SIZES = [2**k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB per rank
+
+
+def _median_s(fn, repeats: int = 10, warmup: int = 2) -> float:
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _collective(kind: str, nbytes: int, world: int):
+    from torch.distributed import _functional_collectives as funcol
+
+    group = torch.distributed.group.WORLD
+    numel = max(world, nbytes // 4 // world * world)
+    x = torch.randn(numel)
+    if kind == "all_reduce":
+        return lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group)), numel * 4
+    if kind == "all_gather":
+        part = x[: numel // world].clone()
+        return lambda: funcol.wait_tensor(funcol.all_gather_tensor(part, 0, group)), numel * 4
+    if kind == "reduce_scatter":
+        return lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group)), numel * 4
+    return lambda: funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group)), numel * 4
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``t = α + x·β`` through ``(x, t)`` points, both clamped at zero."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    beta = max(sum((x - mx) * (t - mt) for x, t in points) / var, 0.0) if var else 0.0
+    return max(mt - beta * mx, 0.0), beta
+
+
+def measure(world: int) -> tuple[HardwareProfile, dict]:
+    """Measure on every rank of the running process group; returns the profile and raw figures."""
+    torch.manual_seed(0)
+    matmul = {}
+    for n in (256, 512, 1024):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        matmul[n] = 2 * n**3 / _median_s(lambda: torch.mm(a, b))
+    big = [torch.randn(16 * 2**20) for _ in range(3)]
+    bandwidth = 3 * big[0].numel() * 4 / _median_s(lambda: torch.add(big[0], big[1], out=big[2]))
+    one = [torch.ones(1), torch.ones(1)]
+    overhead = _median_s(lambda: [torch.add(one[0], one[1]) for _ in range(100)]) / 100
+    collectives, raw = [], {}
+    for kind in COLLECTIVE_KINDS:
+        points = []
+        for size in _SIZES:
+            fn, nbytes = _collective(kind, size, world)
+            rounds = 2 if kind == "all_reduce" else 1
+            points.append((rounds * (world - 1) / world * nbytes, _median_s(fn)))
+        alpha, beta = _fit(points)
+        collectives.append((kind, alpha, beta))
+        raw[kind] = points
+    default = next(c for c in collectives if c[0] == "all_reduce")
+    link = Link(default[1], default[2], tuple(collectives))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+    profile = HardwareProfile(
+        name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=max(matmul.values()),
+        memory_bytes_per_s=bandwidth, efficiency=1.0, memory_bytes=memory, devices_per_host=world,
+        intra_host=link, inter_host=link, op_overhead_s=overhead,
+    )
+    return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
+                     "op_overhead_s": overhead, "collective_points_bytes_s": raw}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autopar calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--ranks", type=int, default=4, help="local ranks to measure with (default 4)")
+    parser.add_argument("--out", default="cpu-profile.json", help="where to write the profile (default cpu-profile.json)")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        from autopar.runtime.launch import torchrun
+
+        print(f"autopar calibrate: measuring on {args.ranks} local ranks", flush=True)
+        return torchrun(args.ranks, ["-m", "autopar.calibrate", *(argv if argv is not None else sys.argv[1:])])
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        profile, measured = measure(dist.get_world_size())
+        if dist.get_rank() == 0:
+            save_profile(profile, args.out, **measured)
+            print(f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
+                  f"{profile.op_overhead_s * 1e6:.1f} us per op")
+            for kind, alpha, beta in profile.intra_host.per_kind:
+                print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
+            print(f"wrote {args.out}; plan with hardware={args.out!r}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Does the cost model predict this machine? Predicted against measured step time and memory.
+
+Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, unless the profile
+files exist), then on those ranks plans every example model with the calibrated profile, under
+autopar's own plan and hand-written layouts (pins), and measures:
+
+- the step time the plan models: forward and backward of the per-rank program (median of the
+  timed steps; the optimizer step is not part of the plan's prediction and is left out);
+- the per-rank peak memory of a whole training step with AdamW (its state already built), by
+  ``torch.distributed._tools.mem_tracker.MemTracker``, against the plan's predicted peak.
+
+Prints one row per model, plan and rank count, and per model whether the predicted order of the
+plans matches the measured one. Writes ``benchmarks/results/fidelity.json``.
+
+    python -m benchmarks.fidelity [--ranks 2,4] [--steps 10] [--recalibrate]
+"""
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "fidelity.json"
+WARMUP = 3
+MODELS = ("mlp", "gpt", "bert", "llama")
+
+
+def _pins(layout: str, model_name: str, model, input_names) -> dict | None:
+    batch = {k: "S(0)" for k in input_names}
+    params = [k for k, _ in model.named_parameters()]
+    if layout == "auto":
+        return batch
+    if layout == "ddp":
+        return {**batch, **{k: "R" for k in params}}
+    if layout == "fsdp":
+        return {**batch, **{k: "S(0)" for k in params}}
+    split = {"mlp": {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)"},
+             "gpt": {f"blocks.{i}.{k}": v for i in range(2) for k, v in (("attn.qkv.weight", "S(0)"),
+                     ("attn.proj.weight", "S(1)"), ("fc1.weight", "S(0)"), ("fc1.bias", "S(0)"), ("fc2.weight", "S(1)"))}}
+    return split[model_name]
+
+
+def _layouts(model_name: str) -> tuple[str, ...]:
+    return ("auto", "ddp", "fsdp", "megatron") if model_name in ("mlp", "gpt") else ("auto", "ddp", "fsdp")
+
+
+def _measure(pmodel, batch, steps: int) -> tuple[float, int]:
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
+    times = []
+    for i in range(WARMUP + steps):
+        opt.zero_grad()
+        dist.barrier()
+        started = time.perf_counter()
+        pmodel(*batch).backward()
+        elapsed = time.perf_counter() - started
+        opt.step()
+        if i >= WARMUP:
+            times.append(elapsed)
+    tracker = MemTracker()
+    tracker.track_external(pmodel, opt)
+    with tracker:
+        opt.zero_grad()
+        pmodel(*batch).backward()
+        opt.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return statistics.median(times), int(peak)
+
+
+def worker(profile: str, steps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.examples import make_example
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = autopar.Mesh((world,), ("ranks",))
+    rows = []
+    for name in MODELS:
+        for layout in _layouts(name):
+            torch.manual_seed(0)
+            model, batch = make_example(name)
+            input_names = list(inspect.signature(model.forward).parameters)[: len(batch)]
+            pins = _pins(layout, name, model, input_names)
+            pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
+            local = [pmodel.rank_part(k, x) if pmodel.passes_own_part(k) else x for k, x in zip(input_names, batch)]
+            step_s, peak = _measure(pmodel, local, steps)
+            plan = pmodel.plan
+            rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
+                         "measured_s": step_s, "predicted_peak_bytes": plan.peak_memory_bytes,
+                         "measured_peak_bytes": peak})
+            if rank == 0:
+                print(f"  {name} {layout} on {world} ranks done", file=sys.stderr, flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _order_matches(rows: list[dict]) -> bool:
+    predicted = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
+    measured = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+    return predicted == measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--recalibrate", action="store_true", help="measure the profiles again")
+    parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker[0], args.steps, args.worker[1])
+
+    from autopar.runtime.launch import torchrun
+
+    rows = []
+    for world in (int(n) for n in args.ranks.split(",")):
+        profile = RESULTS.parent / f"cpu-profile-{world}-ranks.json"
+        if args.recalibrate or not profile.exists():
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", str(world), "--out", str(profile)],
+                           check=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            if torchrun(world, ["-m", "benchmarks.fidelity", "--steps", str(args.steps), "--worker", str(profile), out]):
+                raise SystemExit(f"the benchmark failed on {world} ranks")
+            rows += json.loads(Path(out).read_text())
+    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
+              f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
+    print(f"\nforward+backward step time (median of {args.steps}) and peak memory of a training step, gloo on this machine"
+          f"\n{header}\n{'-' * len(header)}")
+    for r in rows:
+        r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
+        r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
+        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} "
+              f"{r['time_error']:>+7.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
+              f"{r['memory_error']:>+7.0%}")
+    orders = {}
+    for r in rows:
+        orders.setdefault((r["model"], r["ranks"]), []).append(r)
+    print()
+    for (name, world), group in orders.items():
+        print(f"{name:5} on {world} ranks: predicted order of plans {'matches' if _order_matches(group) else 'DIFFERS FROM'} the measured one "
+              f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)")
+    within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
+    print(f"\n{within} of {len(rows)} step-time predictions within ±30%")
+    RESULTS.write_text(json.dumps({
+        "steps": args.steps, "warmup": WARMUP,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "date": time.strftime("%Y-%m-%d"), "rows": rows,
+        "order_matches": {f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()},
+    }, indent=1))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

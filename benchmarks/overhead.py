@@ -1,0 +1,159 @@
+"""Run-time overhead: autopar's compiled module against torch's own parallel wrappers.
+
+Side by side in one run, on local gloo ranks started by torchrun, the same model, batch and
+optimizer (SGD) trained with:
+
+- ``ddp``: ``DistributedDataParallel`` against autopar pinned to the same layout (batch split,
+  parameters replicated);
+- ``fsdp``: ``fully_shard`` on every layer and the root against autopar with every parameter
+  split on dim 0 over the ranks;
+- ``tp``: DTensor ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` against
+  autopar pinned to the same column/row split (MLP only: the GPT example's attention reshapes
+  by its global head count, which torch's tensor parallelism needs rewritten by hand);
+- ``auto``: autopar's own plan, with the batch given to each rank in pieces as above.
+
+Every step is zero_grad, forward, backward, optimizer step, after a barrier; the table gives the
+median of the timed steps and the ratio autopar / torch. Writes
+``benchmarks/results/overhead.json``.
+
+    python -m benchmarks.overhead [--ranks 2,4] [--steps 10]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "overhead.json"
+WARMUP = 3
+
+
+def _model(name: str):
+    from autopar.examples.gpt import GPT, GPTConfig
+    from autopar.examples.mlp import MLP
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP(1024, 4096), (torch.randn(256, 1024), torch.randn(256, 1024)), ("x", "target")
+    cfg = GPTConfig(vocab_size=1024, block_size=128, dim=256, num_heads=8, num_layers=2)
+    tokens = torch.randint(0, cfg.vocab_size, (16, cfg.block_size))
+    return GPT(cfg), (tokens, tokens), ("idx", "targets")
+
+
+def _time_steps(model, batch, steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for i in range(WARMUP + steps):
+        dist.barrier()
+        started = time.perf_counter()
+        opt.zero_grad()
+        model(*batch).backward()
+        opt.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def _torch_variant(kind: str, model, mesh_1d):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    if kind == "ddp":
+        return DistributedDataParallel(model)
+    if kind == "fsdp":
+        for block in getattr(model, "blocks", getattr(model, "layers", [])):
+            fully_shard(block, mesh=mesh_1d)
+        return fully_shard(model, mesh=mesh_1d)
+    return parallelize_module(model, mesh_1d, {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()})
+
+
+def _autopar_pins(kind: str, model, input_names) -> dict | None:
+    batch = {k: "S(0)" for k in input_names}
+    if kind == "ddp":
+        return {**batch, **{k: "R" for k, _ in model.named_parameters()}}
+    if kind == "fsdp":
+        return {**batch, **{k: "S(0)" for k, _ in model.named_parameters()}}
+    if kind == "tp":
+        return {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)"}
+    return batch
+
+
+def worker(models: list[str], steps: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh_1d = init_device_mesh("cpu", (world,))
+    mesh = autopar.Mesh((world,), ("ranks",))
+    rows = []
+    for name in models:
+        kinds = ("ddp", "fsdp", "tp", "auto") if name == "mlp" else ("ddp", "fsdp", "auto")
+        for kind in kinds:
+            row = {"model": name, "ranks": world, "layout": kind}
+            model, batch, input_names = _model(name)
+            pins = _autopar_pins(kind, model, input_names)
+            local = [x.chunk(world)[rank] if k in pins and pins[k] == "S(0)" else x for k, x in zip(input_names, batch)]
+            pmodel = autopar.compile(model, mesh, batch, hardware="cpu", pins=pins)
+            row["autopar_s"] = statistics.median(_time_steps(pmodel, local, steps))
+            if kind != "auto":
+                model, batch, _ = _model(name)
+                shard = [x.chunk(world)[rank] for x in batch] if kind != "tp" else batch
+                row["torch_s"] = statistics.median(_time_steps(_torch_variant(kind, model, mesh_1d), shard, steps))
+            rows.append(row)
+            if rank == 0:
+                print(f"  {name} {kind} on {world} ranks done", file=sys.stderr, flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--models", default="mlp,gpt")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.models.split(","), args.steps, args.worker)
+
+    from autopar.runtime.launch import torchrun
+
+    rows = []
+    for world in (int(n) for n in args.ranks.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            if torchrun(world, ["-m", "benchmarks.overhead", "--models", args.models, "--steps", str(args.steps),
+                                "--worker", out]):
+                raise SystemExit(f"the benchmark failed on {world} ranks")
+            rows += json.loads(Path(out).read_text())
+    header = f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13}"
+    print(f"\nmedian step time of {args.steps} steps after {WARMUP} warm-up steps, gloo on this machine\n{header}\n{'-' * len(header)}")
+    for r in rows:
+        torch_ms = r.get("torch_s", float("nan")) * 1e3
+        ratio = f"{r['autopar_s'] / r['torch_s']:.2f}" if "torch_s" in r else "-"
+        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "steps": args.steps, "warmup": WARMUP,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "date": time.strftime("%Y-%m-%d"), "rows": rows,
+    }, indent=1))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Hardware profiles: saved and loaded, and used by collectives' α-β per kind."""
+
+import pytest
+
+import autopar
+from autopar.cost_model.hardware import CPU, HardwareProfile, Link, load_profile, resolve_profile, save_profile
+from autopar.mesh import Mesh
+from autopar.passes.redistribute import Step, step_s
+
+
+def _measured() -> HardwareProfile:
+    link = Link(1e-4, 1e-9, (("all_reduce", 2e-4, 2e-9), ("all_gather", 5e-5, 1e-9)))
+    return HardwareProfile(name="measured", flops_per_s=2e10, memory_bytes_per_s=5e9, efficiency=1.0,
+                           memory_bytes=2**33, devices_per_host=4, intra_host=link, inter_host=link,
+                           op_overhead_s=1e-5)
+
+
+def test_a_saved_profile_loads_back_and_is_accepted_by_name(tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(_measured(), path, note="test")
+    assert load_profile(path) == _measured()
+    assert resolve_profile(str(path)) == _measured() == resolve_profile(path)
+
+
+def test_a_missing_profile_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(ValueError, match=r"no such profile file.*autopar calibrate --out"):
+        resolve_profile(str(tmp_path / "nope.json"))
+
+
+def test_collectives_use_their_own_alpha_and_beta():
+    mesh = Mesh((4,), ("x",))
+    links = (_measured().intra_host,)
+    assert step_s(Step("all_reduce", 0, bytes=1000), mesh, links) == pytest.approx(2e-4 + 2 * 0.75 * 1000 * 2e-9)
+    assert step_s(Step("all_gather", 0, 0, bytes=1000), mesh, links) == pytest.approx(5e-5 + 0.75 * 1000 * 1e-9)
+    assert step_s(Step("all_to_all", 0, 0, 1, bytes=1000), mesh, links) == pytest.approx(1e-4 + 0.75 * 1000 * 1e-9)
+
+
+def test_each_op_costs_the_profiles_overhead():
+    import torch
+
+    from autopar.examples.mlp import MLP
+
+    inputs = (torch.randn(8, 16), torch.randn(8, 16))
+    plain = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), inputs, hardware=CPU)
+    slow = HardwareProfile(**{**{f: getattr(CPU, f) for f in CPU.__dataclass_fields__}, "op_overhead_s": 1e-3})
+    charged = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), inputs, hardware=slow)
+    assert charged.compute_s == pytest.approx(plain.compute_s + 1e-3 * len(plain.nodes), rel=1e-6)
