@@ -1,6 +1,6 @@
 """A GPT-style decoder: token and position embeddings, pre-norm blocks of causal attention
 (through ``scaled_dot_product_attention``) and a GELU MLP, a final layer norm, a language-model
-head and a cross-entropy loss."""
+head tied to the token embedding (as GPT-2's) and a cross-entropy loss."""
 
 from dataclasses import dataclass
 
@@ -23,6 +23,8 @@ class GPTConfig:
     """Attention heads; ``dim`` must be a multiple of it."""
     num_layers: int = 2
     """Transformer blocks."""
+    tie_embeddings: bool = True
+    """Whether the output head shares the token embedding's weight, as in GPT-2."""
 
 
 class Attention(nn.Module):
@@ -67,6 +69,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight  # GPT-2 reads logits off the token embedding
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)

@@ -130,9 +130,61 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             f"{type(model).__name__}'s outputs do not depend on any parameter, so there is no "
             "training step to parallelize; return the loss from forward()"
         )
+    inputs, outputs = _merge_tied(graph, inputs, outputs, _tied_names(model))
     captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph), time.perf_counter() - started)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
     return captured
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter names that alias another parameter (a tied output head) → the first name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _merge_tied(graph: fx.GraphModule, inputs: tuple, outputs: tuple, tied: dict[str, str]) -> tuple[tuple, tuple]:
+    """One placeholder per tied parameter: the graph reads the first name everywhere, and that
+    name's gradient is the sum of the gradients of every use, as autograd makes it."""
+    if not tied:
+        return inputs, outputs
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    by_name = {k.name: n for n, k in zip(placeholders, inputs) if k.kind == "param"}
+    output_node = graph.graph.output_node()
+    results = list(output_node.args[0])
+    grads = {k.name: i for i, k in enumerate(outputs) if k is not None and k.kind == "grad"}
+    dropped_outputs = set()
+    for alias, name in tied.items():
+        if alias not in by_name:
+            continue
+        by_name[alias].replace_all_uses_with(by_name[name])
+        if alias in grads:
+            extra = results[grads[alias]]
+            dropped_outputs.add(grads[alias])
+            if name in grads and isinstance(extra, fx.Node):
+                if not isinstance(results[grads[name]], fx.Node):  # every use went through the alias
+                    results[grads[name]] = extra
+                    continue
+                with graph.graph.inserting_before(output_node):
+                    total = graph.graph.call_function(torch.ops.aten.add.Tensor, (results[grads[name]], extra))
+                total.meta["val"] = extra.meta["val"]
+                results[grads[name]] = total
+    keep = [i for i in range(len(results)) if i not in dropped_outputs]
+    output_node.args = (tuple(results[i] for i in keep),)
+    output_node.meta["desc"] = [output_node.meta["desc"][i] for i in keep]
+    dropped = {id(by_name[a]) for a in tied if a in by_name}
+    kept_inputs = tuple(k for n, k in zip(placeholders, inputs) if id(n) not in dropped)
+    for alias in tied:
+        if alias in by_name:
+            graph.graph.erase_node(by_name[alias])
+    graph.graph.set_codegen(fx.graph.CodeGen())  # positional inputs and outputs: the input pytree lost a leaf
+    graph.recompile()
+    return kept_inputs, tuple(outputs[i] for i in keep)
 
 
 def _off_meta(model: torch.nn.Module, example_inputs: tuple) -> tuple[torch.nn.Module, tuple]:

@@ -188,9 +188,12 @@ class ParallelModule(torch.nn.Module):
         """
         if not self._built:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
+        planned = {id(t): name for name, t in named if name in self._layouts}  # tied tensors: one planned name
         state = {}
-        for name, tensor in self.module.state_dict().items():
-            state[name] = self.gather(name, tensor) if name in self._layouts else tensor.detach().clone()
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            key = planned.get(id(tensor))
+            state[name] = self.gather(key, tensor) if key is not None else tensor.detach().clone()
         return {} if rank0_only and dist.get_rank() != 0 else state
 
 
