@@ -1,7 +1,7 @@
 """Does the cost model predict this machine? Predicted against measured step time and memory.
 
-Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, unless the profile
-files exist), then on those ranks plans every example model with the calibrated profile, under
+Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, unless this host's
+profiles are already in ``benchmarks/results/``), then on those ranks plans every example model with the calibrated profile, under
 autopar's own plan and hand-written layouts (pins), and measures:
 
 - the step time the plan models: forward and backward of the per-rank program (median of the
@@ -34,15 +34,16 @@ WARMUP = 3
 MODELS = ("mlp", "gpt", "bert", "llama")
 
 
-def _pins(layout: str, model_name: str, model, input_names) -> dict | None:
+def _pins(layout: str, model_name: str, model, input_names, world: int) -> dict | None:
     batch = {k: "S(0)" for k in input_names}
     params = [k for k, _ in model.named_parameters()]
+    divisible = {k for k, p in model.named_parameters() if p.shape[0] % world == 0}
     if layout == "auto":
         return batch
     if layout == "ddp":
         return {**batch, **{k: "R" for k in params}}
     if layout == "fsdp":
-        return {**batch, **{k: "S(0)" for k in params}}
+        return {**batch, **{k: "S(0)" if k in divisible else "R" for k in params}}  # FSDP would pad the rest
     split = {"mlp": {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)"},
              "gpt": {f"blocks.{i}.{k}": v for i in range(2) for k, v in (("attn.qkv.weight", "S(0)"),
                      ("attn.proj.weight", "S(1)"), ("fc1.weight", "S(0)"), ("fc1.bias", "S(0)"), ("fc2.weight", "S(1)"))}}
@@ -93,7 +94,7 @@ def worker(profile: str, steps: int, out: str) -> None:
             torch.manual_seed(0)
             model, batch = make_example(name)
             input_names = list(inspect.signature(model.forward).parameters)[: len(batch)]
-            pins = _pins(layout, name, model, input_names)
+            pins = _pins(layout, name, model, input_names, world)
             pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
             local = [pmodel.rank_part(k, x) if pmodel.passes_own_part(k) else x for k, x in zip(input_names, batch)]
             step_s, peak = _measure(pmodel, local, steps)
@@ -106,6 +107,13 @@ def worker(profile: str, steps: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def _measured_here(profile: Path) -> bool:
+    """Whether ``profile`` exists and was calibrated on this host."""
+    from autopar.cost_model.hardware import load_profile
+
+    return profile.exists() and f"-{os.uname().nodename}-" in load_profile(profile).name
 
 
 def _order_matches(rows: list[dict]) -> bool:
@@ -129,7 +137,7 @@ def main() -> None:
     rows = []
     for world in (int(n) for n in args.ranks.split(",")):
         profile = RESULTS.parent / f"cpu-profile-{world}-ranks.json"
-        if args.recalibrate or not profile.exists():
+        if args.recalibrate or not _measured_here(profile):
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", str(world), "--out", str(profile)],
                            check=True)

@@ -95,3 +95,14 @@ def test_a_model_on_the_meta_device_plans_like_the_real_one():
     mesh = Mesh((4,), ("tp",))
     assert autopar.plan(meta, mesh, meta_inputs, hardware=FLOP_EQ_BYTE) == autopar.plan(real, mesh, inputs, hardware=FLOP_EQ_BYTE)
     assert next(meta.parameters()).is_meta  # the user's model is left as it was
+
+
+def test_a_dim_cut_by_two_axes_is_gathered_inner_cut_first():
+    mesh = Mesh((2, 2), ("a", "b"))
+    links = (Link(1e-6, 1e-9), Link(1e-6, 1e-9))
+    both, inner = (Shard(0), Shard(0)), (R, Shard(0))
+    to_whole = transition(both, (R, R), (8, 8), 4, True, mesh, links)
+    assert [(s.kind, s.axis) for s in to_whole] == [("all_gather", 1), ("all_gather", 0)]
+    # a cut on the first axis goes outside the second axis' cut, so the second must be undone first
+    deeper = transition(inner, both, (8, 8), 4, True, mesh, links)
+    assert [(s.kind, s.axis) for s in deeper] == [("all_gather", 1), ("slice", 0), ("slice", 1)]
