@@ -5,7 +5,9 @@ time, so the figures include the ranks' contention for cores and memory:
 
 - matmul throughput (``torch.mm`` of square fp32 matrices, the fastest size),
 - memory bandwidth (``torch.add`` over 64 MiB operands: 3 tensors' bytes per call),
-- the fixed time of running one op (an add of one-element tensors),
+- the fixed time of running one op (an aten add of one-element tensors),
+- the fraction of that roofline that ops of training-graph shapes reach (skinny and square
+  matmuls, small and large elementwise ops; the median), the profile's efficiency,
 - α and β of each collective over the N ranks (the functional collectives the per-rank graph
   uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes, with ``k`` the ring
   factor of :func:`autopar.passes.redistribute.step_s`.
@@ -78,7 +80,9 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
     big = [torch.randn(16 * 2**20) for _ in range(3)]
     bandwidth = 3 * big[0].numel() * 4 / _median_s(lambda: torch.add(big[0], big[1], out=big[2]))
     one = [torch.ones(1), torch.ones(1)]
-    overhead = _median_s(lambda: [torch.add(one[0], one[1]) for _ in range(100)]) / 100
+    overhead = _median_s(lambda: [torch.ops.aten.add.Tensor(one[0], one[1]) for _ in range(100)]) / 100
+    peak_flops = max(matmul.values())
+    efficiency = _efficiency(peak_flops, bandwidth, overhead)
     collectives, raw = [], {}
     for kind in COLLECTIVE_KINDS:
         points = []
@@ -93,12 +97,36 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
     link = Link(default[1], default[2], tuple(collectives))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
     profile = HardwareProfile(
-        name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=max(matmul.values()),
-        memory_bytes_per_s=bandwidth, efficiency=1.0, memory_bytes=memory, devices_per_host=world,
+        name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=peak_flops,
+        memory_bytes_per_s=bandwidth, efficiency=efficiency, memory_bytes=memory, devices_per_host=world,
         intra_host=link, inter_host=link, op_overhead_s=overhead,
     )
     return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
-                     "op_overhead_s": overhead, "collective_points_bytes_s": raw}
+                     "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw}
+
+
+# Ops of the shapes training graphs are made of: skinny and square matmuls, elementwise ops
+# small and large. (FLOPs, bytes moved, the op.)
+def _suite():
+    def mm(m, k, n):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        return 2 * m * k * n, 4 * (m * k + k * n + m * n), lambda: torch.ops.aten.mm.default(a, b)
+
+    def pointwise(*shape):
+        x, y = torch.randn(*shape), torch.randn(*shape)
+        return x.numel(), 12 * x.numel(), lambda: torch.ops.aten.mul.Tensor(x, y)
+
+    return [mm(8, 256, 4096), mm(64, 512, 512), mm(256, 64, 256), mm(512, 1024, 512), mm(2048, 256, 64),
+            pointwise(8, 4096), pointwise(64, 32, 64), pointwise(256, 1024), pointwise(1024, 1024)]
+
+
+def _efficiency(flops_per_s: float, bytes_per_s: float, overhead_s: float) -> float:
+    """The median fraction of the roofline that the suite's ops reach, past the per-op overhead."""
+    ratios = []
+    for flops, nbytes, op in _suite():
+        measured = _median_s(lambda: [op() for _ in range(10)]) / 10 - overhead_s
+        ratios.append(max(flops / flops_per_s, nbytes / bytes_per_s) / max(measured, 1e-9))
+    return min(statistics.median(ratios), 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             save_profile(profile, args.out, **measured)
             print(f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
-                  f"{profile.op_overhead_s * 1e6:.1f} us per op")
+                  f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
             print(f"wrote {args.out}; plan with hardware={args.out!r}")

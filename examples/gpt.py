@@ -69,6 +69,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        for table in (self.tok, self.pos):
+            nn.init.normal_(table.weight, std=0.02)  # GPT-2's init; N(0, 1) tied logits saturate the softmax
         if cfg.tie_embeddings:
             self.head.weight = self.tok.weight  # GPT-2 reads logits off the token embedding
 
