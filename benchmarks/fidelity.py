@@ -116,10 +116,15 @@ def _measured_here(profile: Path) -> bool:
     return profile.exists() and f"-{os.uname().nodename}-" in load_profile(profile).name
 
 
-def _order_matches(rows: list[dict]) -> bool:
-    predicted = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
-    measured = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
-    return predicted == measured
+def _order_matches(rows: list[dict], margin: float = 0.05) -> bool:
+    """Whether every two plans whose predicted times differ by more than ``margin`` are
+    measured in the same order (plans predicted alike, such as autopar choosing the DDP layout,
+    cannot be ordered)."""
+    for a in rows:
+        for b in rows:
+            if a["predicted_s"] < b["predicted_s"] * (1 - margin) and not a["measured_s"] < b["measured_s"]:
+                return False
+    return True
 
 
 def main() -> None:
@@ -161,7 +166,7 @@ def main() -> None:
         orders.setdefault((r["model"], r["ranks"]), []).append(r)
     print()
     for (name, world), group in orders.items():
-        print(f"{name:5} on {world} ranks: predicted order of plans {'matches' if _order_matches(group) else 'DIFFERS FROM'} the measured one "
+        print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if _order_matches(group) else 'DIFFERS FROM'} the measured one "
               f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)")
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30%")
