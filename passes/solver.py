@@ -22,6 +22,14 @@ the whole step under strategy ``k`` (a parameter's piece with its gradient and o
 or a forward value the backward reads) and ``o_n,k`` the size of its outputs. Grouping
 strategies by layout keeps the variables per tensor to the distinct layouts instead of the
 strategies.
+
+Three reductions keep the program small without changing its optimum. A tensor with one reader
+needs no ``y``: its transport carries the cost, or, when fewer, it moves as a unit of flow over
+the one-axis moves between layouts (``Σ_out f − Σ_in f = z_v,u − w_c,u`` at every layout ``u``,
+each move priced by its step), whose cheapest path is the transition's cost. An op whose cost
+is the same under every layout and that has one strategy per operand layout takes its operand's
+variables. Nodes of repeated layers take the first layer's variables, and each tensor's moves
+are priced once per copy.
 """
 
 import array
