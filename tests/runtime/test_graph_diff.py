@@ -1,4 +1,4 @@
-"""Parallel training on 2 and 4 gloo ranks against the same training on one device.
+"""Parallel training on 2, 4 and 8 gloo ranks against the same training on one device.
 
 Losses at every step must match within 1e-5 relative, gradients after the first step and
 parameters after 3 optimizer steps within rtol 1e-4 / atol 1e-5 (fp32), and the per-rank graphs
@@ -32,6 +32,9 @@ FOUR = [
     dict(model_name="bert", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="bert", mesh_shape=(4,), axis_names=("dp",), optimizer_name="sgd", preset="dp"),
 ]
+EIGHT = [  # a 3-D mesh: 8 ranks on this 2-core host, so one small model
+    dict(model_name="mlp", mesh_shape=(2, 2, 2), axis_names=("a", "b", "c"), optimizer_name="adamw"),
+]
 TWO = [
     dict(model_name="mlp", mesh_shape=(2,), axis_names=("dp",), optimizer_name="sgd"),
     dict(model_name="gpt", mesh_shape=(2,), axis_names=("tp",), optimizer_name="adamw"),
@@ -48,7 +51,7 @@ def _name(case):
 def results():
     """Every case's per-rank results, keyed by case name (one set of ranks per world size)."""
     out = {}
-    for world, cases in ((4, FOUR), (2, TWO)):
+    for world, cases in ((4, FOUR), (2, TWO), (8, EIGHT)):
         per_rank = run_ranks(world, run_cases, cases)
         for i, case in enumerate(cases):
             out[_name(case)] = [rank_results[i] for rank_results in per_rank]
@@ -56,7 +59,7 @@ def results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FOUR + TWO, ids=_name)
+@pytest.mark.parametrize("case", FOUR + TWO + EIGHT, ids=_name)
 def test_parallel_training_matches_one_device(results, case):
     for r in results[_name(case)]:
         assert r["loss_rel"] <= 1e-5, f"rank {r['rank']}: loss differs by {r['loss_rel']:.2e}"
@@ -65,7 +68,7 @@ def test_parallel_training_matches_one_device(results, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FOUR + TWO, ids=_name)
+@pytest.mark.parametrize("case", FOUR + TWO + EIGHT, ids=_name)
 def test_per_rank_graph_runs_exactly_the_planned_collectives(results, case):
     for r in results[_name(case)]:
         plan = autopar.ShardingPlan.from_json(r["plan"])
