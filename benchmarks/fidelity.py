@@ -19,13 +19,14 @@ import argparse
 import inspect
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import write_results
 
 import torch
 
@@ -170,13 +171,8 @@ def main() -> None:
               f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)")
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30%")
-    RESULTS.write_text(json.dumps({
-        "steps": args.steps, "warmup": WARMUP,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": time.strftime("%Y-%m-%d"), "rows": rows,
-        "order_matches": {f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()},
-    }, indent=1))
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=rows,
+                  order_matches={f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()})
 
 
 if __name__ == "__main__":

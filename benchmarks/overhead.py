@@ -22,12 +22,13 @@ median of the timed steps and the ratio autopar / torch. Writes
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import write_results
 
 import torch
 
@@ -146,13 +147,7 @@ def main() -> None:
         torch_ms = r.get("torch_s", float("nan")) * 1e3
         ratio = f"{r['autopar_s'] / r['torch_s']:.2f}" if "torch_s" in r else "-"
         print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "steps": args.steps, "warmup": WARMUP,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": time.strftime("%Y-%m-%d"), "rows": rows,
-    }, indent=1))
-    print(f"\nwrote {RESULTS}")
+    write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=rows)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ device's memory, and the ratio of the best hand-written plan that fits to autopa
 """
 
 import argparse
-import json
 import math
-import os
-import platform
 import re
 import time
 from pathlib import Path
+
+from benchmarks import write_results
 
 import torch
 
@@ -169,13 +168,7 @@ def main() -> None:
                 verdict = "autopar at least as fast" if auto <= best_hand * (1 + 1e-9) else "HAND-WRITTEN FASTER"
                 print(f"{name:6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
             rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "hardware_profile": "h100", "device_memory_bytes": device_bytes,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": time.strftime("%Y-%m-%d"), "rows": rows,
-    }, indent=1))
-    print(f"\nwrote {RESULTS}")
+    write_results(RESULTS, hardware_profile="h100", device_memory_bytes=device_bytes, rows=rows)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.j
 """
 
 import argparse
-import json
 import multiprocessing as mp
-import os
-import platform
 import time
 from pathlib import Path
+
+from benchmarks import write_results
 
 MODELS = ("mlp", "gpt", "bert", "llama")
 MESHES = ((8,), (2, 2), (2, 4))
@@ -114,15 +113,8 @@ def main() -> None:
                  [((name, 0), shape) for name in MODELS for shape in MESHES], args.hardware, args.limit_s)
     scale = _table(f"LLaMA-3-8B-shaped on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device), by layer count",
                    [(("llama3-8b", int(n)), SCALE_MESH) for n in args.layers.split(",")], args.hardware, args.limit_s)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    RESULTS.write_text(json.dumps({
-        "hardware_profile": args.hardware, "solver_time_limit_s": args.limit_s,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": time.strftime("%Y-%m-%d"), "examples": zoo, "llama3_8b_shaped": scale,
-    }, indent=1))
-    print(f"\nwrote {RESULTS}")
+    write_results(RESULTS, hardware_profile=args.hardware, solver_time_limit_s=args.limit_s, examples=zoo,
+                  llama3_8b_shaped=scale)
 
 
 if __name__ == "__main__":
