@@ -37,7 +37,8 @@ def _plan(args) -> int:
             raise SystemExit(f"autopar plan: --pin {pin!r} must look like NAME=S(0),R")
         pins[name] = tuple(p.strip() for p in placements.split(","))
     plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware,
-                        pins=pins or None, memory_budget=args.memory_budget)
+                        pins=pins or None, memory_budget=args.memory_budget,
+                        share_layers={"auto": None, "on": True, "off": False}[args.share_layers])
     print(plan)
     if args.graph:
         print("\n" + autopar.annotated_graph(plan))
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", action="append", default=[], metavar="NAME=P0,P1",
                    help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)")
     p.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB or 512MiB")
+    p.add_argument("--share-layers", choices=("auto", "on", "off"), default="auto",
+                   help="identical repeated layers share one choice: on, off, or when the program is large (default)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 

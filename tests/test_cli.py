@@ -30,6 +30,14 @@ def test_plan_takes_pins_and_a_memory_budget():
     assert "layers.0.weight  (R, S(0))" in done.stdout and "budget 64.0 MiB" in done.stdout
 
 
+def test_plan_can_share_repeated_layers():
+    shared = _autopar("plan", "gpt", "--mesh", "4", "--share-layers", "on")
+    assert shared.returncode == 0, shared.stderr
+    assert "nodes of repeated layers share the first layer's" in shared.stdout
+    alone = _autopar("plan", "gpt", "--mesh", "4", "--share-layers", "off")
+    assert alone.returncode == 0 and "repeated layers" not in alone.stdout
+
+
 def test_plan_reads_a_model_file(tmp_path):
     (tmp_path / "net.py").write_text(textwrap.dedent("""
         import torch
