@@ -54,7 +54,7 @@ def _collective(kind: str, nbytes: int, world: int):
         return lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group)), numel * 4
     if kind == "all_gather":
         part = x[: numel // world].clone()
-        return lambda: funcol.wait_tensor(funcol.all_gather_tensor(part, 0, group)), numel * 4
+        return lambda: funcol.wait_tensor(funcol.all_gather_single(part, 0, group)), numel * 4
     if kind == "reduce_scatter":
         return lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group)), numel * 4
     return lambda: funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group)), numel * 4

@@ -163,8 +163,7 @@ class ShardingPlan:
         return cls(
             mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
             hardware=data["hardware"],
-            links=tuple(Link(link["latency_s"], link["s_per_byte"], tuple(tuple(k) for k in link["per_kind"]))
-                        for link in data["links"]),
+            links=tuple(Link.from_dict(link) for link in data["links"]),
             graph_hash=data["graph_hash"],
             placements={k: tuple(v) for k, v in data["placements"].items()},
             inputs={k: tuple(v) for k, v in data["inputs"].items()},

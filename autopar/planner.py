@@ -103,19 +103,15 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
 
 def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: bool | None) -> dict[str, str]:
     """Repeated layers share variables when asked, or by default when the program would be large."""
-    if share_layers is False:
+    if share_layers is False or (share_layers is None and program_size(space) < SHARE_ABOVE):
         return {}
-    shared = repeated_layers(captured, space, node_costs, memory)
-    if share_layers is None and program_size(space) < SHARE_ABOVE:
-        return {}
-    return shared
+    return repeated_layers(captured, space, node_costs, memory)
 
 
 def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, shared, time_limit_s: float) -> str:
     """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
     least = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves, memory=memory,
-                  minimise="memory", shared=shared,
-                  time_limit_s=time_limit_s)
+                  minimise="memory", shared=shared, time_limit_s=time_limit_s)
     est = memory.estimate(least.choice)
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes, "temporaries": est.transient_bytes}

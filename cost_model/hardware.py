@@ -25,6 +25,11 @@ class Link:
     """Measured ``(collective kind, α, β)`` that replace the two above for that kind (a
     calibrated profile has one per collective)."""
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Link":
+        """The inverse of ``dataclasses.asdict``, as plans and profile files store links."""
+        return cls(data["latency_s"], data["s_per_byte"], tuple(tuple(k) for k in data["per_kind"]))
+
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         for name, alpha, beta in self.per_kind:
             if name == kind:
@@ -172,6 +177,5 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
         raise ValueError(f"{path} is not an autopar hardware profile (version 1); write one with `autopar calibrate`")
     fields = dict(data["profile"])
     for tier in ("intra_host", "inter_host"):
-        link = fields[tier]
-        fields[tier] = Link(link["latency_s"], link["s_per_byte"], tuple(tuple(k) for k in link["per_kind"]))
+        fields[tier] = Link.from_dict(fields[tier])
     return HardwareProfile(**fields)

@@ -17,6 +17,7 @@ from autopar.errors import InfeasiblePlanError, UnsupportedOpError
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, R, Shard, format_placements
 from autopar.passes.capture import Captured, backward_nodes
+from autopar.passes.redistribute import valid_layouts
 from autopar.passes.rules import rule_for, tensor_args
 from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 
@@ -109,8 +110,7 @@ def _grad_refs(captured: Captured) -> dict[str, fx.Node]:
 
 def _layouts(value: torch.Tensor, mesh: Mesh) -> list[Placements]:
     """Every replicate/shard layout of ``value`` that fits ``mesh``."""
-    per_axis = [R] + [Shard(d) for d in range(value.ndim)]
-    return [p for p in itertools.product(per_axis, repeat=mesh.ndim) if placement_problem(value, p, mesh) is None]
+    return list(valid_layouts(tuple(value.shape), mesh, partial=False))
 
 
 def _placeholder_space(node, kind, mesh, pin, grads, aliases, phase) -> NodeSpace:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, Replicate, Shard
+
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
