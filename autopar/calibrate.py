@@ -56,7 +56,7 @@ def _collective(kind: str, nbytes: int, world: int):
         part = x[: numel // world].clone()
         return lambda: funcol.wait_tensor(funcol.all_gather_single(part, 0, group)), numel * 4
     if kind == "reduce_scatter":
-        return lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group)), numel * 4
+        return lambda: funcol.wait_tensor(funcol.reduce_scatter_single(x, "sum", 0, group)), numel * 4
     return lambda: funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group)), numel * 4
 
 
