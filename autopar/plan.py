@@ -8,7 +8,7 @@ from typing import Mapping
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,8 +22,9 @@ class Collective:
     bytes: int
     """Bytes per rank (the gathered result of an all-gather, the input of a reduce-scatter)."""
     phase: str
-    """``forward``, ``backward``, or ``output``: making a result whole for the caller (the
-    loss of a batch-split step), which nothing else in the step waits for."""
+    """``forward``, ``backward``, ``recompute`` (run again in the backward for a recomputed
+    op), or ``output``: making a result whole for the caller (the loss of a batch-split step),
+    which nothing else in the step waits for."""
     time_s: float
     """Modelled time."""
     tensor: str
@@ -49,6 +50,10 @@ class NodePlan:
     inputs: tuple[str, ...]
     """Placements required on each tensor input."""
     compute_s: float
+    activation: str = ""
+    """For a forward op whose outputs the backward needs: ``keep`` or ``recompute``."""
+    activation_bytes: int = 0
+    """Per-device bytes of the outputs that choice concerns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +79,13 @@ class MemoryEstimate:
     """Forward values kept for the backward."""
     transient_bytes: int
     """The largest single temporary of the step."""
+    recomputed_bytes: int = 0
+    """Recomputed activations alive at once in the backward (one segment's)."""
 
     @property
     def peak_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.transient_bytes
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes + self.recomputed_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +116,9 @@ class ShardingPlan:
     solver: SolverInfo
     stage_s: Mapping[str, float]
     """Wall time of each planning stage: capture, propagate, cost, solve, plan."""
+    recompute_s: float = 0.0
+    """Compute time of the ops the backward runs again (their collectives are in
+    ``communication_s``)."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -115,8 +126,9 @@ class ShardingPlan:
 
     @property
     def predicted_step_s(self) -> float:
-        """Modelled time of one training step (compute plus communication, no overlap)."""
-        return self.compute_s + self.communication_s
+        """Modelled time of one training step (compute, recomputation and communication, no
+        overlap)."""
+        return self.compute_s + self.recompute_s + self.communication_s
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -149,6 +161,7 @@ class ShardingPlan:
             "memory_budget_bytes": self.memory_budget_bytes,
             "solver": asdict(self.solver),
             "stage_s": dict(self.stage_s),
+            "recompute_s": self.recompute_s,
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -176,6 +189,7 @@ class ShardingPlan:
             memory_budget_bytes=data["memory_budget_bytes"],
             solver=SolverInfo(**data["solver"]),
             stage_s=data["stage_s"],
+            recompute_s=data["recompute_s"],
         )
 
     def _decisions(self) -> tuple:

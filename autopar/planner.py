@@ -19,6 +19,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.layers import repeated_layers
 from autopar.passes.planning import build_plan
 from autopar.passes.propagate import propagate
+from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
 from autopar.passes.solver import program_size, solve
 
 log = logging.getLogger("autopar")
@@ -57,6 +58,13 @@ def parse_memory(value: "int | float | str | None") -> int | None:
     return int(value)
 
 
+def check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE_OPTIONS:
+        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(map(repr, RECOMPUTE_OPTIONS))}: "
+                         "'auto' recomputes what the memory budget needs, 'none' keeps every activation, "
+                         "'layers' recomputes every layer of a stack from its input")
+
+
 def check_mesh(mesh: Mesh) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, e.g. Mesh((2, 2), ('dp', 'tp')), got {type(mesh).__name__}")
@@ -65,9 +73,10 @@ def check_mesh(mesh: Mesh) -> None:
 def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" = "h100",
                   pins: Pins | None = None, memory_budget: "int | str | None" = None,
                   fallback: bool = True, solver_time_limit_s: float = 120.0,
-                  share_layers: bool | None = None) -> ShardingPlan:
+                  share_layers: bool | None = None, recompute: str = "auto") -> ShardingPlan:
     """Plan an already captured graph (see :func:`autopar.plan`)."""
     check_mesh(mesh)
+    check_recompute(recompute)
     profile = resolve_profile(hardware)
     parsed = parse_pins(pins, mesh)
     budget = parse_memory(memory_budget)
@@ -78,20 +87,23 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     node_costs = costs.node_costs(space)
     t2 = time.perf_counter()
     memory = memory_terms(space, costs)
+    activations = activation_space(captured, space, costs, recompute)
+    chooses = budget is not None or recompute == "layers"
     shared = _shared_layers(captured, space, node_costs, memory, share_layers)
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
              sum(len(n.strategies) for n in space.nodes), mesh)
     try:
         solution = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves,
                          memory=memory if budget else None, budget_bytes=budget, shared=shared,
-                         time_limit_s=solver_time_limit_s)
+                         activations=activations if chooses else None, time_limit_s=solver_time_limit_s)
     except InfeasiblePlanError as exc:
         if budget is None or "time limit" in str(exc):
             raise
-        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, budget, mesh, shared, solver_time_limit_s)) from None
+        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations if chooses else None,
+                                               budget, mesh, shared, solver_time_limit_s)) from None
     t3 = time.perf_counter()
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
-    result = build_plan(captured, space, solution, costs, memory, hardware_name=profile.name,
+    result = build_plan(captured, space, solution, costs, memory, activations, hardware_name=profile.name,
                         pinned=tuple(parsed), memory_budget_bytes=budget,
                         stage_s={**stages, "plan": time.perf_counter() - t3})
     log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
@@ -108,13 +120,16 @@ def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: 
     return repeated_layers(captured, space, node_costs, memory)
 
 
-def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, shared, time_limit_s: float) -> str:
+def _over_budget(space, node_costs, costs, memory, activations, budget: int, mesh: Mesh, shared, time_limit_s: float) -> str:
     """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
     least = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves, memory=memory,
-                  minimise="memory", shared=shared, time_limit_s=time_limit_s)
-    est = memory.estimate(least.choice)
+                  minimise="memory", shared=shared, activations=activations, time_limit_s=time_limit_s)
+    if activations is not None:
+        est = memory.estimate(least.choice, (frozenset(activations.nodes), *activation_bytes(activations, least.choice, least.recomputed)))
+    else:
+        est = memory.estimate(least.choice)
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
-             "activations": est.activations_bytes, "temporaries": est.transient_bytes}
+             "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}
     largest = max(parts, key=parts.get)
     state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
     if state >= budget:
@@ -134,7 +149,8 @@ def _over_budget(space, node_costs, costs, memory, budget: int, mesh: Mesh, shar
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor], *,
          hardware: "str | Profile" = "h100", pins: Pins | None = None,
          memory_budget: "int | str | None" = None, fallback: bool = True,
-         solver_time_limit_s: float = 120.0, share_layers: bool | None = None) -> ShardingPlan:
+         solver_time_limit_s: float = 120.0, share_layers: bool | None = None,
+         recompute: str = "auto") -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
     Args:
@@ -153,6 +169,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
         share_layers: give identical repeated layers (``layers.0``, ``layers.1``, …) one
             shared choice, so the program grows with the distinct layers, not all of them.
             ``None`` (default) shares them when the program would be large.
+        recompute: which activations the backward recomputes instead of keeping: ``"auto"``
+            (default) lets the solver choose, with the layouts, what the memory budget needs;
+            ``"none"`` keeps them all; ``"layers"`` recomputes each layer of a stack from its
+            input (activation checkpointing of every block) and chooses the rest as ``"auto"``.
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
@@ -160,6 +180,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
     resolve_profile(hardware)
     parse_pins(pins, mesh)
     parse_memory(memory_budget)
+    check_recompute(recompute)
     return plan_captured(capture(model, tuple(example_inputs)), mesh, hardware=hardware, pins=pins,
                          memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s,
-                         share_layers=share_layers)
+                         share_layers=share_layers, recompute=recompute)

@@ -74,20 +74,27 @@ class MemoryTerms:
     temporaries: dict[str, list[float]]
     """Each op's outputs; only the largest counts."""
 
-    def summed(self) -> dict[str, list[float]]:
+    def summed(self, exclude: frozenset[str] = frozenset()) -> dict[str, list[float]]:
+        """Node → bytes held for the whole step under each strategy; the activations of the
+        ``exclude`` nodes are left out (their keep-or-recompute choice prices them)."""
         total: dict[str, list[float]] = {}
         for part in (self.params, self.grads, self.optimizer, self.activations):
             for name, sizes in part.items():
+                if part is self.activations and name in exclude:
+                    continue
                 total[name] = [a + b for a, b in zip(total.get(name, [0.0] * len(sizes)), sizes)]
         return total
 
-    def estimate(self, choice: dict[str, int]) -> MemoryEstimate:
-        def total(part):
-            return int(sum(sizes[choice[name]] for name, sizes in part.items()))
+    def estimate(self, choice: dict[str, int], activations: tuple[frozenset[str], int, int] | None = None) -> MemoryEstimate:
+        """The parts under ``choice``. ``activations`` = (ops priced by a keep-or-recompute
+        choice, their kept bytes, their recomputed bytes) replaces those ops' activations."""
+        def total(part, exclude=frozenset()):
+            return int(sum(sizes[choice[name]] for name, sizes in part.items() if name not in exclude))
 
         temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items()), default=0)
+        chosen, kept, recomputed = activations if activations is not None else (frozenset(), 0, 0)
         return MemoryEstimate(total(self.params), total(self.grads), total(self.optimizer),
-                              total(self.activations), int(temporaries))
+                              total(self.activations, chosen) + kept, int(temporaries), recomputed)
 
 
 def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = 2) -> MemoryTerms:

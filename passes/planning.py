@@ -5,42 +5,75 @@ from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
 from autopar.passes.capture import Captured, module_paths
+from autopar.passes.remat import ActivationSpace, activation_bytes, kept_ops
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
 
 
-def edge_transitions(space: StrategySpace, chosen: dict[str, Strategy]):
-    """Every distinct (tensor, target placements) move the plan needs, with its consumer.
+def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed: frozenset[str] = frozenset()):
+    """Every distinct move of a tensor to other placements that the step makes, with its
+    consumer and phase, in the order the rewriter makes them.
 
-    Yields ``(ref, src, dst, consumer)``; a tensor moved to the same placements for several
-    consumers is moved once. The rewriter walks the same moves.
+    Yields ``(ref, src, dst, consumer, phase)``. A tensor moved to the same placements for
+    several consumers is moved once, except that the backward's recomputation moves the
+    operands of the ops it runs again itself, and moves the recomputed values for their
+    backward readers.
     """
-    seen = set()
+    by_name = space.index()
+    seen: set = set()
+    done: set[str] = set()
+
+    def move(ref, dst, consumer, phase, context):
+        src = chosen[ref[0]].outputs[ref[1]]
+        if src != dst and (context, ref, dst) not in seen:
+            seen.add((context, ref, dst))
+            yield ref, src, dst, consumer, phase
+
+    def recompute(name):
+        done.add(name)
+        node = by_name[name]
+        for j, ref in enumerate(node.args):
+            if ref[0] in recomputed and ref[0] not in done:
+                yield from recompute(ref[0])
+            yield from move(ref, chosen[name].inputs[j], node, "recompute", "recompute")
+
     for n in space.nodes:
+        phase = {"param": "backward", "output": "output"}.get(n.kind, n.phase)
         for j, ref in enumerate(n.args):
-            src = chosen[ref[0]].outputs[ref[1]]
-            dst = chosen[n.name].inputs[j]
-            if src != dst and (ref, dst) not in seen:
-                seen.add((ref, dst))
-                yield ref, src, dst, n
+            again = n.kind == "op" and n.phase == "backward" and ref[0] in recomputed
+            if again and ref[0] not in done:
+                yield from recompute(ref[0])
+            context = "recompute" if again else "run"
+            yield from move(ref, chosen[n.name].inputs[j], n, context if again else phase, context)
 
 
 def build_plan(captured: Captured, space: StrategySpace, solution: Solution, costs: CostModel,
-               memory: MemoryTerms, *, hardware_name: str, pinned: tuple[str, ...],
+               memory: MemoryTerms, activations: ActivationSpace, *, hardware_name: str, pinned: tuple[str, ...],
                memory_budget_bytes: int | None, stage_s: dict[str, float]) -> ShardingPlan:
     mesh = costs.mesh
     by_name = space.index()
-    chosen = {name: by_name[name].strategies[k] for name, k in solution.choice.items()}
+    choice, recomputed = solution.choice, solution.recomputed
+    chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
     node_costs = costs.node_costs(space)
     modules = module_paths(captured)
+    kept_bytes, recomputed_bytes = activation_bytes(activations, choice, recomputed)
+    needed = kept_ops(activations, recomputed)
+
+    def activation(name: str) -> tuple[str, int]:
+        if name in recomputed:
+            return "recompute", int(activations.bytes[name][choice[name]])
+        if name in needed:
+            return "keep", int(activations.bytes[name][choice[name]])
+        return "", 0
+
     nodes = tuple(
         NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
                  tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
                  tuple(format_placements(p) for p in chosen[n.name].inputs),
-                 node_costs[n.name][solution.choice[n.name]])
+                 node_costs[n.name][choice[n.name]], *activation(n.name))
         for n in space.nodes if n.kind == "op"
     )
-    collectives = tuple(_collectives(space, chosen, costs, mesh))
+    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh))
     placements = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")}
     inputs = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind == "input"}
     return ShardingPlan(
@@ -55,10 +88,11 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         collectives=collectives,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=memory.estimate(solution.choice),
+        memory=memory.estimate(choice, (frozenset(activations.nodes), kept_bytes, recomputed_bytes)),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
+        recompute_s=sum(node_costs[name][choice[name]] for name in recomputed),
     )
 
 
@@ -66,9 +100,8 @@ def _fmt(strategy: Strategy) -> tuple[str, ...]:
     return tuple(format_placement(p) for p in strategy.outputs[0])
 
 
-def _collectives(space: StrategySpace, chosen, costs: CostModel, mesh: Mesh):
-    for ref, src, dst, consumer in edge_transitions(space, chosen):
-        phase = {"param": "backward", "output": "output"}.get(consumer.kind, consumer.phase)
+def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh):
+    for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
         for step in costs.steps(ref, src, dst):
             if step.is_collective:
                 yield Collective(

@@ -5,11 +5,17 @@ before each op it moves every argument into the placements the op's strategy nee
 (:func:`autopar.passes.redistribute.transition`), then runs the op on local tensors with shape
 arguments made local. ``make_fx`` traces that interpretation on fake tensors into a plain aten
 graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can compile it.
+
+Ops the plan recomputes run again when a backward op first reads them, on their kept operands
+(or operands recomputed the same way), with their operands' moves made again; the nodes this
+emits carry ``RECOMPUTE`` in ``node.meta["custom"]`` so that the partitioner puts them in the
+backward.
 """
 
 from collections.abc import Sequence
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -20,7 +26,7 @@ from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import shape_arg, tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
@@ -31,6 +37,9 @@ c10d = torch.ops._c10d_functional
 # a local piece may arrive with other strides than the whole tensor had (after a collective or
 # a slice), so views become reshapes, which copy only when the strides require it
 _AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+
+RECOMPUTE = {"autopar": "recompute"}
+"""The ``node.meta["custom"]`` of per-rank nodes that recompute forward values in the backward."""
 
 
 def _parse(text: str | None) -> Placements | None:
@@ -118,32 +127,52 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     aliases = getitem_aliases(graph)
     rank = _Rank(mesh, plan.links, coordinate, group_names)
     layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
+    nodes = {n.name: n for n in graph.nodes}
+    recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
+    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
 
     def per_rank(*local_inputs):
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
-        moved: dict[tuple[ValueRef, Placements], torch.Tensor] = {}
+        again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
+        moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (recomputing, value, placements)
 
-        def fetch(arg: fx.Node, dst: Placements) -> torch.Tensor:
+        def fetch(arg: fx.Node, dst: Placements, context: str = "run") -> torch.Tensor:
+            """``arg`` in placements ``dst`` for a forward op (``context="run"``), a backward op
+            (``"backward"``: reads recomputed values) or a recomputation (``"recompute"``:
+            reads recomputed values and moves every operand afresh)."""
             ref = aliases.get(arg.name, (arg.name, 0))
-            t, src = env[ref]
+            if context != "run" and ref[0] in recomputed:
+                if ref not in again:
+                    recompute(nodes[ref[0]])
+                t, src = again[ref]
+                context = "recompute"
+            else:
+                t, src = env[ref]
             if src == dst:
                 return t
-            if (ref, dst) not in moved:
-                moved[ref, dst] = rank.move(t, src, dst, tuple(_value(arg).shape))
-            return moved[ref, dst]
+            key = (context == "recompute", ref, dst)
+            if key not in moved:
+                moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
+            return moved[key]
 
-        for i, node in enumerate(captured.placeholders):
-            env[node.name, 0] = local_inputs[i], layouts[i]
-        for node in graph.nodes:
-            if node.op != "call_function" or node.name in aliases:
-                continue
+        def run(node: fx.Node, store: dict, context: str) -> None:
             strategy = strategies[node.name]
-            local_args = [fetch(a, p) for a, p in zip(tensor_args(node), strategy.inputs)]
+            local_args = [fetch(a, p, context) for a, p in zip(tensor_args(node), strategy.inputs)]
             args, kwargs = local_call_args(node, local_args, strategy, mesh)
             result = _AS_RESHAPE.get(node.target, node.target)(*args, **kwargs)
             results = result if isinstance(result, (list, tuple)) else [result]
             for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
-                env[node.name, i] = value, layout
+                store[node.name, i] = value, layout
+
+        def recompute(node: fx.Node) -> None:
+            with fx_traceback.annotate(RECOMPUTE):
+                run(node, again, "recompute")
+
+        for i, node in enumerate(captured.placeholders):
+            env[node.name, 0] = local_inputs[i], layouts[i]
+        for node in graph.nodes:
+            if node.op == "call_function" and node.name not in aliases:
+                run(node, env, "backward" if node in backward else "run")
         outputs = []
         for kind, value in zip(captured.outputs, graph.output_node().args[0]):
             if kind is None or not isinstance(value, fx.Node):
@@ -160,7 +189,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         fakes = [torch.empty(local_shape(tuple(n.meta["val"].shape), p, mesh), dtype=n.meta["val"].dtype,
                              device=n.meta["val"].device) for n, p in zip(captured.placeholders, layouts)]
     try:
-        gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
     except Exception as exc:
         raise RewriteError(
             f"could not build the per-rank graph at mesh coordinate {tuple(coordinate)}: "

@@ -12,6 +12,19 @@ tensor and target layout, however many consumers share it::
                 T ≥ Σ_k o_n,k · x_n,k    for every op n            (T: the largest temporary)
                 x_n,k ∈ {0, 1},  0 ≤ t, y ≤ 1
 
+With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
+(``K_n``) or recomputed (``R_n``), both binary, and the saved activations leave ``m``::
+
+                K_n + R_n ≥ 1                for every op the backward reads
+                K_u + R_u ≥ R_n              for every operand u of n in n's segment
+                K_u ≥ R_n                    for every operand u of n in another segment
+                K_u ≥ K_n                    for every view n of u (a view's bytes are u's)
+                A_n ≥ Σ_k b_n,k · x_n,k − B_n · (1 − K_n)      (kept bytes, B_n = max_k b_n,k)
+                Q_n ≥ Σ_k b_n,k · x_n,k − B_n · (1 − R_n)      (recomputed bytes)
+                Q ≥ Σ_(n ∈ S) Q_n            for every segment S (one segment is recomputed at a time)
+                E_n ≥ Σ_k c_n,k · x_n,k + (moves of n's operands) − C_n · (1 − R_n)
+                Σ A_n + Q enter the memory budget, Σ E_n the objective
+
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
 ``v``, ``z_v,p`` is the sum of its producer's one-hots whose strategy gives ``v`` layout ``p``,
 and ``w_c,q`` the sum of a reader's one-hots that need it in layout ``q``. Each reader's
@@ -47,6 +60,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.plan import SolverInfo
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.placement import Placements
+from autopar.passes.remat import ActivationSpace
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 
 log = logging.getLogger(__name__)
@@ -62,6 +76,8 @@ class Solution:
 
     choice: dict[str, int]
     info: SolverInfo
+    recomputed: frozenset[str] = frozenset()
+    """Forward ops the backward runs again instead of keeping their outputs."""
     """Status (``"OPTIMAL"``, or ``"FEASIBLE"`` when stopped at the time limit with a plan),
     objective, bound, time and size."""
 
@@ -72,7 +88,8 @@ OneStepMoves = Callable[[ValueRef], Sequence[tuple[Placements, Placements, float
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
           *, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
-          one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None, minimise: str = "time", time_limit_s: float = 120.0,
+          one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
+          activations: ActivationSpace | None = None, minimise: str = "time", time_limit_s: float = 120.0,
           relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
 
@@ -80,6 +97,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     given, a tensor with one reader moves along them (:func:`_layout_flow`), which takes fewer
     variables than all pairs of layouts on N-D meshes. ``transition_s`` must then be the
     cheapest path over these moves, as :func:`autopar.passes.redistribute.transition` is.
+
+    ``activations`` adds the keep-or-recompute choice of every forward op; the kept and
+    recomputed activations then replace ``memory.activations`` of those ops.
 
     ``shared`` maps nodes of repeated layers to their counterpart in the first layer
     (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
@@ -120,11 +140,16 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         for k, terms in enumerate(ind[n.name]):
             for var in terms:
                 costs[var] += node_costs[n.name][k]
+    reader_moves: dict[tuple[str, int], list] = {}
     for (ref, readers), count in _tensor_classes(space, shared, followed).items():
-        _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves)
+        _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
+    again = {}
+    if activations is not None:
+        again, kept_mb, recompute_mb = _keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared, costs)
     objective = solver.Objective()
     if memory is not None:
-        memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes, shared)
+        memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes, shared,
+                                            (activations, kept_mb, recompute_mb) if activations is not None else None)
     if minimise == "memory":
         for var, coef in memory_coefs.items():
             objective.SetCoefficient(var, coef)
@@ -160,6 +185,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         name: max(range(len(terms)), key=lambda k: sum(values[v.index()] for v in terms[k]))
         for name, terms in ind.items()
     }
+    recomputed = frozenset(name for name in (activations.nodes if activations else ())
+                           if values[again[shared.get(name, name)].index()] > 0.5)
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
         objective_s=objective_value / scale,
@@ -171,7 +198,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     )
     log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
               info.num_constraints, elapsed, info.status)
-    return Solution(choice, info)
+    return Solution(choice, info, recomputed)
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:
@@ -241,8 +268,11 @@ def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set)
 
 
 def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], readers: frozenset,
-                      count: int, ind: dict, transition_s: TransitionCost, one_step_moves: OneStepMoves | None) -> None:
-    """Tie every reader's needed layout to the producer's, and price each move ``count`` times."""
+                      count: int, ind: dict, transition_s: TransitionCost, one_step_moves: OneStepMoves | None,
+                      reader_moves: dict) -> None:
+    """Tie every reader's needed layout to the producer's, and price each move ``count`` times.
+    ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
+    ``(variable or None, seconds)`` terms."""
     producer = by_name[ref[0]]
     src = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
     moves: dict[tuple, object] = {}
@@ -251,18 +281,22 @@ def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Nod
         dst = {q: _flat(g) for q, g in _group(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
         if len(src) == 1 and len(dst) == 1:
             (p,), (q,) = src, dst
+            reader_moves.setdefault((name, j), [(None, transition_s(ref, p, q))] if p != q else [])
             if p != q:
                 _move(solver, costs, moves, ref, p, q, count, transition_s, None)
             continue
         if len(readers) == 1 and one_step_moves is not None:
             arcs = one_step_moves(ref)
-            if len(arcs) < len(src) * len(dst) and _layout_flow(solver, costs, arcs, src, dst, count):
+            flow = _layout_flow(solver, costs, arcs, src, dst, count) if len(arcs) < len(src) * len(dst) else None
+            if flow is not None:
+                reader_moves.setdefault((name, j), flow)
                 continue
         t = {(p, q): solver.NumVar(0.0, 1.0, "") for p in src for q in dst}
         for p in src:  # the reader's copy leaves the producer's layout
             solver.Add(sum(t[p, q] for q in dst) == sum(src[p]))
         for q in dst:  # and arrives in the layout the reader needs
             solver.Add(sum(t[p, q] for p in src) == sum(dst[q]))
+        reader_moves.setdefault((name, j), [(var, transition_s(ref, p, q)) for (p, q), var in t.items() if p != q])
         for (p, q), var in t.items():
             if p != q and len(readers) == 1:
                 costs[var] += count * transition_s(ref, p, q)  # the only reader: its transport is the move
@@ -270,24 +304,26 @@ def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Nod
                 _move(solver, costs, moves, ref, p, q, count, transition_s, var)
 
 
-def _layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) -> bool:
+def _layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) -> list | None:
     """Move a tensor with one reader as a unit of flow from the producer's layout to the
     reader's along one-axis moves: a cheapest flow is a cheapest path, the transition's cost,
-    with a variable per move instead of per pair of layouts. False (nothing added) when a
-    layout is outside the moves' layouts."""
+    with a variable per move instead of per pair of layouts. Returns the ``(flow, seconds)``
+    of every move, or ``None`` (nothing added) when a layout is outside the moves' layouts."""
     layouts = {u for u, _, _ in arcs}
     if not (src.keys() <= layouts and dst.keys() <= layouts):
-        return False
+        return None
     out: dict = defaultdict(list)
     into: dict = defaultdict(list)
+    priced = []
     for u, v, cost in arcs:
         f = solver.NumVar(0.0, 1.0, "")
         out[u].append(f)
         into[v].append(f)
         costs[f] += count * cost
+        priced.append((f, cost))
     for u in layouts:  # what leaves a layout is what the producer gives it plus what arrives, less what the reader keeps
         solver.Add(sum(out[u]) - sum(into[u]) == sum(src.get(u, [])) - sum(dst.get(u, [])))
-    return True
+    return priced
 
 
 def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, count: int, transition_s: TransitionCost, need) -> None:
@@ -299,14 +335,23 @@ def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, count: int, tra
     solver.Add(moves[p, q] >= (1 if need is None else need))  # one copy serves every reader
 
 
-def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str]):
+def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
+                   activations: tuple | None):
     """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
-    is a variable at least every op's output size under its chosen strategy."""
+    is a variable at least every op's output size under its chosen strategy. ``activations``
+    (the space, kept and recomputed megabytes of :func:`_keep_or_recompute`) replaces the
+    activations of the forward ops."""
     coefs: dict = defaultdict(float)
-    for name, sizes in memory.summed().items():
+    exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
+    for name, sizes in memory.summed(exclude).items():
         for k, terms in enumerate(ind[name]):
             for var in terms:
                 coefs[var] += sizes[k] * _MEMORY_SCALE
+    if activations is not None:
+        _, kept_mb, recompute_mb = activations
+        for var, count in kept_mb.items():
+            coefs[var] += count
+        coefs[recompute_mb] += 1.0
     peak = solver.NumVar(0.0, solver.infinity(), "largest_temporary")
     for name, sizes in memory.temporaries.items():
         if name in shared:
@@ -315,6 +360,78 @@ def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float |
     if budget_bytes is not None:
         solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
     return coefs, peak
+
+
+def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
+                       reader_moves: dict, shared: dict[str, str], costs: dict):
+    """The activation constraints of the module docstring. Returns each op's recompute
+    variable, the kept megabytes as ``{variable: number of ops it stands for}``, and the
+    recomputed-megabytes variable ``Q``."""
+    copies: dict[str, int] = defaultdict(int)
+    for first in shared.values():
+        copies[first] += 1
+    by_reader: dict[str, list] = defaultdict(list)
+    for (reader, _), terms in reader_moves.items():
+        by_reader[reader].extend(terms)
+    own = [name for name in acts.nodes if name not in shared]
+    keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
+    again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
+    kept_mb, segments = {}, defaultdict(list)
+    for name in own:
+        size, largest = _linear(ind[name], acts.bytes[name]), max(acts.bytes[name], default=0.0)
+        kept = solver.NumVar(0.0, solver.infinity(), "")
+        solver.Add(kept >= (size - largest * (1 - keep[name])) * _MEMORY_SCALE)
+        kept_mb[kept] = 1 + copies[name]
+        recomputed = solver.NumVar(0.0, solver.infinity(), "")
+        solver.Add(recomputed >= (size - largest * (1 - again[name])) * _MEMORY_SCALE)
+        segments[acts.segment[name]].append(recomputed)
+        if name in acts.extra:
+            kept_mb[_extra_kept(solver, acts.extra[name], ind[name], again[name],
+                                [again[shared.get(r, r)] for r in acts.extra[name][1]])] = 1 + copies[name]
+        if name in acts.recomputable:
+            _recompute_time(solver, name, ind, node_costs, by_reader[name], again[name], 1 + copies[name], costs)
+    for name in acts.nodes:
+        k, r = keep[shared.get(name, name)], again[shared.get(name, name)]
+        if name in acts.saved:
+            solver.Add(k + r >= 1)  # the backward finds it kept or recomputes it
+        for operand in acts.operands[name]:
+            k_u, r_u = keep[shared.get(operand, operand)], again[shared.get(operand, operand)]
+            solver.Add(k_u + (0 if acts.crosses(name, operand) else r_u) >= r)  # a recomputed op's operands are at hand
+        if name in acts.views:
+            base = acts.views[name]
+            solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
+    recompute_mb = solver.NumVar(0.0, solver.infinity(), "recomputed_activations")
+    for members in segments.values():
+        solver.Add(recompute_mb >= sum(members))  # one segment is recomputed at a time
+    return again, kept_mb, recompute_mb
+
+
+def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: list):
+    """``X_n ≥ b'_n(x) − B'_n (1 − F_n)`` with ``F_n ≥ R_m − R_n`` for every forward reader m of
+    the outputs the backward does not read: they are kept when a reader is recomputed and the
+    op is not. Returns ``X_n`` in megabytes."""
+    sizes, _ = extra
+    needed = solver.NumVar(0.0, 1.0, "")
+    for reader in readers_again:
+        solver.Add(needed >= reader - again)
+    var = solver.NumVar(0.0, solver.infinity(), "")
+    solver.Add(var >= (_linear(terms, sizes) - max(sizes) * (1 - needed)) * _MEMORY_SCALE)
+    return var
+
+
+def _recompute_time(solver, name: str, ind: dict, node_costs: dict, moves: list, again, count: int, costs: dict) -> None:
+    """``E_n ≥ (compute + operand moves) − C_n (1 − R_n)``, in nanoseconds, priced ``count`` times;
+    ``moves`` are the ``(variable or None, seconds)`` terms of moving the op's operands."""
+    work = _linear(ind[name], node_costs[name]) + sum(c * (1 if v is None else v) for v, c in moves)
+    bound = max(node_costs[name], default=0.0) + sum(c for _, c in moves)
+    extra = solver.NumVar(0.0, solver.infinity(), "")
+    solver.Add(extra >= (work - bound * (1 - again)) * _SCALE)
+    costs[extra] += count / _SCALE
+
+
+def _linear(terms: list[list], values: list[float]):
+    """Σ_k values[k] · (the one-hot sum of strategy k)."""
+    return sum(values[k] * var for k, group in enumerate(terms) for var in group if values[k])
 
 
 def _solve_before_deadline(solver, params, deadline_s: float):

@@ -1,8 +1,9 @@
 """Split a per-rank joint graph into a forward graph and a backward graph.
 
-Nodes that depend on a tangent (the gradient flowing into the step's outputs) form the backward;
-the rest run in the forward. Forward values the backward reads are returned by the forward graph
-as saved tensors and taken by the backward graph as inputs, as AOT autograd does.
+Nodes that depend on a tangent (the gradient flowing into the step's outputs), and the
+recomputations the rewriter marks, form the backward; the rest run in the forward. Forward
+values the backward reads are returned by the forward graph as saved tensors and taken by the
+backward graph as inputs, as AOT autograd does.
 """
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from autopar.passes.capture import backward_nodes
+from autopar.passes.rewrite import RECOMPUTE
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +29,8 @@ def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: lis
     forward result (False), a gradient (True) or unused (None)."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     tangents = {n for n, t in zip(placeholders, is_tangent) if t}
-    backward = backward_nodes(joint.graph, tangents)
+    recomputations = {n for n in joint.graph.nodes if n.meta.get("custom") == RECOMPUTE}
+    backward = backward_nodes(joint.graph, tangents | recomputations)
     outputs = list(joint.graph.output_node().args[0])
     fwd_outputs = [o for o, g in zip(outputs, output_is_grad) if g is False]
     grads = [o for o, g in zip(outputs, output_is_grad) if g]

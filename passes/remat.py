@@ -1,0 +1,166 @@
+"""Which forward values the backward keeps and which it recomputes.
+
+The backward of a training step reads forward values. Every forward op of the joint graph is
+*kept* (its outputs stay in memory from the forward until the backward has read them) or
+*recomputed* (the backward runs it again, with the collectives its operands need, just before
+the first backward op that reads it), and the solver picks one for each, with the layouts.
+
+Recomputation stays inside a *segment*: one layer of a stack (``layers.3``), or else the
+top-level module an op comes from (``tok_emb``, ``head``; ``""`` for the root). A recomputed op
+reads operands of its own segment kept or recomputed, and operands of other segments kept: the
+inputs of a layer are its checkpoints, as in per-layer activation checkpointing, so a backward
+only ever holds one segment's recomputed values at a time. Ops that draw random numbers are
+never recomputed.
+
+A view holds no memory of its own: keeping it keeps the op it views (a view of a parameter or
+an input costs nothing).
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from autopar.cost_model.estimate import CostModel
+from autopar.passes.capture import Captured, module_paths
+from autopar.passes.strategy import StrategySpace
+
+RECOMPUTE_OPTIONS = ("auto", "none", "layers")
+"""``recompute=`` on plan and compile: ``"auto"`` lets the solver recompute what the memory
+budget asks for (nothing without a budget); ``"none"`` keeps every activation; ``"layers"``
+recomputes everything inside each layer of a stack from the layer's input, as activation
+checkpointing of every block does, and decides the rest as ``"auto"``."""
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def segment_of(module: str) -> str:
+    """The segment of an op from its module path: its layer (``blocks.3``) when it is inside a
+    stack, else its top-level module."""
+    match = _LAYER.match(module)
+    return match.group(1) if match else module.split(".")[0]
+
+
+def is_layer(segment: str) -> bool:
+    return bool(_LAYER.match(segment))
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationSpace:
+    """The keep-or-recompute choice of every forward op."""
+
+    nodes: tuple[str, ...]
+    """Forward ops, in graph order."""
+    segment: dict[str, str]
+    saved: frozenset[str]
+    """Ops whose outputs the backward reads: each is kept or recomputed."""
+    recomputable: frozenset[str]
+    operands: dict[str, tuple[str, ...]]
+    """The forward ops each op reads (placeholders are always at hand)."""
+    bytes: dict[str, list[float]]
+    """Per strategy of the op, the bytes of the outputs the backward reads (of those forward
+    ops read, when the backward reads none)."""
+    never_kept: frozenset[str]
+    """Ops that must be recomputed when needed (``recompute="layers"``)."""
+    views: dict[str, str]
+    """View ops of a forward op's output → that op: keeping the view keeps it."""
+    extra: dict[str, tuple[list[float], tuple[str, ...]]]
+    """For ops the backward reads, the bytes of their other outputs that forward ops read, per
+    strategy, and those forward ops: the outputs are kept too when one of them is recomputed
+    (the output of a layer norm, whose backward reads only its statistics)."""
+
+    def crosses(self, name: str, operand: str) -> bool:
+        return self.segment[name] != self.segment[operand]
+
+
+def activation_space(captured: Captured, space: StrategySpace, costs: CostModel, recompute: str) -> ActivationSpace:
+    """The choices for ``space`` under the ``recompute`` option (see :data:`RECOMPUTE_OPTIONS`)."""
+    graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
+    paths = module_paths(captured)
+    forward = [n for n in space.nodes if n.kind == "op" and n.phase == "forward"]
+    names = {n.name for n in forward}
+    read_back: dict[str, set[int]] = {}
+    read_forward: dict[str, dict[int, set[str]]] = {}
+    for n in space.nodes:
+        for name, index in n.args:
+            if name in names and n.kind == "op" and n.phase == "backward":
+                read_back.setdefault(name, set()).add(index)
+            elif name in names and n.kind == "op":
+                read_forward.setdefault(name, {}).setdefault(index, set()).add(n.name)
+    readers_in = {name: set().union(*by_index.values()) for name, by_index in read_forward.items()}
+    segment = {n.name: segment_of(paths.get(n.name, "")) for n in forward}
+    recomputable = {n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])}
+    never_kept = set()
+    if recompute == "layers":
+        for name in recomputable:
+            crossing = any(segment[r] != segment[name] for r in readers_in.get(name, ()))
+            if is_layer(segment[name]) and not crossing:
+                never_kept.add(name)
+    operands = {n.name: tuple(dict.fromkeys(a for a, _ in n.args if a in names)) for n in forward}
+
+    def sizes(n, outputs) -> list[float]:
+        return [float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in outputs)) for s in n.strategies]
+
+    extra = {}
+    for n in forward:
+        others = set(read_forward.get(n.name, {})) - read_back.get(n.name, set())
+        if n.name in read_back and others:
+            readers = set().union(*(read_forward[n.name][i] for i in others))
+            extra[n.name] = sizes(n, others), tuple(sorted(readers))
+    kept_bytes = {n.name: sizes(n, read_back.get(n.name) or set(read_forward.get(n.name, {}))) for n in forward}
+    views = {}
+    for n in forward:
+        if _is_view(graph_nodes[n.name]):
+            kept_bytes[n.name] = [0.0] * len(n.strategies)
+            extra.pop(n.name, None)
+            if n.args and n.args[0][0] in names:
+                views[n.name] = n.args[0][0]
+    return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
+                           operands, kept_bytes, frozenset(never_kept), views, extra)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return getattr(node.target, "is_view", False) or node.target is torch.ops.aten._unsafe_view.default
+
+
+def _deterministic(node: torch.fx.Node) -> bool:
+    """Whether running ``node`` again gives the same values: it draws no random numbers, or
+    only for a dropout it runs with probability 0 (attention)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return True
+    names = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    value = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", node.target._schema.arguments[i].default_value)
+    return value == 0
+
+
+def kept_ops(acts: ActivationSpace, recomputed: frozenset[str]) -> set[str]:
+    """The ops whose outputs stay from the forward to the backward: those the backward reads,
+    and the operands of recomputed ops, unless recomputed themselves."""
+    kept = set(acts.saved).union(*(acts.operands[r] for r in recomputed)) - recomputed
+    bases = list(kept)
+    while bases:
+        base = acts.views.get(bases.pop())
+        if base is not None and base not in kept:
+            kept.add(base)
+            bases.append(base)
+    return kept
+
+
+def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str]) -> tuple[int, int]:
+    """``(kept, recomputed)`` bytes per device: every kept op's outputs, and the largest
+    segment's recomputed outputs (one segment's are alive at a time)."""
+    needed = kept_ops(acts, recomputed)
+    kept = 0
+    per_segment: dict[str, float] = {}
+    for name in acts.nodes:
+        size = acts.bytes[name][choice[name]]
+        if name in recomputed:
+            per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + size
+        elif name in needed:
+            kept += size
+            if name in acts.extra and recomputed.intersection(acts.extra[name][1]):
+                kept += acts.extra[name][0][choice[name]]
+    return int(kept), int(max(per_segment.values(), default=0.0))
