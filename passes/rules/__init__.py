@@ -86,5 +86,5 @@ def _load() -> None:
     if not _loaded:
         _loaded = True
         from autopar.passes.rules import (  # noqa: F401  (modules register their rules on import)
-            attention, factory, indexing, matrix, norm, pointwise, reduction, view,
+            attention, factory, indexing, matrix, metadata, norm, pointwise, reduction, scan, sorting, view,
         )

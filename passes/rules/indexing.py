@@ -41,4 +41,6 @@ def gather_rule(node: fx.Node) -> list[Row]:
     for d in range(x.ndim):
         if d != dim and x.shape[d] == index.shape[d]:
             rows.append(((S(d),), (S(d),) * num_in))
+    if node.target is aten.scatter.src:
+        rows.append(((P,), (P, R, P)))  # partial input and source, one index: the result is a partial sum
     return rows

@@ -1,0 +1,19 @@
+"""Scans along a dim: cumulative sums."""
+
+import torch
+from torch import fx
+
+from autopar.placement import P, R, S
+from autopar.passes.rules import Row, register, val
+
+aten = torch.ops.aten
+
+
+@register(aten.cumsum.default)
+def cumsum_rule(node: fx.Node) -> list[Row]:
+    """``cumsum(x, dim)``; a running sum is linear in ``x``."""
+    x = val(node.args[0])
+    dim = node.args[1] % x.ndim
+    rows: list[Row] = [((R,), (R,)), ((P,), (P,))]  # whole scan; partial sums scan into partial sums
+    rows += [((S(d),), (S(d),)) for d in range(x.ndim) if d != dim]  # split another dim: independent scans
+    return rows
