@@ -10,6 +10,7 @@ from autopar.examples.bert import Bert, BertConfig, masked_batch
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
+from autopar.examples.moe import MoEConfig, MoEGPT
 
 # compute dear, communication cheap: the solver splits work across ranks
 SYNTHETIC = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8)
@@ -33,6 +34,11 @@ def make_model(name: str):
         model = Bert(cfg)
         gen = torch.Generator().manual_seed(0)
         batches = [masked_batch(cfg, 4, 8, gen) for _ in range(3)]
+    elif name == "moe":
+        cfg = MoEConfig(vocab_size=64, block_size=8, dim=16, num_heads=4, num_layers=1, num_experts=4,
+                        expert_hidden=32, group_size=8)
+        model = MoEGPT(cfg)
+        batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
     else:
         raise ValueError(name)
     return model, batches
@@ -41,13 +47,16 @@ def make_model(name: str):
 def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     """Hand-written layouts as pins: ``dp`` (batch split over every mesh axis, weights
     replicated), ``fsdp`` (batch and every parameter split on dim 0 over every axis), ``megatron`` (column/row tensor parallel, on the last
-    axis) and ``2d`` (data parallel on the first axis, Megatron on the second)."""
+    axis), ``2d`` (data parallel on the first axis, Megatron on the second) and ``experts`` (the
+    MoE example's expert weights split on the expert dim over every axis, the rest planned)."""
     if preset is None:
         return None
     model, _ = make_model(model_name)
     names = [n for n, _ in model.named_parameters()]
     ndim = len(axis_names)
     batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels")}.get(model_name, ("idx", "targets"))
+    if preset == "experts":
+        return {n: ("S(0)",) * ndim for n in names if n.endswith((".moe.w1", ".moe.w2"))}
     assert model_name in ("mlp", "gpt") or preset in ("dp", "fsdp"), f"no tensor-parallel pins for {model_name}"
     if preset == "dp":
         return {**{k: ("S(0)",) * ndim for k in batch}, **{n: ("R",) * ndim for n in names}}

@@ -10,7 +10,7 @@ import collections
 import pytest
 
 import autopar
-from tests.cases import run_cases
+from tests.cases import make_model, run_cases
 from tests.harness import run_ranks
 
 FOUR = [
@@ -31,6 +31,9 @@ FOUR = [
     dict(model_name="llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="fsdp"),
     dict(model_name="bert", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="bert", mesh_shape=(4,), axis_names=("dp",), optimizer_name="sgd", preset="dp"),
+    dict(model_name="moe", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
+    dict(model_name="moe", mesh_shape=(2, 2), axis_names=("dp", "ep"), optimizer_name="adamw"),
+    dict(model_name="moe", mesh_shape=(4,), axis_names=("ep",), optimizer_name="adamw", preset="experts"),
 ]
 EIGHT = [  # a 3-D mesh: 8 ranks on this 2-core host, so one small model
     dict(model_name="mlp", mesh_shape=(2, 2, 2), axis_names=("a", "b", "c"), optimizer_name="adamw"),
@@ -90,3 +93,16 @@ def test_pins_are_kept_in_the_plan(results):
     assert len(params) > 10 and all(fsdp_2d.placements[n] == ("S(0)", "S(0)") for n in params)  # one dim cut by both axes
     ddp_2d = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-dp"][0]["plan"])
     assert ddp_2d.inputs["idx"] == ("S(0)", "S(0)")
+
+
+@pytest.mark.slow
+def test_expert_split_sends_tokens_to_their_experts_and_back_with_all_to_all(results):
+    cfg = make_model("moe")[0].cfg
+    groups = 4 * 8 // cfg.group_size  # the case's batch: 4 sequences of 8 tokens
+    dispatched = cfg.num_experts * groups * cfg.capacity * cfg.dim * 4 // 4  # [E, G, C, D] fp32, a quarter per rank
+    for r in results["moe-4-adamw-experts"]:
+        plan = autopar.ShardingPlan.from_json(r["plan"])
+        assert plan.placements["blocks.0.moe.w1"] == plan.placements["blocks.0.moe.w2"] == ("S(0)",)
+        moves = collections.Counter(c.phase for c in plan.collectives if c.kind == "all_to_all" and c.bytes == dispatched)
+        assert moves == {"forward": 2, "backward": 2}  # dispatch and combine, and their gradients
+        assert collections.Counter(tuple(x) for x in r["ran"])["all_to_all", "ep", dispatched] == 4
