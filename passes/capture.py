@@ -2,8 +2,13 @@
 
 ``torch.export`` traces the module (it copes with Python-level checks that a plain AOT trace
 rejects), then AOT autograd builds the joint graph: placeholders for parameters, buffers, user
-inputs and the tangents of the outputs; outputs for the forward results and the parameters'
+inputs and the tangents of the outputs; outputs for the new values of buffers the forward
+updates in place (batch norm's running statistics), the forward results and the parameters'
 gradients. Every node carries its fake value in ``node.meta["val"]``.
+
+Batch norm is decomposed into sums over the batch and spatial dims, so a batch split turns its
+statistics into partial sums that the plan all-reduces: batch norm is synchronised across the
+ranks that split the batch, and every rank's running statistics stay those of one device.
 """
 
 import contextlib
@@ -11,6 +16,7 @@ import copy
 import hashlib
 import inspect
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -35,12 +41,29 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-# Losses and means are decomposed into sums, divisions, gathers and masks so that a batch split
-# turns them into partial sums that one all-reduce makes whole.
-_DECOMPOSITIONS = get_decompositions([
-    aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss, aten.mse_loss_backward,
-    aten.mean.dim, aten.mean.default,
-])
+
+def _var_mean_by_sums(x: torch.Tensor, dim=None, *, correction=None, keepdim: bool = False):
+    """``var_mean`` as two sums over ``dim`` (the mean, then the squared deviations from it):
+    split along a reduced dim, each sum becomes a partial sum that one all-reduce makes whole."""
+    dims = list(range(x.ndim)) if not dim else sorted(d % x.ndim for d in dim)
+    count = math.prod(x.shape[d] for d in dims)
+    mean = torch.sum(x, dims, keepdim=True) / count
+    centered = x - mean
+    var = torch.sum(centered * centered, dims, keepdim=keepdim) / (count - (1 if correction is None else correction))
+    return var, (mean if keepdim else mean.squeeze(dims))
+
+
+# Losses, means and batch norm are decomposed into sums, divisions, gathers and masks so that a
+# batch split turns them into partial sums that one all-reduce makes whole.
+_DECOMPOSITIONS = {
+    **get_decompositions([
+        aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss, aten.mse_loss_backward,
+        aten.mean.dim, aten.mean.default,
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit,
+        aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
+    ]),
+    aten.var_mean.correction: _var_mean_by_sums,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +82,10 @@ class OutputKind:
     """What an output of the joint graph stands for."""
 
     kind: str
-    """``"output"`` (a forward result) or ``"grad"`` (a parameter's gradient)."""
+    """``"output"`` (a forward result), ``"grad"`` (a parameter's gradient) or ``"buffer"`` (the
+    new value of a buffer the forward updates in place, written back after each forward)."""
     name: str
-    """``"output<i>"`` or the parameter's qualified name."""
+    """``"output<i>"``, or the qualified name of the parameter or buffer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +139,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             raise CaptureError(_capture_message(model, "AOT autograd", exc)) from exc
         graph = joint.graph_module
         out_spec = joint.out_spec
+    output_descs = graph.graph.output_node().meta["desc"]
+    _refuse_unsupported_mutations(model, output_descs, names)
     inputs = tuple(_input_kind(n.meta["desc"], names) for n in graph.graph.nodes if n.op == "placeholder")
-    output_node = graph.graph.output_node()
-    mutated = [d.mutated_input.target for d in output_node.meta["desc"] if isinstance(d, InputMutationAOTOutput)]
-    if mutated:
-        raise CaptureError(
-            f"{type(model).__name__}'s forward() updates {', '.join(mutated)} in place; autopar does not "
-            "shard in-place buffer updates yet (batch norm's running statistics are one). Fix: use "
-            "LayerNorm/GroupNorm, or set track_running_stats=False on the batch norms"
-        )
-    outputs = tuple(_output_kind(d) for d in output_node.meta["desc"])
+    outputs = tuple(_output_kind(d) for d in output_descs)
     if not any(i.kind == "tangent" for i in inputs):
         raise CaptureError(
             f"{type(model).__name__}'s outputs do not depend on any parameter, so there is no "
@@ -269,7 +287,33 @@ def _output_kind(desc) -> OutputKind | None:
         return OutputKind("output", f"output{desc.idx}")
     if isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
         return OutputKind("grad", desc.grad_of.target)
+    if isinstance(desc, InputMutationAOTOutput) and isinstance(desc.mutated_input, BufferAOTInput):
+        return OutputKind("buffer", desc.mutated_input.target)
     return None
+
+
+def _refuse_unsupported_mutations(model: torch.nn.Module, output_descs, names: list[str]) -> None:
+    """In-place updates of buffers are written back after each forward; those of parameters
+    and inputs are refused, every one named."""
+    refused = []
+    for desc in output_descs:
+        if not isinstance(desc, InputMutationAOTOutput) or isinstance(desc.mutated_input, BufferAOTInput):
+            continue
+        mutated = desc.mutated_input
+        if isinstance(mutated, ParamAOTInput):
+            refused.append(f"parameter {mutated.target}")
+        elif isinstance(mutated, PlainAOTInput):
+            refused.append(f"input {names[mutated.idx]}")
+        else:
+            refused.append(repr(mutated))
+    if refused:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward() updates {', '.join(refused)} in place; autopar writes "
+            "back in-place updates of buffers only (batch norm's running statistics, counters). "
+            "Fix: keep state the forward updates in a buffer (self.register_buffer), and compute "
+            "new tensors from inputs and parameters instead of updating them in place "
+            "(x = x * 2, not x.mul_(2))"
+        )
 
 
 def _capture_message(model: torch.nn.Module, stage: str, exc: Exception) -> str:

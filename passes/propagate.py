@@ -36,7 +36,7 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
     graph = captured.graph.graph
     backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
     aliases = getitem_aliases(graph)
-    grads = _grad_refs(captured)
+    updates = _state_updates(captured)
     nodes: list[NodeSpace] = []
     unsupported: list[fx.Node] = []
     placeholder_kinds = dict(zip(captured.placeholders, captured.inputs))
@@ -44,7 +44,7 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
         phase = "backward" if node in backward else "forward"
         if node.op == "placeholder":
             kind = placeholder_kinds[node]
-            nodes.append(_placeholder_space(node, kind, mesh, pins.pop(kind.name, None), grads, aliases, phase))
+            nodes.append(_placeholder_space(node, kind, mesh, pins.pop(kind.name, None), updates, aliases, phase))
         elif node.op == "call_function" and node.name not in aliases:
             nodes.append(_op_space(node, mesh, aliases, phase, unsupported, fallback))
     nodes.append(_output_space(captured, mesh, aliases))
@@ -100,11 +100,14 @@ def _ref(arg: fx.Node, aliases: dict[str, ValueRef]) -> ValueRef:
     return aliases.get(arg.name, (arg.name, 0))
 
 
-def _grad_refs(captured: Captured) -> dict[str, fx.Node]:
+def _state_updates(captured: Captured) -> dict[str, fx.Node]:
+    """Parameter name -> its gradient, buffer name -> its new value (a buffer the forward
+    updates in place): each must reach the step's end in the placements of its parameter or
+    buffer."""
     out = captured.graph.graph.output_node()
     return {
         kind.name: value for kind, value in zip(captured.outputs, out.args[0])
-        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node)
+        if kind is not None and kind.kind in ("grad", "buffer") and isinstance(value, fx.Node)
     }
 
 
@@ -113,7 +116,7 @@ def _layouts(value: torch.Tensor, mesh: Mesh) -> list[Placements]:
     return list(valid_layouts(tuple(value.shape), mesh, partial=False))
 
 
-def _placeholder_space(node, kind, mesh, pin, grads, aliases, phase) -> NodeSpace:
+def _placeholder_space(node, kind, mesh, pin, updates, aliases, phase) -> NodeSpace:
     value = node.meta["val"]
     if kind.kind in ("tangent", "input") and pin is None:
         layouts = [(R,) * mesh.ndim]  # every rank is given the whole tensor; ops slice it for free
@@ -128,8 +131,8 @@ def _placeholder_space(node, kind, mesh, pin, grads, aliases, phase) -> NodeSpac
         layouts = [pin]
     else:
         layouts = _layouts(value, mesh)
-    grad = grads.get(kind.name) if kind.kind == "param" else None
-    args = (_ref(grad, aliases),) if grad is not None else ()
+    update = updates.get(kind.name) if kind.kind in ("param", "buffer") else None
+    args = (_ref(update, aliases),) if update is not None else ()
     strategies = tuple(Strategy((p,), (p,) if args else ()) for p in layouts)
     return NodeSpace(node.name, kind.kind, kind.name, args, strategies, phase)
 

@@ -118,8 +118,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     """The per-rank joint graph of the rank at ``coordinate``.
 
     Its placeholders are the local pieces of the joint graph's inputs (in the plan's
-    placements); its outputs are the forward results whole and each parameter's gradient in
-    the parameter's placement.
+    placements); its outputs are the forward results whole, each parameter's gradient in the
+    parameter's placement and the new value of each buffer the forward updates in the buffer's.
     """
     mesh = plan.mesh
     strategies = plan_strategies(captured, plan)
@@ -179,9 +179,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 outputs.append(None)
             elif kind.kind == "output":
                 outputs.append(fetch(value, (R,) * mesh.ndim))
-            else:
-                param = next(n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name == kind.name)
-                outputs.append(fetch(value, strategies[param.name].outputs[0]))
+            else:  # a parameter's gradient or an updated buffer's new value, in that parameter's or buffer's placements
+                state = next(n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer") and k.name == kind.name)
+                outputs.append(fetch(value, strategies[state.name].outputs[0]))
         return outputs
 
     fake_mode = FakeTensorMode()

@@ -40,7 +40,8 @@ class NodeSpace:
     """The operator, or the parameter / input name for placeholders."""
     args: tuple[ValueRef, ...]
     """The tensors the node reads, matching ``Strategy.inputs``. A parameter reads its own
-    gradient here: its strategy requires the gradient in the parameter's placement."""
+    gradient here, and a buffer the forward updates in place its new value: the strategy
+    requires either in the parameter's or buffer's placement."""
     strategies: tuple[Strategy, ...]
     phase: str
     """``"forward"`` or ``"backward"``: whether the node depends on the outputs' tangents."""

@@ -26,9 +26,11 @@ BACKENDS = ("eager", "inductor")
 class _Program:
     """One rank's compiled forward and backward graphs and how to feed them."""
 
-    def __init__(self, parts: Partitioned, backend: str, grad_slots: list[bool]):
+    def __init__(self, parts: Partitioned, backend: str, grad_slots: list[bool], updated_buffers: list[str | None]):
         self.num_outputs = parts.num_outputs
         self.grad_slots = grad_slots
+        self.updated_buffers = updated_buffers
+        """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
         if backend == "inductor":
             self.forward = torch.compile(parts.forward, backend="inductor", fullgraph=True, dynamic=False)
             self.backward = torch.compile(parts.backward, backend="inductor", fullgraph=True, dynamic=False)
@@ -42,11 +44,14 @@ class _Step(torch.autograd.Function):
         results = program.forward(*flat)
         ctx.program = program
         ctx.save_for_backward(*results[program.num_outputs:])
-        return tuple(results[:program.num_outputs])
+        outputs = tuple(results[:program.num_outputs])
+        ctx.mark_non_differentiable(*(o for o, name in zip(outputs, program.updated_buffers) if name is not None))
+        return outputs
 
     @staticmethod
     def backward(ctx, *tangents):
         program = ctx.program
+        tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
         grads = iter(program.backward(*ctx.saved_tensors, *(t.contiguous() for t in tangents)))
         return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
 
@@ -56,8 +61,9 @@ class ParallelModule(torch.nn.Module):
 
     Its parameters are the local pieces of the model's parameters (the wrapped model's own
     parameters are replaced in place, so an optimizer built on either steps the pieces).
-    ``forward`` returns what the model returns, whole on every rank; ``backward()`` on the
-    result fills the local gradients.
+    ``forward`` returns what the model returns, whole on every rank, and writes the new values
+    of buffers the model updates in place (batch norm's running statistics) into the local
+    pieces of those buffers; ``backward()`` on the result fills the local gradients.
     """
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
@@ -86,8 +92,20 @@ class ParallelModule(torch.nn.Module):
         if not self._built:
             self._build(inputs)
         flat = [*self._state(), *self._local_inputs(inputs)]
-        outputs = _Step.apply(self._program, *flat)
-        return tree_unflatten(list(outputs), self._captured.out_spec)
+        results = _Step.apply(self._program, *flat)
+        return tree_unflatten(self._write_back(results), self._captured.out_spec)
+
+    def _write_back(self, results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy the new values of updated buffers into the module's buffers; return the model's
+        outputs."""
+        outputs = []
+        with torch.no_grad():
+            for value, name in zip(results, self._program.updated_buffers):
+                if name is None:
+                    outputs.append(value)
+                else:
+                    self.module.get_buffer(name).copy_(value)
+        return outputs
 
     # building ----------------------------------------------------------------------------
 
@@ -108,7 +126,8 @@ class ParallelModule(torch.nn.Module):
         output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
         grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
         grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
-        self._program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots)
+        updated_buffers = [k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"]
+        self._program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers)
         self._captured, self._plan, self._coordinate = captured, plan, coordinate
         self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
         self._shard_state(captured)

@@ -99,18 +99,21 @@ def test_unsupported_ops_are_listed_when_fallback_is_off():
     assert next(n for n in plan.nodes if n.op == "aten.cummax.default").outputs == ("(R)", "(R)")
 
 
-def test_in_place_buffer_updates_are_refused_with_the_buffers_named():
-    class Normed(nn.Module):
+def test_in_place_updates_of_parameters_and_inputs_are_refused_with_their_names():
+    class Rescaling(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(4, 4)
-            self.bn = nn.BatchNorm1d(4)
 
         def forward(self, x):
-            return self.bn(self.fc(x)).sum()
+            with torch.no_grad():
+                self.fc.weight.mul_(0.5)
+            x.mul_(2)
+            return self.fc(x).sum()
 
-    with pytest.raises(autopar.CaptureError, match=r"updates bn.running_mean, bn.running_var.*track_running_stats=False"):
-        autopar.plan(Normed(), Mesh((2,)), (torch.randn(8, 4),))
+    with pytest.raises(autopar.CaptureError, match=r"(?s)updates parameter fc.weight, input x in place; autopar writes "
+                                                   r"back in-place updates of buffers only.*Fix: .*self.register_buffer.*x.mul_\(2\)"):
+        autopar.plan(Rescaling(), Mesh((2,)), (torch.randn(8, 4),))
 
 
 def test_infeasible_memory_budget_says_what_is_over_and_what_would_fit():
