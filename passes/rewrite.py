@@ -235,7 +235,11 @@ def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Str
         raise RewriteError(f"node {node.name} ({node.target}) takes a non-tensor graph value; autopar needs static shapes")
     args, kwargs = tree_unflatten(flat, spec)
     args = list(args)
-    position = shape_arg(node.target)
-    if position is not None:
-        args[position] = list(local_shape(tuple(_value(node).shape), strategy.outputs[0], mesh))
+    found = shape_arg(node.target)
+    if found is not None:
+        position, index = found
+        outs = _value(node)
+        whole = outs[index] if isinstance(outs, (list, tuple)) else outs
+        if whole is not None:
+            args[position] = list(local_shape(tuple(whole.shape), strategy.outputs[index], mesh))
     return args, kwargs

@@ -22,7 +22,7 @@ Row = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]
 Rule = Callable[[fx.Node], list[Row]]
 
 _RULES: dict[object, Rule] = {}
-_SHAPE_ARGS: dict[object, int] = {}
+_SHAPE_ARGS: dict[object, tuple[int, int]] = {}
 
 
 def register(*ops) -> Callable[[Rule], Rule]:
@@ -38,15 +38,15 @@ def register(*ops) -> Callable[[Rule], Rule]:
     return wrap
 
 
-def register_shape_arg(position: int, *ops) -> None:
-    """Mark argument ``position`` of ``ops`` as the op's output shape: on a rank it becomes
-    the local output shape."""
+def register_shape_arg(position: int, *ops, output: int = 0) -> None:
+    """Mark argument ``position`` of ``ops`` as the shape of the op's output ``output``: on a
+    rank it becomes that output's local shape."""
     for op in ops:
-        _SHAPE_ARGS[op] = position
+        _SHAPE_ARGS[op] = (position, output)
 
 
-def shape_arg(op) -> int | None:
-    """Position of ``op``'s output-shape argument, if it has one."""
+def shape_arg(op) -> tuple[int, int] | None:
+    """``(argument position, output index)`` of ``op``'s output-shape argument, if it has one."""
     _load()
     return _SHAPE_ARGS.get(op)
 
@@ -86,5 +86,6 @@ def _load() -> None:
     if not _loaded:
         _loaded = True
         from autopar.passes.rules import (  # noqa: F401  (modules register their rules on import)
-            attention, factory, indexing, matrix, metadata, norm, pointwise, reduction, scan, sorting, view,
+            attention, conv, factory, indexing, matrix, metadata, norm, pointwise, pool, reduction, scan,
+            sorting, view,
         )

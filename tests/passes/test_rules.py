@@ -10,16 +10,18 @@ row the cases exercise.
 """
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch.nn import functional as F
 
 from autopar.mesh import Mesh
-from autopar.placement import Partial, Replicate, Shard
+from autopar.placement import P, Partial, R, Replicate, S, Shard
 from autopar.passes.capture import capture
 from autopar.passes.propagate import placement_problem
 from autopar.passes.rewrite import local_call_args
 from autopar.passes.rules import registered_ops, rule_for, tensor_args
 from autopar.passes.strategy import Strategy
 from autopar.examples.bert import Bert, BertConfig, masked_batch
+from autopar.examples.convnet import ConvNet, ConvNetConfig
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
@@ -28,9 +30,29 @@ from autopar.examples.moe import MoEConfig, MoEGPT
 MESH = Mesh((2,))
 aten = torch.ops.aten
 
-# the MoE routing ops: every row they offer is checked on every node that uses them
+# ops whose every row is checked on every node that uses them: the MoE routing ops,
+# convolutions and pooling
 EVERY_ROW_CHECKED = {aten.topk.default, aten.cumsum.default, aten.new_zeros.default,
-                     aten._assert_tensor_metadata.default, aten.scatter.src}
+                     aten._assert_tensor_metadata.default, aten.scatter.src,
+                     aten.convolution.default, aten.convolution_backward.default,
+                     aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
+                     aten.avg_pool2d.default, aten.avg_pool2d_backward.default,
+                     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default}
+
+
+class _PoolNet(nn.Module):
+    """The convolution and pooling ops the ConvNet example leaves out: convolutions with a bias,
+    a transposed convolution, average pooling and adaptive average pooling to more than 1x1."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, target):
+        x = self.up(F.avg_pool2d(self.conv(x), 2))
+        return F.mse_loss(self.head(F.adaptive_avg_pool2d(x, 2).flatten(1)), target)
 
 
 class _Recorder(fx.Interpreter):
@@ -119,6 +141,9 @@ def test_every_rule_row_matches_the_whole_tensor_result():
         (llama, (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))),
         (Bert(bert_cfg), masked_batch(bert_cfg, 4, 8, gen)),
         (moe, (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))),
+        # 4 input channels (even) so that every convolution's input channels split in two
+        (ConvNet(ConvNetConfig(in_channels=4)), (torch.randn(4, 4, 8, 8), torch.randint(0, 10, (4,)))),
+        (_PoolNet(), (torch.randn(4, 4, 8, 8), torch.randn(4, 4))),
     ]
     checked_ops, checked_rows = set(), 0
     for model, inputs in cases:
@@ -150,3 +175,14 @@ def test_registering_an_op_twice_raises():
     op = registered_ops()[0]
     with pytest.raises(ValueError, match="already registered"):
         register(op)(lambda node: [])
+
+
+def test_the_bias_gradient_shape_of_a_convolution_backward_is_made_local():
+    """``convolution_backward`` takes the bias gradient's shape as an argument (``bias_sizes``):
+    with the output channels split, each rank passes its piece's, or a trace on fake tensors
+    would give the whole shape."""
+    captured = capture(_PoolNet(), (torch.randn(4, 4, 8, 8), torch.randn(4, 4)))
+    node = next(n for n in captured.graph.graph.nodes if n.target is aten.convolution_backward.default)
+    split_filters = Strategy(((P,), (S(0),), (S(0),)), ((S(1),), (R,), (S(0),)))
+    args, _ = local_call_args(node, [torch.empty(0)] * 3, split_filters, MESH)
+    assert node.args[3] == [4] and args[3] == [2]
