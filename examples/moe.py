@@ -105,8 +105,9 @@ class MoE(nn.Module):
         hidden = F.gelu(torch.bmm(expert_in.reshape(cfg.num_experts, -1, cfg.dim), self.w1))
         expert_out = torch.bmm(hidden, self.w2).reshape(cfg.num_experts, groups, cfg.capacity, cfg.dim)
         out = torch.einsum("gsec,egcd->gsd", combine, expert_out)
-        # Switch Transformer: experts' share of first choices times their mean probability
-        balance = cfg.num_experts * (first_choice.mean((0, 1)) * probs.mean((0, 1))).sum()
+        # Switch Transformer, per group as GShard computes it: experts' share of the group's first
+        # choices times their mean probability in the group
+        balance = cfg.num_experts * (first_choice.mean(1) * probs.mean(1)).sum(-1).mean()
         return out.reshape(x.shape), balance
 
 

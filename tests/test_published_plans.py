@@ -1,5 +1,5 @@
-"""Plans that Alpa and XLA auto-sharding record as optimal, found by autopar's solver under a
-synthetic α-β profile, asserted on placements and on collective counts and bytes."""
+"""Plans that Alpa, XLA auto-sharding and GShard record as optimal, found by autopar's solver
+under a synthetic α-β profile, asserted on placements and on collective counts and bytes."""
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +9,7 @@ import autopar
 from autopar import Mesh
 from autopar.examples.bert import BertConfig, EncoderBlock
 from autopar.examples.mlp import MLP
+from autopar.examples.moe import Block as MoEBlock, MoEConfig
 from tests.conftest import FLOP_EQ_BYTE
 
 # A FLOP costs what a byte sent costs and each collective call 1 us, about NCCL's latency: the
@@ -84,3 +85,39 @@ def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
             assert plan.placements[f"blocks.{i}.{row}.weight"] == ("S(1)",), (i, row)
     activation = batch * seq * cfg.dim * 4
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
+
+
+class _MoEStack(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        balances = []
+        for block in self.blocks:
+            x, balance = block(x)
+            balances.append(balance)
+        return F.mse_loss(x, target) + self.cfg.aux_loss_weight * sum(balances)
+
+
+def test_moe_block_splits_the_experts_and_dispatches_with_all_to_all():
+    # GShard (Lepikhin et al., 2021): expert weights split on the expert dim, dense
+    # weights replicated with the tokens split by group, all-to-all dispatch and combine. Many
+    # tokens and big experts: all-reducing 16 experts' gradients costs more than moving tokens.
+    batch, seq = 16, 512
+    cfg = MoEConfig(dim=512, num_heads=8, num_layers=1, num_experts=16, expert_hidden=2048, group_size=64,
+                    block_size=seq)
+    with torch.device("meta"):  # planning needs only the shapes
+        model = _MoEStack(cfg)
+    x = torch.randn(batch, seq, cfg.dim)
+    plan = autopar.plan(model, Mesh((4,), ("ep",)), (x, x), hardware=ALPHA_BETA, fallback=False)
+    experts = {f"blocks.0.moe.{w}" for w in ("w1", "w2")}
+    for name, placements in plan.placements.items():
+        assert placements == (("S(0)",) if name in experts else ("R",)), name
+    groups = batch * seq // cfg.group_size
+    dispatched = cfg.num_experts * groups * cfg.capacity * cfg.dim * 4 // 4  # [E, G, C, D], a quarter per rank
+    assert _collectives(plan, "forward") == [("all_to_all", "ep", dispatched)] * 2  # dispatch, combine
+    dense_grads = [("all_reduce", "ep", p.numel() * 4) for n, p in model.named_parameters() if n not in experts]
+    assert _collectives(plan, "backward") == sorted(dense_grads + [("all_to_all", "ep", dispatched)] * 2)
+    assert _collectives(plan, "output") == [("all_reduce", "ep", 4)]  # the loss, made whole

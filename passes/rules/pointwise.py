@@ -53,8 +53,8 @@ def _partial_rows(node: fx.Node, num_args: int) -> list[Row]:
     if linear is None or num_args == 0:
         return []
     if linear == "all":
-        if node.target in (aten.add.Tensor, aten.sub.Tensor) and num_args < 2:
-            return []  # x + scalar is not linear in x
+        if node.target in (aten.add.Tensor, aten.sub.Tensor) and num_args < 2 and node.args[1] != 0:
+            return []  # x + scalar is not linear in x, unless the scalar is 0 (Python's sum() starts there)
         return [((P,), tuple(P for _ in range(num_args)))]  # partial sums in, partial sum out
     positions = tensor_positions(node)
     if linear == "one":
