@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.examples import make_example
+from autopar.examples import EXAMPLES, make_example
 from autopar.runtime.launch import torchrun
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt", help="built-in example: bert, gpt, llama or mlp (default gpt)")
+    p.add_argument("--model", default="gpt", choices=sorted(EXAMPLES), help="built-in example (default gpt)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2 or 4 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated (default dp,tp or dp)")
     p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")

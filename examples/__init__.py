@@ -26,13 +26,21 @@ def _bert():
     return Bert(cfg), masked_batch(cfg, 8, 32, torch.Generator().manual_seed(0))
 
 
+def _convnet():
+    from autopar.examples.convnet import ConvNet, ConvNetConfig
+
+    cfg = ConvNetConfig()
+    images = torch.randn(8, cfg.in_channels, 16, 16)
+    return ConvNet(cfg), (images, torch.randint(0, cfg.num_classes, (8,)))
+
+
 def _mlp():
     from autopar.examples.mlp import MLP
 
     return MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256))
 
 
-EXAMPLES = {"bert": _bert, "gpt": _gpt, "llama": _llama, "mlp": _mlp}
+EXAMPLES = {"bert": _bert, "convnet": _convnet, "gpt": _gpt, "llama": _llama, "mlp": _mlp}
 """Name → function returning ``(model, example_inputs)``; the inputs are a global batch."""
 
 

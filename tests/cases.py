@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.examples.bert import Bert, BertConfig, masked_batch
+from autopar.examples.convnet import ConvNet
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
@@ -14,6 +15,8 @@ from autopar.examples.moe import MoEConfig, MoEGPT
 
 # compute dear, communication cheap: the solver splits work across ranks
 SYNTHETIC = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8)
+# a byte sent costs ten FLOPs: the solver keeps a split batch split through every layer
+BYTES_DEAR = autopar.SyntheticProfile(s_per_flop=1e-10, s_per_byte=1e-9, latency_s=1e-8)
 
 
 def make_model(name: str):
@@ -39,6 +42,11 @@ def make_model(name: str):
                         expert_hidden=32, group_size=8)
         model = MoEGPT(cfg)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
+    elif name == "convnet":
+        # 8x8 images: at 16x16 this seed gives one filter weight a first gradient of 6e-8, so near
+        # AdamW's eps (1e-8) that its rounding moves the update visibly (fp32 and fp64 runs differ by 1e-4)
+        model = ConvNet()
+        batches = [(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))) for _ in range(3)]
     else:
         raise ValueError(name)
     return model, batches
@@ -54,7 +62,7 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     model, _ = make_model(model_name)
     names = [n for n, _ in model.named_parameters()]
     ndim = len(axis_names)
-    batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels")}.get(model_name, ("idx", "targets"))
+    batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels"), "convnet": ("images", "labels")}.get(model_name, ("idx", "targets"))
     if preset == "experts":
         return {n: ("S(0)",) * ndim for n in names if n.endswith((".moe.w1", ".moe.w2"))}
     assert model_name in ("mlp", "gpt") or preset in ("dp", "fsdp"), f"no tensor-parallel pins for {model_name}"
@@ -108,8 +116,9 @@ def _train(model, batches, optimizer_name):
 
 def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_name: str = "adamw",
                             pins=None, hardware=SYNTHETIC, backend="eager") -> dict:
-    """Train 3 steps on one device and on the mesh; return the largest differences, the plan
-    and the collectives the per-rank graph ran."""
+    """Train 3 steps on one device and on the mesh; return the largest differences, whether
+    each buffer (batch norm's running statistics) matches, the plan and the collectives the
+    per-rank graph ran."""
     model, batches = make_model(model_name)
     reference = copy.deepcopy(model)
     ref_losses, ref_grads = _train(reference, batches, optimizer_name)
@@ -134,6 +143,7 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
         "grad_max": max(float((first_grads[k] - ref_grads[k]).abs().max()) for k in ref_grads),
         "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params),
         "param_max": max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params),
+        "buffers_ok": {k: torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k, _ in reference.named_buffers()},
         "plan": pmodel.plan.to_json(),
         "ran": list(pmodel.collectives),
         "rank": dist.get_rank(),

@@ -1,8 +1,9 @@
 """Parallel training on 2, 4 and 8 gloo ranks against the same training on one device.
 
 Losses at every step must match within 1e-5 relative, gradients after the first step and
-parameters after 3 optimizer steps within rtol 1e-4 / atol 1e-5 (fp32), and the per-rank graphs
-must run exactly the collectives their plans list.
+parameters after 3 optimizer steps within rtol 1e-4 / atol 1e-5 (fp32), buffers (batch norm's
+running statistics) likewise, and the per-rank graphs must run exactly the collectives their
+plans list.
 """
 
 import collections
@@ -10,7 +11,7 @@ import collections
 import pytest
 
 import autopar
-from tests.cases import make_model, run_cases
+from tests.cases import BYTES_DEAR, make_model, run_cases
 from tests.harness import run_ranks
 
 FOUR = [
@@ -34,6 +35,10 @@ FOUR = [
     dict(model_name="moe", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
     dict(model_name="moe", mesh_shape=(2, 2), axis_names=("dp", "ep"), optimizer_name="adamw"),
     dict(model_name="moe", mesh_shape=(4,), axis_names=("ep",), optimizer_name="adamw", preset="experts"),
+    # data parallel with synchronised batch norm; and the solver's own plan (filter splits) on 2x2
+    dict(model_name="convnet", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp",
+         hardware=BYTES_DEAR),
+    dict(model_name="convnet", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
 ]
 EIGHT = [  # a 3-D mesh: 8 ranks on this 2-core host, so one small model
     dict(model_name="mlp", mesh_shape=(2, 2, 2), axis_names=("a", "b", "c"), optimizer_name="adamw"),
@@ -78,6 +83,29 @@ def test_per_rank_graph_runs_exactly_the_planned_collectives(results, case):
         planned = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives)
         ran = collections.Counter(tuple(x) for x in r["ran"])
         assert ran == planned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["convnet-4-adamw-dp", "convnet-2x2-adamw-auto"])
+def test_batch_norm_running_statistics_match_one_device(results, name):
+    stats = {f"blocks.{i}.bn.{s}" for i in range(2) for s in ("running_mean", "running_var", "num_batches_tracked")}
+    for r in results[name]:
+        assert set(r["buffers_ok"]) == stats
+        assert all(r["buffers_ok"].values()), f"rank {r['rank']}: {r['buffers_ok']}"
+
+
+@pytest.mark.slow
+def test_data_parallel_batch_norm_all_reduces_its_statistics(results):
+    """With the batch split over the ranks, each batch norm all-reduces its per-channel sums
+    (mean and variance) in the forward: every rank normalises with the whole batch's
+    statistics, and the run executed these all-reduces (the collectives test)."""
+    for r in results["convnet-4-adamw-dp"]:
+        plan = autopar.ShardingPlan.from_json(r["plan"])
+        assert plan.inputs["images"] == ("S(0)",)
+        module_of = {n.name: n.module for n in plan.nodes}
+        synced = collections.Counter(module_of.get(c.tensor) for c in plan.collectives
+                                     if c.kind == "all_reduce" and c.phase == "forward")
+        assert synced["blocks.0.bn"] == synced["blocks.1.bn"] == 2
 
 
 @pytest.mark.slow
