@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print the plan of a model for a mesh")
-    p.add_argument("model", help="bert, convnet, gpt, llama, mlp, or a .py file defining make_model() -> (model, example_inputs)")
+    p.add_argument("model", help="bert, convnet, gpt, llama, mlp, moe, or a .py file defining make_model() -> (model, example_inputs)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
     p.add_argument("--hardware", default="h100", help="h100, a100, cpu, or a profile file from `autopar calibrate` (default h100)")

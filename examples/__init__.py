@@ -40,7 +40,16 @@ def _mlp():
     return MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256))
 
 
-EXAMPLES = {"bert": _bert, "convnet": _convnet, "gpt": _gpt, "llama": _llama, "mlp": _mlp}
+def _moe():
+    from autopar.examples.moe import MoEConfig, MoEGPT
+
+    cfg = MoEConfig(vocab_size=256, block_size=32, dim=64, num_heads=4, num_layers=2, num_experts=8,
+                    expert_hidden=128, group_size=32)
+    shape = (8, cfg.block_size)
+    return MoEGPT(cfg), (torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape))
+
+
+EXAMPLES = {"bert": _bert, "convnet": _convnet, "gpt": _gpt, "llama": _llama, "mlp": _mlp, "moe": _moe}
 """Name → function returning ``(model, example_inputs)``; the inputs are a global batch."""
 
 
