@@ -16,7 +16,8 @@ one-hot tensors of shape ``[groups, tokens_per_group, experts, capacity]``:
 
 A split of the tokens by group and a split of the experts' work by expert are the same tensor
 split on two different dims, so moving between them is one all-to-all, which is how GShard
-runs expert parallelism. A Switch-style load-balancing term is added to the loss.
+runs expert parallelism. A Switch-style load-balancing term, computed per group as GShard
+does, is added to the loss.
 """
 
 import math
@@ -97,6 +98,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[B, T, D]`` → the experts' output of the same shape and the load-balancing term."""
         cfg = self.cfg
+        if x.shape[0] * x.shape[1] % cfg.group_size:
+            raise ValueError(f"MoE: the batch's {x.shape[0] * x.shape[1]} tokens ({x.shape[0]} x {x.shape[1]}) do not "
+                             f"split into groups of group_size={cfg.group_size}; pass a batch whose token count is a "
+                             "multiple of it")
         tokens = x.reshape(-1, cfg.group_size, cfg.dim)  # [G, S, D]
         probs = self.router(tokens).softmax(-1)
         dispatch, combine, first_choice = routing(probs, cfg.top_k, cfg.capacity)

@@ -1,5 +1,6 @@
-"""The MoE example: its routing, and a plan with a sharding rule for every op."""
+"""The MoE example: its routing, its check on the batch, and a plan with a rule for every op."""
 
+import pytest
 import torch
 
 import autopar
@@ -26,3 +27,10 @@ def test_moe_example_plans_with_a_sharding_rule_for_every_op():
     model, batch = make_example("moe")
     plan = autopar.plan(model, autopar.Mesh((4,), ("ep",)), batch, fallback=False)  # raises on an op with no rule
     assert set(plan.placements) == {name for name, _ in model.named_parameters()}
+
+
+def test_batch_that_does_not_fill_whole_groups_is_refused():
+    model, _ = make_example("moe")
+    idx = torch.zeros(3, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"30 tokens \(3 x 10\) do not split into groups of group_size=32; pass a batch whose token count"):
+        model(idx, idx)
