@@ -38,7 +38,8 @@ def _plan(args) -> int:
         pins[name] = tuple(p.strip() for p in placements.split(","))
     plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware,
                         pins=pins or None, memory_budget=args.memory_budget,
-                        share_layers={"auto": None, "on": True, "off": False}[args.share_layers])
+                        share_layers={"auto": None, "on": True, "off": False}[args.share_layers],
+                        recompute=args.recompute)
     print(plan)
     if args.graph:
         print("\n" + autopar.annotated_graph(plan))
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB or 512MiB")
     p.add_argument("--share-layers", choices=("auto", "on", "off"), default="auto",
                    help="identical repeated layers share one choice: on, off, or when the program is large (default)")
+    p.add_argument("--recompute", choices=("auto", "none", "layers"), default="auto",
+                   help="activations recomputed in the backward: what the memory budget needs (auto, default), "
+                        "none, or every layer of a stack from its input (layers)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 

@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+from autopar.passes.remat import segment_of
 from autopar.plan import ShardingPlan
 
 # Ops worth a row in the table: the ones that carry the FLOPs.
@@ -41,9 +42,11 @@ def plan_table(plan: ShardingPlan) -> str:
     lines = [
         f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})",
         f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
-        f"communication {_time(plan.communication_s)}); peak memory per device {format_bytes(plan.peak_memory_bytes)} "
+        + (f"recompute {_time(plan.recompute_s)}, " if plan.recompute_s else "")
+        + f"communication {_time(plan.communication_s)}); peak memory per device {format_bytes(plan.peak_memory_bytes)} "
         f"(params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
-        f"activations {format_bytes(mem.activations_bytes)}, temporaries {format_bytes(mem.transient_bytes)})"
+        f"activations {format_bytes(mem.activations_bytes)}, recomputed {format_bytes(mem.recomputed_bytes)}, "
+        f"temporaries {format_bytes(mem.transient_bytes)})"
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables"
@@ -63,6 +66,8 @@ def plan_table(plan: ShardingPlan) -> str:
                     [[n.module or "-", n.op.removeprefix("aten.").removesuffix(".default"), n.name, n.phase,
                       " ".join(n.inputs), str(n.outputs[0]), _time(n.compute_s)]
                      for n in heavy])
+    lines += ["", "Activations by layer (kept from the forward, or recomputed in the backward)"]
+    lines += _table(["layer", "kept", "recomputed", "ops recomputed", "recompute time"], activation_rows(plan))
     lines += ["", "Collectives"]
     lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
                     [[c.kind, c.axis, c.phase, format_bytes(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
@@ -71,6 +76,25 @@ def plan_table(plan: ShardingPlan) -> str:
     if counts:
         lines.append("total: " + ", ".join(f"{n} {kind} ({phase})" for (phase, kind), n in sorted(counts.items())))
     return "\n".join(lines)
+
+
+def activation_rows(plan: ShardingPlan) -> list[list[str]]:
+    """Per layer (segment): bytes kept and recomputed per device, how many ops are recomputed,
+    and what recomputing them costs (their compute and the collectives made again)."""
+    rows: dict[str, list] = {}
+    segment = {n.name: segment_of(n.module) for n in plan.nodes}
+    for n in plan.nodes:
+        if n.activation:
+            row = rows.setdefault(segment[n.name], [0, 0, 0, 0.0])
+            row[0 if n.activation == "keep" else 1] += n.activation_bytes
+            if n.activation == "recompute":
+                row[2] += 1
+                row[3] += n.compute_s
+    for c in plan.collectives:
+        if c.phase == "recompute":
+            rows.setdefault(segment.get(c.consumer, ""), [0, 0, 0, 0.0])[3] += c.time_s
+    return [[name or "(root)", format_bytes(kept), format_bytes(again), str(count), _time(time_s)]
+            for name, (kept, again, count, time_s) in rows.items()]
 
 
 def annotated_graph(plan: ShardingPlan) -> str:
@@ -83,6 +107,8 @@ def annotated_graph(plan: ShardingPlan) -> str:
         lines.extend(moves.get(n.name, []))
         outs = ", ".join(str(o) for o in n.outputs)
         where = f"  # {n.module}" if n.module else ""
+        if n.activation:
+            where += f"  [{n.activation} {format_bytes(n.activation_bytes)}]"
         lines.append(f"{n.phase[:3]}  {n.name} = {n.op}({', '.join(n.inputs)}) -> {outs}{where}")
     for consumer in moves:
         if consumer not in {n.name for n in plan.nodes}:

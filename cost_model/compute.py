@@ -26,7 +26,7 @@ FREE_OPS = {
     aten.transpose.int, aten.permute.default, aten.expand.default, aten.detach.default,
     aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
-    aten.select.int,
+    aten.select.int, aten._assert_tensor_metadata.default,
 }
 
 

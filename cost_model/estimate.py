@@ -112,7 +112,7 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
         if n.kind in ("param", "buffer"):
             sizes = [float(costs.local_bytes((n.name, 0), s.outputs[0])) for s in n.strategies]
             params[n.name] = sizes
-            if n.args:
+            if n.kind == "param" and n.args:  # an updated buffer reads its new value, but has no gradient
                 grads[n.name] = sizes
                 optimizer[n.name] = [optimizer_slots * b for b in sizes]
         if n.name in saved:

@@ -5,7 +5,7 @@ from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
 from autopar.passes.capture import Captured, module_paths
-from autopar.passes.remat import ActivationSpace, activation_bytes, kept_ops
+from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
 
@@ -15,18 +15,17 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
     consumer and phase, in the order the rewriter makes them.
 
     Yields ``(ref, src, dst, consumer, phase)``. A tensor moved to the same placements for
-    several consumers is moved once, except that the backward's recomputation moves the
-    operands of the ops it runs again itself, and moves the recomputed values for their
-    backward readers.
+    several consumers is moved once in the forward and once in the backward: the backward
+    moves what its ops and its recomputations read itself.
     """
     by_name = space.index()
     seen: set = set()
     done: set[str] = set()
 
-    def move(ref, dst, consumer, phase, context):
+    def move(ref, dst, consumer, phase, in_backward):
         src = chosen[ref[0]].outputs[ref[1]]
-        if src != dst and (context, ref, dst) not in seen:
-            seen.add((context, ref, dst))
+        if src != dst and (in_backward, ref, dst) not in seen:
+            seen.add((in_backward, ref, dst))
             yield ref, src, dst, consumer, phase
 
     def recompute(name):
@@ -35,16 +34,16 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
         for j, ref in enumerate(node.args):
             if ref[0] in recomputed and ref[0] not in done:
                 yield from recompute(ref[0])
-            yield from move(ref, chosen[name].inputs[j], node, "recompute", "recompute")
+            yield from move(ref, chosen[name].inputs[j], node, "recompute", True)
 
     for n in space.nodes:
         phase = {"param": "backward", "output": "output"}.get(n.kind, n.phase)
         for j, ref in enumerate(n.args):
-            again = n.kind == "op" and n.phase == "backward" and ref[0] in recomputed
+            in_backward = by_name[ref[0]].phase == "backward" or (n.kind == "op" and n.phase == "backward")
+            again = in_backward and ref[0] in recomputed
             if again and ref[0] not in done:
                 yield from recompute(ref[0])
-            context = "recompute" if again else "run"
-            yield from move(ref, chosen[n.name].inputs[j], n, context if again else phase, context)
+            yield from move(ref, chosen[n.name].inputs[j], n, "recompute" if again else phase, in_backward)
 
 
 def build_plan(captured: Captured, space: StrategySpace, solution: Solution, costs: CostModel,
@@ -56,14 +55,14 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
     node_costs = costs.node_costs(space)
     modules = module_paths(captured)
-    kept_bytes, recomputed_bytes = activation_bytes(activations, choice, recomputed)
+    kept_total, recomputed_total = activation_bytes(activations, choice, recomputed)
     needed = kept_ops(activations, recomputed)
 
     def activation(name: str) -> tuple[str, int]:
         if name in recomputed:
             return "recompute", int(activations.bytes[name][choice[name]])
         if name in needed:
-            return "keep", int(activations.bytes[name][choice[name]])
+            return "keep", kept_bytes(activations, name, choice, recomputed)
         return "", 0
 
     nodes = tuple(
@@ -88,7 +87,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         collectives=collectives,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=memory.estimate(choice, (frozenset(activations.nodes), kept_bytes, recomputed_bytes)),
+        memory=memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total)),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,

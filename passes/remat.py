@@ -156,11 +156,17 @@ def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: 
     kept = 0
     per_segment: dict[str, float] = {}
     for name in acts.nodes:
-        size = acts.bytes[name][choice[name]]
         if name in recomputed:
-            per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + size
+            per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + acts.bytes[name][choice[name]]
         elif name in needed:
-            kept += size
-            if name in acts.extra and recomputed.intersection(acts.extra[name][1]):
-                kept += acts.extra[name][0][choice[name]]
+            kept += kept_bytes(acts, name, choice, recomputed)
     return int(kept), int(max(per_segment.values(), default=0.0))
+
+
+def kept_bytes(acts: ActivationSpace, name: str, choice: dict[str, int], recomputed: frozenset[str]) -> int:
+    """Bytes a kept op holds from the forward to the backward: the outputs the backward reads,
+    and those a recomputed op reads."""
+    size = acts.bytes[name][choice[name]]
+    if name in acts.extra and recomputed.intersection(acts.extra[name][1]):
+        size += acts.extra[name][0][choice[name]]
+    return int(size)

@@ -6,13 +6,17 @@ before each op it moves every argument into the placements the op's strategy nee
 arguments made local. ``make_fx`` traces that interpretation on fake tensors into a plain aten
 graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can compile it.
 
-Ops the plan recomputes run again when a backward op first reads them, on their kept operands
-(or operands recomputed the same way), with their operands' moves made again; the nodes this
-emits carry ``RECOMPUTE`` in ``node.meta["custom"]`` so that the partitioner puts them in the
-backward.
+The backward makes its own moves: a forward value a backward op needs in other placements is
+moved again in the backward (a parameter all-gathered for the forward is all-gathered again
+for the backward, as FSDP does), so that only forward values in their own placements are kept
+between the two. Ops the plan recomputes run again when a backward op first reads them, on
+their kept operands (or operands recomputed the same way). The nodes of both carry
+``IN_BACKWARD`` in ``node.meta["custom"]``, so that the partitioner puts them in the backward.
 """
 
 from collections.abc import Sequence
+
+import contextlib
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -38,8 +42,9 @@ c10d = torch.ops._c10d_functional
 # a slice), so views become reshapes, which copy only when the strides require it
 _AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
-RECOMPUTE = {"autopar": "recompute"}
-"""The ``node.meta["custom"]`` of per-rank nodes that recompute forward values in the backward."""
+IN_BACKWARD = {"autopar": "backward"}
+"""The ``node.meta["custom"]`` of per-rank nodes that move or recompute forward values for the
+backward."""
 
 
 def _parse(text: str | None) -> Placements | None:
@@ -134,30 +139,30 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     def per_rank(*local_inputs):
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
-        moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (recomputing, value, placements)
+        moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (in backward, value, placements)
 
-        def fetch(arg: fx.Node, dst: Placements, context: str = "run") -> torch.Tensor:
-            """``arg`` in placements ``dst`` for a forward op (``context="run"``), a backward op
-            (``"backward"``: reads recomputed values) or a recomputation (``"recompute"``:
-            reads recomputed values and moves every operand afresh)."""
+        def fetch(arg: fx.Node, dst: Placements, in_backward: bool = False) -> torch.Tensor:
+            """``arg`` in placements ``dst``, for a forward op or, ``in_backward``, for a
+            backward op or a recomputation, which read recomputed values and move in the
+            backward."""
             ref = aliases.get(arg.name, (arg.name, 0))
-            if context != "run" and ref[0] in recomputed:
+            if in_backward and ref[0] in recomputed:
                 if ref not in again:
                     recompute(nodes[ref[0]])
                 t, src = again[ref]
-                context = "recompute"
             else:
                 t, src = env[ref]
             if src == dst:
                 return t
-            key = (context == "recompute", ref, dst)
+            key = (in_backward, ref, dst)
             if key not in moved:
-                moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
+                with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
+                    moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
             return moved[key]
 
-        def run(node: fx.Node, store: dict, context: str) -> None:
+        def run(node: fx.Node, store: dict, in_backward: bool) -> None:
             strategy = strategies[node.name]
-            local_args = [fetch(a, p, context) for a, p in zip(tensor_args(node), strategy.inputs)]
+            local_args = [fetch(a, p, in_backward) for a, p in zip(tensor_args(node), strategy.inputs)]
             args, kwargs = local_call_args(node, local_args, strategy, mesh)
             result = _AS_RESHAPE.get(node.target, node.target)(*args, **kwargs)
             results = result if isinstance(result, (list, tuple)) else [result]
@@ -165,14 +170,14 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 store[node.name, i] = value, layout
 
         def recompute(node: fx.Node) -> None:
-            with fx_traceback.annotate(RECOMPUTE):
-                run(node, again, "recompute")
+            with fx_traceback.annotate(IN_BACKWARD):
+                run(node, again, True)
 
         for i, node in enumerate(captured.placeholders):
             env[node.name, 0] = local_inputs[i], layouts[i]
         for node in graph.nodes:
             if node.op == "call_function" and node.name not in aliases:
-                run(node, env, "backward" if node in backward else "run")
+                run(node, env, node in backward)
         outputs = []
         for kind, value in zip(captured.outputs, graph.output_node().args[0]):
             if kind is None or not isinstance(value, fx.Node):
@@ -181,7 +186,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 outputs.append(fetch(value, (R,) * mesh.ndim))
             else:  # a parameter's gradient or an updated buffer's new value, in that parameter's or buffer's placements
                 state = next(n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer") and k.name == kind.name)
-                outputs.append(fetch(value, strategies[state.name].outputs[0]))
+                outputs.append(fetch(value, strategies[state.name].outputs[0], value in backward))
         return outputs
 
     fake_mode = FakeTensorMode()

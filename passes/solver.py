@@ -30,7 +30,8 @@ With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is 
 and ``w_c,q`` the sum of a reader's one-hots that need it in layout ``q``. Each reader's
 ``t_c`` is a transport between the two (tight: integral whenever the one-hots are), and
 ``y_v,p,q`` moves ``v`` from ``p`` to ``q`` at the modelled cost ``r_v(p, q)`` once, however many
-readers need that copy, as the rewriter emits it. ``m_n,k`` is the memory node ``n`` holds for
+readers need that copy, as the rewriter emits it (once for the forward's readers and once
+for the backward's: the backward makes its own moves). ``m_n,k`` is the memory node ``n`` holds for
 the whole step under strategy ``k`` (a parameter's piece with its gradient and optimizer state,
 or a forward value the backward reads) and ``o_n,k`` the size of its outputs. Grouping
 strategies by layout keeps the variables per tensor to the distinct layouts instead of the
@@ -254,15 +255,18 @@ def _copied_with_operand(node: NodeSpace, shared: dict[str, str], first_layers: 
 
 def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set) -> dict[tuple, int]:
     """Group the graph's tensors by what the program sees of them: the (shared) tensor and the
-    set of (shared) readers that need it. Every class gets one set of move variables, priced
-    as many times as it has tensors."""
-    readers: dict[ValueRef, set[tuple[str, int]]] = defaultdict(set)
+    set of (shared) readers that need it, in the forward or in the backward (which makes its
+    own moves). Every class gets one set of move variables, priced as many times as it has
+    tensors."""
+    by_name = space.index()
+    readers: dict[tuple, set[tuple[str, int]]] = defaultdict(set)
     for n in space.nodes:
         for j, ref in enumerate(n.args):
             if (n.name, ref) not in followed:
-                readers[ref].add((shared.get(n.name, n.name), j))
+                in_backward = by_name[ref[0]].phase == "backward" or (n.kind == "op" and n.phase == "backward")
+                readers[ref, in_backward].add((shared.get(n.name, n.name), j))
     classes: dict[tuple, int] = defaultdict(int)
-    for ref, who in readers.items():
+    for (ref, _), who in readers.items():
         classes[(shared.get(ref[0], ref[0]), ref[1]), frozenset(who)] += 1
     return classes
 

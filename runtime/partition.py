@@ -1,7 +1,7 @@
 """Split a per-rank joint graph into a forward graph and a backward graph.
 
-Nodes that depend on a tangent (the gradient flowing into the step's outputs), and the
-recomputations the rewriter marks, form the backward; the rest run in the forward. Forward
+Nodes that depend on a tangent (the gradient flowing into the step's outputs), and the moves
+and recomputations the rewriter marks for the backward, form the backward; the rest run in the forward. Forward
 values the backward reads are returned by the forward graph as saved tensors and taken by the
 backward graph as inputs, as AOT autograd does.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from autopar.passes.capture import backward_nodes
-from autopar.passes.rewrite import RECOMPUTE
+from autopar.passes.rewrite import IN_BACKWARD
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +29,8 @@ def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: lis
     forward result (False), a gradient (True) or unused (None)."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     tangents = {n for n, t in zip(placeholders, is_tangent) if t}
-    recomputations = {n for n in joint.graph.nodes if n.meta.get("custom") == RECOMPUTE}
-    backward = backward_nodes(joint.graph, tangents | recomputations)
+    marked = {n for n in joint.graph.nodes if n.meta.get("custom") == IN_BACKWARD}
+    backward = backward_nodes(joint.graph, tangents | marked)
     outputs = list(joint.graph.output_node().args[0])
     fwd_outputs = [o for o, g in zip(outputs, output_is_grad) if g is False]
     grads = [o for o, g in zip(outputs, output_is_grad) if g]

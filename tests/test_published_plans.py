@@ -87,6 +87,22 @@ def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
 
 
+def test_bert_layer_stack_recomputed_repeats_its_forward_all_reduces():
+    # Alpa tests/shard_parallel/test_remat.py: recomputing every layer of the tensor-parallel
+    # stack runs each layer's 2 forward all-reduces again in the backward, 4L-1 -> 6L-1
+    layers, batch, seq = 2, 2, 8
+    cfg = BertConfig(dim=512, num_heads=8, hidden=2048, num_layers=layers, max_seq=seq)
+    plan = autopar.plan(_EncoderStack(cfg), Mesh((4,), ("tp",)),
+                        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)), hardware=ALPHA_BETA,
+                        recompute="layers")
+    activation = batch * seq * cfg.dim * 4
+    assert _collectives(plan) == [("all_reduce", "tp", activation)] * (6 * layers - 1)
+    assert len(_collectives(plan, "forward")) == len(_collectives(plan, "recompute")) == 2 * layers
+    kept = [n for n in plan.nodes if n.module.startswith("blocks.") and n.activation == "keep"]
+    assert [n.module for n in kept] == [f"blocks.{i}.ln2" for i in range(layers)]  # only each layer's output
+    assert plan.placements["blocks.1.fc1.weight"] == ("S(0)",) and plan.placements["blocks.1.fc2.weight"] == ("S(1)",)
+
+
 class _MoEStack(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
