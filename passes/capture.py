@@ -9,10 +9,17 @@ gradients. Every node carries its fake value in ``node.meta["val"]``.
 Batch norm is decomposed into sums over the batch and spatial dims, so a batch split turns its
 statistics into partial sums that the plan all-reduces: batch norm is synchronised across the
 ranks that split the batch, and every rank's running statistics stay those of one device.
+
+Models written by others (Hugging Face transformers) return dataclasses: those registered as
+pytree nodes (transformers' ``ModelOutput``) are taken as they are, and other dataclasses are
+registered on first sight (``torch.export.register_dataclass``), so the parallel model returns
+the same type. Every leaf of the output must be a tensor; anything else (a key-value cache) is
+refused by its path in the output.
 """
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import inspect
 import logging
@@ -34,6 +41,7 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError
 
@@ -126,17 +134,22 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     names = _input_names(model, len(example_inputs))
     started = time.perf_counter()
     model, example_inputs = _off_meta(model, tuple(example_inputs))
+    hook = model.register_forward_hook(_check_outputs)
     try:
         exported = torch.export.export(model, tuple(example_inputs), strict=False)
+    except CaptureError:
+        raise
     except Exception as exc:  # torch.export raises many unrelated exception types
-        raise CaptureError(_capture_message(model, "torch.export", exc)) from exc
+        raise CaptureError(_capture_message(model, "torch.export", exc, names)) from exc
+    finally:
+        hook.remove()
     with contextlib.ExitStack() as stack:
         try:
             joint = aot_export_joint_with_descriptors(
                 stack, exported.module(), tuple(example_inputs), decompositions=_DECOMPOSITIONS
             )
         except Exception as exc:
-            raise CaptureError(_capture_message(model, "AOT autograd", exc)) from exc
+            raise CaptureError(_capture_message(model, "AOT autograd", exc, names)) from exc
         graph = joint.graph_module
         out_spec = joint.out_spec
     output_descs = graph.graph.output_node().meta["desc"]
@@ -152,6 +165,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph), time.perf_counter() - started)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
     return captured
+
+
+def _check_outputs(model: torch.nn.Module, args, output) -> None:
+    """Forward hook run while ``torch.export`` traces: registers the dataclasses in the output
+    as pytree nodes, then refuses every leaf that is not a tensor, naming its path."""
+    while True:
+        new = {type(leaf) for leaf in pytree.tree_leaves(output) if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)}
+        if not new:
+            break
+        for cls in new:
+            torch.export.register_dataclass(cls)
+    bad = [f"output{pytree.keystr(path)} of type {type(leaf).__name__}"
+           for path, leaf in pytree.tree_leaves_with_path(output) if not isinstance(leaf, torch.Tensor)]
+    if bad:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward() returns values that are not tensors: {'; '.join(bad)}. "
+            "autopar returns tensors, in tuples, lists, dicts and dataclasses. Fix: return only "
+            "tensors (the loss); a model that returns a key-value cache for generation "
+            "(Hugging Face: past_key_values) must have it turned off, with use_cache=False in its "
+            "configuration"
+        )
 
 
 def _tied_names(model: torch.nn.Module) -> dict[str, str]:
@@ -316,14 +350,18 @@ def _refuse_unsupported_mutations(model: torch.nn.Module, output_descs, names: l
         )
 
 
-def _capture_message(model: torch.nn.Module, stage: str, exc: Exception) -> str:
+def _capture_message(model: torch.nn.Module, stage: str, exc: Exception, names: list[str]) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (
         f"{stage} could not trace {type(model).__name__}: {type(exc).__name__}: {first}\n"
+        f"The example inputs were passed in order, as forward({', '.join(names)}).\n"
         "autopar captures the whole training step as one graph, so forward() must be traceable "
         "by torch.export. Fixes: replace data-dependent Python control flow (an `if` on a tensor "
         "value, .item(), .tolist()) with tensor ops or torch.cond; return tensors (or tuples, "
-        "lists and dicts of them) from forward(); pass only tensors as inputs."
+        "lists, dicts and dataclasses of them) from forward(); pass only tensors as inputs; "
+        "call a model whose inputs are keyword arguments (a Hugging Face model's input_ids=, "
+        "labels=) from a wrapper module whose forward() takes the tensors in order and returns "
+        "the loss."
     )
 
 

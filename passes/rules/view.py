@@ -1,4 +1,4 @@
-"""Views and layout changes: reshapes, transposes, expands, splits, concatenations, slices."""
+"""Views and layout changes: reshapes, transposes, expands, splits, concatenations, slices, padding."""
 
 import math
 
@@ -105,6 +105,21 @@ def slice_backward_rule(node: fx.Node) -> list[Row]:
     dim = node.args[2] % grad.ndim
     rows: list[Row] = [((R,), (R,)), ((P,), (P,))]  # zero padding is linear
     rows += [((S(d),), (S(d),)) for d in range(grad.ndim) if d != dim]  # split another dim
+    return rows
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_rule(node: fx.Node) -> list[Row]:
+    """``constant_pad_nd(x, pad, value)``: ``pad`` holds (before, after) pairs from the last dim
+    backwards; a negative amount crops."""
+    x = val(node.args[0])
+    pad = node.args[1]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    padded = {x.ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+    rows: list[Row] = [((R,), (R,))]
+    if value == 0 and x.is_floating_point():
+        rows.append(((P,), (P,)))  # zero padding is linear
+    rows += [((S(d),), (S(d),)) for d in range(x.ndim) if d not in padded]  # split a dim that is not padded
     return rows
 
 

@@ -1,11 +1,20 @@
-"""Capture of in-place buffer updates and of batch norm."""
+"""Capture of in-place buffer updates, of batch norm, and of what models written by others
+return and take."""
 
+import dataclasses
+import importlib.util
+
+import pytest
 import torch
+from torch import nn
 
 import autopar
 from autopar.examples.convnet import ConvNet
+from autopar.examples.mlp import MLP
 from autopar.passes.capture import OutputKind, capture
 from tests.cases import BYTES_DEAR
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 BATCH = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
 
@@ -39,3 +48,69 @@ def test_batch_split_all_reduces_batch_norm_statistics():
                   if c.kind == "all_reduce" and c.phase == "forward" and module_of.get(c.tensor) == bn]
         assert len(synced) == 2, f"{bn}: {synced}"
         assert all(c.bytes == 4 * channels and (c.src, c.dst) == ("(P)", "(R)") for c in synced)
+
+
+@dataclasses.dataclass
+class _LossAndOutput:
+    loss: torch.Tensor
+    output: torch.Tensor
+    aux: torch.Tensor | None = None
+
+
+class _ReturnsDataclass(MLP):
+    def forward(self, x, target):
+        out = self.layers[1](torch.relu(self.layers[0](x)))
+        return _LossAndOutput(nn.functional.mse_loss(out, target), out)
+
+
+class _ReturnsCache(MLP):
+    def forward(self, x, target):
+        return {"loss": nn.functional.mse_loss(self.layers[1](self.layers[0](x)), target), "cache": object()}
+
+
+def test_dataclass_outputs_are_captured_and_rebuilt_as_the_same_type():
+    model = _ReturnsDataclass(8, 16)
+    captured = capture(model, (torch.randn(4, 8), torch.randn(4, 8)))
+    assert captured.num_forward_outputs == 2  # the loss and the output; the None field holds nothing
+    rebuilt = torch.utils._pytree.tree_unflatten([torch.tensor(1.0), torch.zeros(4, 8)], captured.out_spec)
+    assert isinstance(rebuilt, _LossAndOutput) and rebuilt.aux is None
+
+
+def test_outputs_that_are_not_tensors_are_refused_by_path_with_the_fix():
+    with pytest.raises(autopar.CaptureError, match=r"(?s)output\['cache'\] of type object.*use_cache=False"):
+        capture(_ReturnsCache(8, 16), (torch.randn(4, 8), torch.randn(4, 8)))
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+def test_a_hugging_face_model_returns_its_model_output_and_refuses_a_cache():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    from autopar.examples.hf import gpt2
+
+    model = gpt2(vocab_size=32, seq=8, dim=16, num_layers=1)
+    ids = torch.randint(0, 32, (4, 8))
+
+    class Whole(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, labels):
+            return self.model(input_ids=input_ids, labels=labels)
+
+    captured = capture(Whole(model.model), (ids, ids))
+    assert captured.out_spec.type is CausalLMOutputWithCrossAttentions and captured.num_forward_outputs == 2
+    cached = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_head=4, n_layer=1, use_cache=True))
+    with pytest.raises(autopar.CaptureError, match=r"(?s)output\['past_key_values'\] of type DynamicCache.*use_cache=False"):
+        capture(Whole(cached), (ids, ids))
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_wrap_it():
+    from autopar.examples.hf import gpt2
+
+    ids = torch.randint(0, 32, (4, 8))
+    with pytest.raises(autopar.CaptureError,
+                       match=r"(?s)forward\(input_ids, past_key_values\).*wrapper module whose forward\(\) takes"):
+        capture(gpt2(vocab_size=32, seq=8, dim=16, num_layers=1).model, (ids, ids))

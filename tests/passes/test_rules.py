@@ -6,9 +6,13 @@ partial sum), the op runs on each rank's pieces with local shape arguments, and 
 the outputs are put back together (concatenated, checked equal, or summed) and compared with
 the op's output on the whole tensors. Rows that the shapes do not allow on 2 ranks (odd sizes,
 partial sums of integers) are skipped, except for the ops in ``EVERY_ROW_CHECKED``, whose every
-row the cases exercise.
+row the cases exercise. Models from Hugging Face transformers are checked in a test of their own,
+skipped where transformers is not installed.
 """
 
+import importlib.util
+
+import pytest
 import torch
 from torch import fx, nn
 from torch.nn import functional as F
@@ -30,14 +34,19 @@ from autopar.examples.moe import MoEConfig, MoEGPT
 MESH = Mesh((2,))
 aten = torch.ops.aten
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
 # ops whose every row is checked on every node that uses them: the MoE routing ops,
-# convolutions and pooling
+# convolutions and pooling, advanced indexing and padding
 EVERY_ROW_CHECKED = {aten.topk.default, aten.cumsum.default, aten.new_zeros.default,
                      aten._assert_tensor_metadata.default, aten.scatter.src,
                      aten.convolution.default, aten.convolution_backward.default,
                      aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
                      aten.avg_pool2d.default, aten.avg_pool2d_backward.default,
-                     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default}
+                     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
+                     aten.index.Tensor, aten.constant_pad_nd.default}
+# and in Hugging Face models: the indexing that builds attention masks, the padding of labels
+HF_EVERY_ROW_CHECKED = {aten.index.Tensor, aten.new_ones.default, aten.constant_pad_nd.default}
 
 
 class _PoolNet(nn.Module):
@@ -53,6 +62,30 @@ class _PoolNet(nn.Module):
     def forward(self, x, target):
         x = self.up(F.avg_pool2d(self.conv(x), 2))
         return F.mse_loss(self.head(F.adaptive_avg_pool2d(x, 2).flatten(1)), target)
+
+
+class _IndexPadNet(nn.Module):
+    """Advanced indexing with the indexed dims adjacent and apart, and zero padding with its
+    backward (a crop): the ops Hugging Face models build masks and shift labels with."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x, rows, target):
+        padded = F.pad(self.head(x), (0, 2))  # [4, 6, 6]
+        return F.mse_loss(padded.sum(1), target) + x[:, rows].mean() + x[rows, :, rows].mean()
+
+
+class _PaddedCausalLM(nn.Module):
+    """A Hugging Face causal LM called with a padding mask, which the attention reads."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, labels):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
 
 
 class _Recorder(fx.Interpreter):
@@ -89,7 +122,9 @@ def _pieces(value: torch.Tensor, placement, gen):
     if isinstance(placement, Replicate):
         return [value, value]
     share = torch.rand(value.shape, generator=gen, dtype=value.dtype)
-    return [value * share, value - value * share]
+    finite = torch.isfinite(value)  # an infinite entry (a mask's -inf) is one rank's summand, the other's is 0
+    first = torch.where(finite, value * share, value)
+    return [first, torch.where(finite, value - first, 0)]
 
 
 def _combine(pieces, placement):
@@ -126,6 +161,29 @@ def _check_row(node, values, row, gen) -> bool:
     return True
 
 
+def _validate(cases, every_row: set, gen) -> tuple[set, int]:
+    """Check every row of every op node of the cases' joint graphs; return the ops and the
+    number of rows checked."""
+    checked_ops, checked_rows = set(), 0
+    for model, inputs in cases:
+        captured, values = _real_values(model, inputs)
+        for node in captured.graph.graph.nodes:
+            if node.op != "call_function" or node.target.__name__ == "getitem":
+                continue
+            rule = rule_for(node.target)
+            assert rule is not None, f"{node.target} in {type(model).__name__} has no rule"
+            rows = rule(node)
+            done = [_check_row(node, values, row, gen) for row in rows]
+            assert any(done), f"no row of {node.target} could be checked"
+            if node.target in every_row:
+                skipped = [row for row, d in zip(rows, done) if not d]
+                assert not skipped, f"rows {skipped} of {node.name} ({node.target}) were not checked"
+            checked_rows += sum(done)
+            checked_ops.add(node.target)
+    assert every_row <= checked_ops, every_row - checked_ops
+    return checked_ops, checked_rows
+
+
 def test_every_rule_row_matches_the_whole_tensor_result():
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -144,32 +202,36 @@ def test_every_rule_row_matches_the_whole_tensor_result():
         # 4 input channels (even) so that every convolution's input channels split in two
         (ConvNet(ConvNetConfig(in_channels=4)), (torch.randn(4, 4, 8, 8), torch.randint(0, 10, (4,)))),
         (_PoolNet(), (torch.randn(4, 4, 8, 8), torch.randn(4, 4))),
+        (_IndexPadNet(), (torch.randn(4, 6, 4), torch.randint(0, 4, (2, 2)), torch.randn(4, 6))),
     ]
-    checked_ops, checked_rows = set(), 0
-    for model, inputs in cases:
-        captured, values = _real_values(model, inputs)
-        for node in captured.graph.graph.nodes:
-            if node.op != "call_function" or node.target.__name__ == "getitem":
-                continue
-            rule = rule_for(node.target)
-            assert rule is not None, f"{node.target} in {type(model).__name__} has no rule"
-            rows = rule(node)
-            done = [_check_row(node, values, row, gen) for row in rows]
-            assert any(done), f"no row of {node.target} could be checked"
-            if node.target in EVERY_ROW_CHECKED:
-                skipped = [row for row, d in zip(rows, done) if not d]
-                assert not skipped, f"rows {skipped} of {node.name} ({node.target}) were not checked"
-            checked_rows += sum(done)
-            checked_ops.add(node.target)
+    checked_ops, checked_rows = _validate(cases, EVERY_ROW_CHECKED, gen)
     print(f"validated {checked_rows} rows of {len(checked_ops)} ops")
-    assert EVERY_ROW_CHECKED <= checked_ops, EVERY_ROW_CHECKED - checked_ops
     assert len(checked_ops) >= 35
     assert checked_rows >= 250
 
 
-def test_registering_an_op_twice_raises():
-    import pytest
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+def test_every_rule_row_of_hugging_face_models_matches_the_whole_tensor_result():
+    """GPT-2 and LLaMA from transformers, and GPT-2 with a padding mask: the mask is built by
+    advanced indexing, and the labels are padded before they are shifted."""
+    from autopar.examples import hf
 
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 8))
+    padding = torch.ones(4, 8, dtype=torch.long)
+    padding[0, 6:] = 0
+    sizes = {"vocab_size": 32, "seq": 8, "dim": 16, "num_heads": 4, "num_layers": 1}
+    cases = [
+        (hf.gpt2(**sizes), (ids, ids)),
+        (hf.llama(**sizes, hidden=32), (ids, ids)),
+        (_PaddedCausalLM(hf.gpt2(**sizes).model), (ids, padding, ids)),
+    ]
+    checked_ops, checked_rows = _validate(cases, HF_EVERY_ROW_CHECKED, gen)
+    print(f"validated {checked_rows} rows of {len(checked_ops)} ops")
+
+
+def test_registering_an_op_twice_raises():
     from autopar.passes.rules import register
 
     op = registered_ops()[0]
