@@ -95,11 +95,11 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     try:
         solution = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves,
                          memory=memory if budget else None, budget_bytes=budget, shared=shared,
-                         activations=activations if chooses else None, time_limit_s=solver_time_limit_s)
+                         activations=activations, choose_recompute=chooses, time_limit_s=solver_time_limit_s)
     except InfeasiblePlanError as exc:
         if budget is None or "time limit" in str(exc):
             raise
-        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations if chooses else None,
+        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
                                                budget, mesh, shared, solver_time_limit_s)) from None
     t3 = time.perf_counter()
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
@@ -124,10 +124,7 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
     """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
     least = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves, memory=memory,
                   minimise="memory", shared=shared, activations=activations, time_limit_s=time_limit_s)
-    if activations is not None:
-        est = memory.estimate(least.choice, (frozenset(activations.nodes), *activation_bytes(activations, least.choice, least.recomputed)))
-    else:
-        est = memory.estimate(least.choice)
+    est = memory.estimate(least.choice, (frozenset(activations.nodes), *activation_bytes(activations, least.choice, least.recomputed)))
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}
     largest = max(parts, key=parts.get)

@@ -12,8 +12,9 @@ inputs of a layer are its checkpoints, as in per-layer activation checkpointing,
 only ever holds one segment's recomputed values at a time. Ops that draw random numbers are
 never recomputed.
 
-A view holds no memory of its own: keeping it keeps the op it views (a view of a parameter or
-an input costs nothing).
+A view holds no memory of its own: keeping it keeps the op it views. A view of a parameter that
+the backward reads is always made again in the backward, from the parameter, so that a
+parameter gathered for the forward is not held until the backward.
 """
 
 import re
@@ -58,8 +59,8 @@ class ActivationSpace:
     operands: dict[str, tuple[str, ...]]
     """The forward ops each op reads (placeholders are always at hand)."""
     bytes: dict[str, list[float]]
-    """Per strategy of the op, the bytes of the outputs the backward reads (of those forward
-    ops read, when the backward reads none)."""
+    """Per strategy of the op, the bytes of the outputs it holds when kept: those the backward
+    reads or views (of those forward ops read, when the backward reads none); 0 for views."""
     never_kept: frozenset[str]
     """Ops that must be recomputed when needed (``recompute="layers"``)."""
     views: dict[str, str]
@@ -68,6 +69,9 @@ class ActivationSpace:
     """For ops the backward reads, the bytes of their other outputs that forward ops read, per
     strategy, and those forward ops: the outputs are kept too when one of them is recomputed
     (the output of a layer norm, whose backward reads only its statistics)."""
+    param_views: frozenset[str]
+    """Views of parameters the backward reads (a weight's transpose): always made again in the
+    backward, so that a parameter gathered for the forward is not held until the backward."""
 
     def crosses(self, name: str, operand: str) -> bool:
         return self.segment[name] != self.segment[operand]
@@ -76,9 +80,44 @@ class ActivationSpace:
 def activation_space(captured: Captured, space: StrategySpace, costs: CostModel, recompute: str) -> ActivationSpace:
     """The choices for ``space`` under the ``recompute`` option (see :data:`RECOMPUTE_OPTIONS`)."""
     graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
+    by_name = space.index()
     paths = module_paths(captured)
     forward = [n for n in space.nodes if n.kind == "op" and n.phase == "forward"]
     names = {n.name for n in forward}
+    read_back, read_forward = _reads(space, names)
+    readers_in = {name: set().union(*by_index.values()) for name, by_index in read_forward.items()}
+    segment = {n.name: segment_of(paths.get(n.name, "")) for n in forward}
+    views = {n.name: n.args[0] for n in forward if _is_view(graph_nodes[n.name]) and n.args}
+    param_views = _param_views(forward, read_back, views, by_name)
+    recomputable = {n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])} | param_views
+    never_kept = set(param_views)
+    if recompute == "layers":
+        for name in recomputable:
+            crossing = any(segment[r] != segment[name] for r in readers_in.get(name, ()))
+            if is_layer(segment[name]) and not crossing:
+                never_kept.add(name)
+    operands = {n.name: tuple(dict.fromkeys(a for a, _ in n.args if a in names)) for n in forward}
+    held = _held_outputs(forward, read_back, views)
+
+    def sizes(n, outputs) -> list[float]:
+        return [float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in outputs)) for s in n.strategies]
+
+    extra = {}
+    for n in forward:
+        others = set(read_forward.get(n.name, {})) - held.get(n.name, set())
+        if n.name in held and others and n.name not in views:
+            readers = set().union(*(read_forward[n.name][i] for i in others))
+            extra[n.name] = sizes(n, others), tuple(sorted(readers))
+    kept = {n.name: [0.0] * len(n.strategies) if n.name in views else sizes(n, held.get(n.name) or set(read_forward.get(n.name, {})))
+            for n in forward}
+    return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
+                           operands, kept, frozenset(never_kept),
+                           {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views))
+
+
+def _reads(space: StrategySpace, names: set[str]) -> tuple[dict[str, set[int]], dict[str, dict[int, set[str]]]]:
+    """Which outputs of the forward ops ``names`` backward ops read, and which forward ops read
+    each output."""
     read_back: dict[str, set[int]] = {}
     read_forward: dict[str, dict[int, set[str]]] = {}
     for n in space.nodes:
@@ -87,36 +126,38 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
                 read_back.setdefault(name, set()).add(index)
             elif name in names and n.kind == "op":
                 read_forward.setdefault(name, {}).setdefault(index, set()).add(n.name)
-    readers_in = {name: set().union(*by_index.values()) for name, by_index in read_forward.items()}
-    segment = {n.name: segment_of(paths.get(n.name, "")) for n in forward}
-    recomputable = {n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])}
-    never_kept = set()
-    if recompute == "layers":
-        for name in recomputable:
-            crossing = any(segment[r] != segment[name] for r in readers_in.get(name, ()))
-            if is_layer(segment[name]) and not crossing:
-                never_kept.add(name)
-    operands = {n.name: tuple(dict.fromkeys(a for a, _ in n.args if a in names)) for n in forward}
+    return read_back, read_forward
 
-    def sizes(n, outputs) -> list[float]:
-        return [float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in outputs)) for s in n.strategies]
 
-    extra = {}
-    for n in forward:
-        others = set(read_forward.get(n.name, {})) - read_back.get(n.name, set())
-        if n.name in read_back and others:
-            readers = set().union(*(read_forward[n.name][i] for i in others))
-            extra[n.name] = sizes(n, others), tuple(sorted(readers))
-    kept_bytes = {n.name: sizes(n, read_back.get(n.name) or set(read_forward.get(n.name, {}))) for n in forward}
-    views = {}
-    for n in forward:
-        if _is_view(graph_nodes[n.name]):
-            kept_bytes[n.name] = [0.0] * len(n.strategies)
-            extra.pop(n.name, None)
-            if n.args and n.args[0][0] in names:
-                views[n.name] = n.args[0][0]
-    return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
-                           operands, kept_bytes, frozenset(never_kept), views, extra)
+def _param_views(forward, read_back: dict, views: dict, by_name) -> set[str]:
+    """Views the backward reads whose chain of views starts at a parameter, and the views on
+    that chain."""
+    found = set()
+    for n in reversed(forward):
+        if n.name in views and (n.name in read_back or n.name in found):
+            base = views[n.name][0]
+            if _view_root(base, views, by_name).kind == "param":
+                found.add(n.name)
+                if base in views:
+                    found.add(base)
+    return found
+
+
+def _view_root(name: str, views: dict, by_name):
+    while name in views:
+        name = views[name][0]
+    return by_name[name]
+
+
+def _held_outputs(forward, read_back: dict[str, set[int]], views: dict) -> dict[str, set[int]]:
+    """The outputs a kept op holds: those the backward reads, and those a view the backward
+    reads (or a view of such a view) looks into."""
+    held = {name: set(indices) for name, indices in read_back.items()}
+    for n in reversed(forward):
+        if n.name in views and n.name in held:
+            base, index = views[n.name]
+            held.setdefault(base, set()).add(index)
+    return held
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -134,6 +175,13 @@ def _deterministic(node: torch.fx.Node) -> bool:
     i = names.index("dropout_p")
     value = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", node.target._schema.arguments[i].default_value)
     return value == 0
+
+
+def backward_param_reads(acts: ActivationSpace, space: StrategySpace) -> dict[str, tuple[str, int]]:
+    """The views of :attr:`ActivationSpace.param_views` that read the parameter itself, and the
+    parameter they read: the backward reads the parameter for them."""
+    by_name = space.index()
+    return {v: by_name[v].args[0] for v in acts.param_views if by_name[by_name[v].args[0][0]].kind == "param"}
 
 
 def kept_ops(acts: ActivationSpace, recomputed: frozenset[str]) -> set[str]:

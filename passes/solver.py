@@ -61,7 +61,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.plan import SolverInfo
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.placement import Placements
-from autopar.passes.remat import ActivationSpace
+from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ OneStepMoves = Callable[[ValueRef], Sequence[tuple[Placements, Placements, float
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
           *, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
           one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
-          activations: ActivationSpace | None = None, minimise: str = "time", time_limit_s: float = 120.0,
-          relative_gap: float = 1e-3) -> Solution:
+          activations: ActivationSpace | None = None, choose_recompute: bool = True, minimise: str = "time",
+          time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
 
     ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
@@ -99,8 +99,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     variables than all pairs of layouts on N-D meshes. ``transition_s`` must then be the
     cheapest path over these moves, as :func:`autopar.passes.redistribute.transition` is.
 
-    ``activations`` adds the keep-or-recompute choice of every forward op; the kept and
-    recomputed activations then replace ``memory.activations`` of those ops.
+    ``activations`` makes the views of parameters the backward reads again in the backward
+    (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
+    choice of every forward op; the kept and recomputed activations then replace
+    ``memory.activations`` of those ops.
 
     ``shared`` maps nodes of repeated layers to their counterpart in the first layer
     (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
@@ -142,15 +144,17 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
             for var in terms:
                 costs[var] += node_costs[n.name][k]
     reader_moves: dict[tuple[str, int], list] = {}
-    for (ref, readers), count in _tensor_classes(space, shared, followed).items():
+    backward_reads = backward_param_reads(activations, space) if activations is not None else {}
+    for (ref, readers), count in _tensor_classes(space, shared, followed, backward_reads).items():
         _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
     again = {}
-    if activations is not None:
+    choosing = activations is not None and choose_recompute
+    if choosing:
         again, kept_mb, recompute_mb = _keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared, costs)
     objective = solver.Objective()
     if memory is not None:
         memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes, shared,
-                                            (activations, kept_mb, recompute_mb) if activations is not None else None)
+                                            (activations, kept_mb, recompute_mb) if choosing else None)
     if minimise == "memory":
         for var, coef in memory_coefs.items():
             objective.SetCoefficient(var, coef)
@@ -186,8 +190,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         name: max(range(len(terms)), key=lambda k: sum(values[v.index()] for v in terms[k]))
         for name, terms in ind.items()
     }
-    recomputed = frozenset(name for name in (activations.nodes if activations else ())
-                           if values[again[shared.get(name, name)].index()] > 0.5)
+    if choosing:
+        recomputed = frozenset(name for name in activations.nodes if values[again[shared.get(name, name)].index()] > 0.5)
+    else:
+        recomputed = activations.param_views if activations is not None else frozenset()
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
         objective_s=objective_value / scale,
@@ -253,11 +259,12 @@ def _copied_with_operand(node: NodeSpace, shared: dict[str, str], first_layers: 
     return operand not in shared and (node.name not in first_layers or operand in first_layers)
 
 
-def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set) -> dict[tuple, int]:
+def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set,
+                    backward_reads: dict[str, ValueRef]) -> dict[tuple, int]:
     """Group the graph's tensors by what the program sees of them: the (shared) tensor and the
     set of (shared) readers that need it, in the forward or in the backward (which makes its
-    own moves). Every class gets one set of move variables, priced as many times as it has
-    tensors."""
+    own moves; ``backward_reads`` are views made again there, by the tensor they read). Every
+    class gets one set of move variables, priced as many times as it has tensors."""
     by_name = space.index()
     readers: dict[tuple, set[tuple[str, int]]] = defaultdict(set)
     for n in space.nodes:
@@ -265,6 +272,8 @@ def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set)
             if (n.name, ref) not in followed:
                 in_backward = by_name[ref[0]].phase == "backward" or (n.kind == "op" and n.phase == "backward")
                 readers[ref, in_backward].add((shared.get(n.name, n.name), j))
+    for view, ref in backward_reads.items():
+        readers[ref, True].add((shared.get(view, view), 0))
     classes: dict[tuple, int] = defaultdict(int)
     for (ref, _), who in readers.items():
         classes[(shared.get(ref[0], ref[0]), ref[1]), frozenset(who)] += 1
@@ -392,7 +401,7 @@ def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dic
         if name in acts.extra:
             kept_mb[_extra_kept(solver, acts.extra[name], ind[name], again[name],
                                 [again[shared.get(r, r)] for r in acts.extra[name][1]])] = 1 + copies[name]
-        if name in acts.recomputable:
+        if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
             _recompute_time(solver, name, ind, node_costs, by_reader[name], again[name], 1 + copies[name], costs)
     for name in acts.nodes:
         k, r = keep[shared.get(name, name)], again[shared.get(name, name)]

@@ -20,6 +20,8 @@ FOUR = [
     dict(model_name="gpt", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="sgd"),
+    dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", recompute="layers"),
+    dict(model_name="gpt", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw", preset="megatron", recompute="layers"),
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp"),
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw", preset="megatron"),
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("dp",), optimizer_name="sgd", preset="fsdp"),
@@ -52,7 +54,8 @@ TWO = [
 
 def _name(case):
     mesh = "x".join(map(str, case["mesh_shape"]))
-    return f"{case['model_name']}-{mesh}-{case['optimizer_name']}-{case.get('preset', 'auto')}"
+    recompute = f"-recompute-{case['recompute']}" if "recompute" in case else ""
+    return f"{case['model_name']}-{mesh}-{case['optimizer_name']}-{case.get('preset', 'auto')}{recompute}"
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +137,12 @@ def test_expert_split_sends_tokens_to_their_experts_and_back_with_all_to_all(res
         moves = collections.Counter(c.phase for c in plan.collectives if c.kind == "all_to_all" and c.bytes == dispatched)
         assert moves == {"forward": 2, "backward": 2}  # dispatch and combine, and their gradients
         assert collections.Counter(tuple(x) for x in r["ran"])["all_to_all", "ep", dispatched] == 4
+
+
+@pytest.mark.slow
+def test_recomputed_layers_repeat_their_forward_collectives(results):
+    plan = autopar.ShardingPlan.from_json(results["gpt-4-adamw-megatron-recompute-layers"][0]["plan"])
+    forward = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "forward")
+    again = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "recompute")
+    assert again and not again - forward  # each one made again is one the forward makes
+    assert any(n.activation == "recompute" for n in plan.nodes)
