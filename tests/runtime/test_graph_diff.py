@@ -3,10 +3,11 @@
 Losses at every step must match within 1e-5 relative, gradients after the first step and
 parameters after 3 optimizer steps within rtol 1e-4 / atol 1e-5 (fp32), buffers (batch norm's
 running statistics) likewise, and the per-rank graphs must run exactly the collectives their
-plans list.
+plans list. Models from Hugging Face transformers run too where transformers is installed.
 """
 
 import collections
+import importlib.util
 
 import pytest
 
@@ -51,6 +52,17 @@ TWO = [
     dict(model_name="gpt", mesh_shape=(2,), axis_names=("tp",), optimizer_name="sgd", preset="megatron"),
 ]
 
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HUGGING_FACE = [  # models written by others: GPT-2 and LLaMA from transformers, built from configurations
+    dict(model_name="hf-gpt2", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6"),
+    dict(model_name="hf-gpt2", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw-eps1e-6"),
+    dict(model_name="hf-llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
+    dict(model_name="hf-llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
+]
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+ALL = FOUR + TWO + EIGHT + [pytest.param(case, marks=NEEDS_TRANSFORMERS) for case in HUGGING_FACE]
+
 
 def _name(case):
     mesh = "x".join(map(str, case["mesh_shape"]))
@@ -62,7 +74,8 @@ def _name(case):
 def results():
     """Every case's per-rank results, keyed by case name (one set of ranks per world size)."""
     out = {}
-    for world, cases in ((4, FOUR), (2, TWO), (8, EIGHT)):
+    four = FOUR + (HUGGING_FACE if HAS_TRANSFORMERS else [])
+    for world, cases in ((4, four), (2, TWO), (8, EIGHT)):
         per_rank = run_ranks(world, run_cases, cases)
         for i, case in enumerate(cases):
             out[_name(case)] = [rank_results[i] for rank_results in per_rank]
@@ -70,7 +83,7 @@ def results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FOUR + TWO + EIGHT, ids=_name)
+@pytest.mark.parametrize("case", ALL, ids=_name)
 def test_parallel_training_matches_one_device(results, case):
     for r in results[_name(case)]:
         assert r["loss_rel"] <= 1e-5, f"rank {r['rank']}: loss differs by {r['loss_rel']:.2e}"
@@ -79,7 +92,7 @@ def test_parallel_training_matches_one_device(results, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FOUR + TWO + EIGHT, ids=_name)
+@pytest.mark.parametrize("case", ALL, ids=_name)
 def test_per_rank_graph_runs_exactly_the_planned_collectives(results, case):
     for r in results[_name(case)]:
         plan = autopar.ShardingPlan.from_json(r["plan"])
