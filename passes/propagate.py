@@ -148,8 +148,9 @@ def _op_space(node, mesh, aliases, phase, unsupported, fallback) -> NodeSpace:
     else:
         rows = rule(node)
     in_vals = [a.meta["val"] for a in args]
+    replicated = (tuple(R if isinstance(o, torch.Tensor) else None for o in out_vals), (R,) * len(args))
     strategies = []
-    for combo in itertools.product(rows, repeat=mesh.ndim):
+    for combo in itertools.product(*(rows if size > 1 else [replicated] for size in mesh.shape)):  # an axis of 1 rank only replicates
         outputs = tuple(
             None if not isinstance(o, torch.Tensor) else tuple(row[0][i] for row in combo)
             for i, o in enumerate(out_vals)

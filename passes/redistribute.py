@@ -69,9 +69,13 @@ def local_shape(shape: tuple[int, ...], placements: Placements, mesh: Mesh) -> t
 def valid_layouts(shape: tuple[int, ...], mesh: Mesh, partial: bool) -> tuple[Placements, ...]:
     """Every layout of a tensor of ``shape``: per axis replicated, split along a dim or, when
     ``partial``, a partial sum. A dim split by several axes must be divisible by the product of
-    their sizes (the first axis cuts it, each later axis cuts the pieces)."""
+    their sizes (the first axis cuts it, each later axis cuts the pieces). An axis of one rank
+    only replicates."""
     options = []
     for size in mesh.shape:
+        if size == 1:
+            options.append([Replicate()])
+            continue
         axis = [Replicate()] + [Shard(d) for d, n in enumerate(shape) if n % size == 0]
         options.append(axis + [Partial()] if partial else axis)
     layouts = []
