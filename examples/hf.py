@@ -10,7 +10,7 @@ that ``torch.export`` traces (``attn_implementation="sdpa"`` or ``"eager"``).
 
 from torch import nn
 
-TRANSFORMERS = "transformers>=5.20,<6"
+TRANSFORMERS = "transformers>=5.23,<6"
 """The versions the examples and tests were written against."""
 
 
