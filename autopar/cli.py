@@ -10,9 +10,13 @@ from pathlib import Path
 def _load_model(spec: str):
     """A built-in example (``autopar.examples.EXAMPLES``) or a Python file defining
     ``make_model()`` that returns ``(model, example_inputs)``."""
-    from autopar.examples import EXAMPLES, make_example
+    from autopar.examples import EXAMPLES, check_example, make_example
 
     if spec in EXAMPLES:
+        try:
+            check_example(spec)
+        except ModuleNotFoundError as exc:
+            raise SystemExit(f"autopar plan: {exc}") from None
         return make_example(spec)
     path = Path(spec)
     if not path.is_file():
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print the plan of a model for a mesh")
-    p.add_argument("model", help="bert, convnet, gpt, llama, mlp, moe, or a .py file defining make_model() -> (model, example_inputs)")
+    p.add_argument("model", help="bert, convnet, gpt, llama, mlp, moe, hf-gpt2, hf-llama (Hugging Face transformers), "
+                        "or a .py file defining make_model() -> (model, example_inputs)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
     p.add_argument("--hardware", default="h100", help="h100, a100, cpu, or a profile file from `autopar calibrate` (default h100)")

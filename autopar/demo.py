@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.examples import EXAMPLES, make_example
+from autopar.examples import EXAMPLES, check_example, make_example
 from autopar.runtime.launch import torchrun
 
 
@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     mesh = mesh_from(args.mesh, args.axes)
     if "RANK" not in os.environ:
+        try:
+            check_example(args.model)
+        except ModuleNotFoundError as exc:
+            raise SystemExit(f"autopar demo: {exc}") from None
         print(f"autopar demo: launching {mesh.size} local ranks with torchrun", flush=True)
         return torchrun(mesh.size, ["-m", "autopar.demo", *argv])
     return _run(args, mesh)

@@ -1,5 +1,7 @@
 """Models that ship with autopar, each with the example inputs the demo and ``autopar plan`` use."""
 
+import importlib.util
+
 import torch
 
 
@@ -49,13 +51,40 @@ def _moe():
     return MoEGPT(cfg), (torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape))
 
 
-EXAMPLES = {"bert": _bert, "convnet": _convnet, "gpt": _gpt, "llama": _llama, "mlp": _mlp, "moe": _moe}
+def _hf(build):
+    """A Hugging Face model (``autopar.examples.hf``) sized like the GPT example, with token ids
+    as inputs and labels."""
+
+    def make():
+        from autopar.examples import hf
+
+        model = getattr(hf, build)()
+        shape = (8, 32)
+        return model, (torch.randint(0, 256, shape), torch.randint(0, 256, shape))
+
+    return make
+
+
+EXAMPLES = {"bert": _bert, "convnet": _convnet, "gpt": _gpt, "llama": _llama, "mlp": _mlp, "moe": _moe,
+            "hf-gpt2": _hf("gpt2"), "hf-llama": _hf("llama")}
 """Name → function returning ``(model, example_inputs)``; the inputs are a global batch."""
+
+_NEEDS_TRANSFORMERS = {"hf-gpt2", "hf-llama"}
+
+
+def check_example(name: str) -> None:
+    """Raise if ``name`` is no built-in example (``ValueError``) or needs a package that is not
+    installed (``ModuleNotFoundError``, saying what to install)."""
+    if name not in EXAMPLES:
+        raise ValueError(f"unknown example model {name!r}; choose one of {sorted(EXAMPLES)}")
+    if name in _NEEDS_TRANSFORMERS and importlib.util.find_spec("transformers") is None:
+        from autopar.examples.hf import TRANSFORMERS
+
+        raise ModuleNotFoundError(f"the {name} example builds its model with Hugging Face transformers, which is "
+                                  f"not installed: pip install '{TRANSFORMERS}'", name="transformers")
 
 
 def make_example(name: str):
     """``(model, example_inputs)`` of a built-in example."""
-    try:
-        return EXAMPLES[name]()
-    except KeyError:
-        raise ValueError(f"unknown example model {name!r}; choose one of {sorted(EXAMPLES)}") from None
+    check_example(name)
+    return EXAMPLES[name]()

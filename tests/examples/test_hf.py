@@ -1,0 +1,30 @@
+"""The Hugging Face examples: a plan with a rule for every op, and the error where transformers
+is missing."""
+
+import importlib.util
+
+import pytest
+
+import autopar
+from autopar.examples import check_example, make_example
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
+def test_hugging_face_example_plans_with_a_sharding_rule_for_every_op(name):
+    model, batch = make_example(name)
+    assert float(model(*batch).detach()) > 0  # forward(input_ids, labels) returns the loss
+    plan = autopar.plan(model, autopar.Mesh((4,), ("dp",)), batch, fallback=False)  # raises on an op with no rule
+    assert set(plan.placements) == {n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    assert set(plan.inputs) == {"input_ids", "labels"}
+
+
+def test_missing_transformers_is_named_with_the_command_that_installs_it(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"hf-gpt2 example .* Hugging Face transformers, which is not installed: "
+                                                  r"pip install 'transformers>=5.23,<6'"):
+        check_example("hf-gpt2")
+    check_example("gpt")  # the built-in models need nothing more
