@@ -8,7 +8,7 @@ from typing import Mapping
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +28,14 @@ class Collective:
     time_s: float
     """Modelled time."""
     tensor: str
-    """The graph value moved, ``node`` or ``node[i]``."""
+    """The graph value moved, ``node`` or ``node[i]``, or ``bucket of N gradients``."""
     consumer: str
-    """The node that needs it (``output`` for the step's results)."""
+    """The node that needs it (``output`` for the step's results, ``gradients`` for a bucket of
+    parameters' gradients)."""
     src: str
     dst: str
-    """Placements before and after the whole transition, e.g. ``(P, R)`` → ``(R, R)``."""
+    """Placements before and after the whole transition, e.g. ``(P, R)`` → ``(R, R)``; for a
+    bucket, those of its gradients (distinct ones joined by ``|``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,9 @@ class ShardingPlan:
     """Names whose placements the user fixed."""
     nodes: tuple[NodePlan, ...]
     collectives: tuple[Collective, ...]
+    bucket_bytes: int
+    """Capacity of a gradient bucket (:mod:`autopar.passes.buckets`): the rewriter packs the
+    gradients into buckets as the plan's collectives list them."""
     compute_s: float
     communication_s: float
     memory: MemoryEstimate
@@ -155,6 +160,7 @@ class ShardingPlan:
             "pinned": list(self.pinned),
             "nodes": [asdict(n) for n in self.nodes],
             "collectives": [asdict(c) for c in self.collectives],
+            "bucket_bytes": self.bucket_bytes,
             "compute_s": self.compute_s,
             "communication_s": self.communication_s,
             "memory": asdict(self.memory),
@@ -183,6 +189,7 @@ class ShardingPlan:
             pinned=tuple(data["pinned"]),
             nodes=tuple(NodePlan(**{**n, "outputs": tuple(n["outputs"]), "inputs": tuple(n["inputs"])}) for n in data["nodes"]),
             collectives=tuple(Collective(**c) for c in data["collectives"]),
+            bucket_bytes=data["bucket_bytes"],
             compute_s=data["compute_s"],
             communication_s=data["communication_s"],
             memory=MemoryEstimate(**data["memory"]),
@@ -194,7 +201,7 @@ class ShardingPlan:
 
     def _decisions(self) -> tuple:
         return (self.mesh, self.hardware, self.links, self.graph_hash, tuple(self.placements.items()),
-                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives)
+                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes)
 
     def __eq__(self, other) -> bool:
         """Plans are equal when they make the same decisions (solve time aside)."""

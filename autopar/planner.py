@@ -15,6 +15,7 @@ from autopar.explain import format_bytes
 from autopar.mesh import Mesh
 from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan
+from autopar.passes.buckets import BUCKET_BYTES
 from autopar.passes.capture import Captured, capture
 from autopar.passes.layers import repeated_layers
 from autopar.passes.planning import build_plan
@@ -73,8 +74,10 @@ def check_mesh(mesh: Mesh) -> None:
 def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" = "h100",
                   pins: Pins | None = None, memory_budget: "int | str | None" = None,
                   fallback: bool = True, solver_time_limit_s: float = 120.0,
-                  share_layers: bool | None = None, recompute: str = "auto") -> ShardingPlan:
-    """Plan an already captured graph (see :func:`autopar.plan`)."""
+                  share_layers: bool | None = None, recompute: str = "auto",
+                  bucket_bytes: int = BUCKET_BYTES) -> ShardingPlan:
+    """Plan an already captured graph (see :func:`autopar.plan`), with gradients reduced in
+    buckets of ``bucket_bytes`` (:mod:`autopar.passes.buckets`)."""
     check_mesh(mesh)
     check_recompute(recompute)
     profile = resolve_profile(hardware)
@@ -83,7 +86,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     t0 = time.perf_counter()
     space = propagate(captured, mesh, pins=parsed, fallback=fallback)
     t1 = time.perf_counter()
-    costs = CostModel(captured, mesh, profile)
+    costs = CostModel(captured, mesh, profile, bucket_bytes=bucket_bytes)
     node_costs = costs.node_costs(space)
     t2 = time.perf_counter()
     memory = memory_terms(space, costs)

@@ -8,6 +8,7 @@ import torch
 from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Profile, mesh_links
 from autopar.mesh import Mesh
+from autopar.passes.buckets import BUCKET_BYTES
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.strategy import StrategySpace, ValueRef
@@ -16,12 +17,14 @@ from autopar.plan import MemoryEstimate
 
 
 class CostModel:
-    """Costs of one captured graph on one mesh and hardware profile."""
+    """Costs of one captured graph on one mesh and hardware profile, with gradients reduced in
+    buckets of ``bucket_bytes`` (:mod:`autopar.passes.buckets`)."""
 
-    def __init__(self, captured: Captured, mesh: Mesh, hardware: Profile):
+    def __init__(self, captured: Captured, mesh: Mesh, hardware: Profile, *, bucket_bytes: int = BUCKET_BYTES):
         self.mesh = mesh
         self.hardware = hardware
         self.links = mesh_links(hardware, mesh)
+        self.bucket_bytes = bucket_bytes
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
 
     def value(self, ref: ValueRef) -> torch.Tensor:

@@ -4,6 +4,7 @@ from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
+from autopar.passes.buckets import bucketed_step, gradient_buckets
 from autopar.passes.capture import Captured, module_paths
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
@@ -16,7 +17,8 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
 
     Yields ``(ref, src, dst, consumer, phase)``. A tensor moved to the same placements for
     several consumers is moved once in the forward and once in the backward: the backward
-    moves what its ops and its recomputations read itself.
+    moves what its ops and its recomputations read itself. Parameters and buffers read their
+    gradients and new values last, after every op, as the rewriter fetches them at the step's end.
     """
     by_name = space.index()
     seen: set = set()
@@ -36,7 +38,7 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
                 yield from recompute(ref[0])
             yield from move(ref, chosen[name].inputs[j], node, "recompute", True)
 
-    for n in space.nodes:
+    for n in sorted(space.nodes, key=lambda n: n.kind in ("param", "buffer")):
         phase = {"param": "backward", "output": "output"}.get(n.kind, n.phase)
         for j, ref in enumerate(n.args):
             in_backward = by_name[ref[0]].phase == "backward" or (n.kind == "op" and n.phase == "backward")
@@ -85,6 +87,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         pinned=pinned,
         nodes=nodes,
         collectives=collectives,
+        bucket_bytes=costs.bucket_bytes,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
         memory=memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total)),
@@ -100,14 +103,29 @@ def _fmt(strategy: Strategy) -> tuple[str, ...]:
 
 
 def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh):
+    """The collectives of every planned move, then one per bucket of the gradient moves that
+    are bucketed (:func:`~autopar.passes.buckets.gradient_buckets`), as the rewriter runs them."""
+    gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order
     for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
-        for step in costs.steps(ref, src, dst):
+        steps = costs.steps(ref, src, dst)
+        bucketed = bucketed_step(steps) if consumer.kind == "param" else None
+        if bucketed is not None:
+            gradients.append((bucketed, costs.value(ref).dtype, format_placements(src), format_placements(dst)))
+            continue
+        for step in steps:
             if step.is_collective:
                 yield Collective(
                     kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase=phase,
                     time_s=costs.step_s(step), tensor=_ref_name(ref),
                     consumer=consumer.name, src=format_placements(src), dst=format_placements(dst),
                 )
+    for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
+        members = [gradients[i] for i in bucket.members]
+        yield Collective(
+            kind=bucket.step.kind, axis=mesh.axis_names[bucket.step.axis], bytes=bucket.step.bytes, phase="backward",
+            time_s=costs.step_s(bucket.step), tensor=f"bucket of {len(members)} gradients", consumer="gradients",
+            src=" | ".join(dict.fromkeys(m[2] for m in members)), dst=" | ".join(dict.fromkeys(m[3] for m in members)),
+        )
 
 
 def _ref_name(ref: ValueRef) -> str:

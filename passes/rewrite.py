@@ -12,6 +12,10 @@ for the backward, as FSDP does), so that only forward values in their own placem
 between the two. Ops the plan recomputes run again when a backward op first reads them, on
 their kept operands (or operands recomputed the same way). The nodes of both carry
 ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the partitioner puts them in the backward.
+
+At the step's end each parameter's gradient moves into the parameter's placements; the moves
+that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
+(:mod:`autopar.passes.buckets`), the others one by one.
 """
 
 from collections.abc import Sequence
@@ -30,6 +34,7 @@ from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
+from autopar.passes.buckets import bucketed_step, gradient_buckets
 from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import shape_arg, tensor_args
@@ -117,6 +122,18 @@ class _Rank:
     def zero(self, t, step):
         return t if self.coordinate[step.axis] == 0 else torch.zeros_like(t)
 
+    def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step) -> list[torch.Tensor]:
+        """Reduce ``pieces``, whose moves are ``steps``, with the bucket's one collective ``step``."""
+        n, group = self._n_group(step)
+        if step.kind == "all_reduce":
+            flat = torch.cat([p.reshape(-1) for p in pieces])
+            reduced = c10d.wait_tensor(c10d.all_reduce(flat, "sum", group))
+            return [r.view(p.shape) for r, p in zip(reduced.split([p.numel() for p in pieces]), pieces)]
+        shards = [torch.chunk(p, n, s.dim) for p, s in zip(pieces, steps)]
+        rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
+        mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group))
+        return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+
 
 def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int],
             group_names: Sequence[str]) -> fx.GraphModule:
@@ -135,6 +152,10 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     nodes = {n.name: n for n in graph.nodes}
     recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
     backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
+               if k is not None and k.kind == "grad" and isinstance(v, fx.Node)}
+    gradients = [(n, grad_of[k.name]) for n, k in zip(captured.placeholders, captured.inputs)
+                 if k.kind == "param" and k.name in grad_of]  # (parameter, its gradient) in parameter order
 
     def per_rank(*local_inputs):
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
@@ -173,11 +194,36 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             with fx_traceback.annotate(IN_BACKWARD):
                 run(node, again, True)
 
+        def reduce_gradients_in_buckets() -> None:
+            """Make the gradient moves that go into buckets, in parameter order, one collective
+            per bucket; the outputs then find them made."""
+            pending: dict[tuple[bool, ValueRef, Placements], tuple[torch.Tensor, Step]] = {}
+            for param, value in gradients:
+                ref = aliases.get(value.name, (value.name, 0))
+                t, src = env[ref]
+                dst = strategies[param.name].outputs[0]
+                key = (value in backward, ref, dst)
+                if src == dst or key in moved or key in pending:
+                    continue
+                shape = tuple(_value(value).shape)
+                step = bucketed_step(transition(src, dst, shape, t.element_size(), t.dtype.is_floating_point,
+                                                mesh, plan.links))
+                if step is not None:
+                    pending[key] = t, step
+            keys, moves = list(pending), list(pending.values())
+            with fx_traceback.annotate(IN_BACKWARD):
+                for bucket in gradient_buckets([(step, t.dtype) for t, step in moves], plan.bucket_bytes):
+                    members = [moves[i] for i in bucket.members]
+                    reduced = rank.bucket([t for t, _ in members], [step for _, step in members], bucket.step)
+                    for i, piece in zip(bucket.members, reduced):
+                        moved[keys[i]] = piece
+
         for i, node in enumerate(captured.placeholders):
             env[node.name, 0] = local_inputs[i], layouts[i]
         for node in graph.nodes:
             if node.op == "call_function" and node.name not in aliases:
                 run(node, env, node in backward)
+        reduce_gradients_in_buckets()
         outputs = []
         for kind, value in zip(captured.outputs, graph.output_node().args[0]):
             if kind is None or not isinstance(value, fx.Node):
