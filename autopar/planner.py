@@ -96,9 +96,10 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
              sum(len(n.strategies) for n in space.nodes), mesh)
     try:
-        solution = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves,
-                         memory=memory if budget else None, budget_bytes=budget, shared=shared,
-                         activations=activations, choose_recompute=chooses, time_limit_s=solver_time_limit_s)
+        solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
+                         one_step_moves=costs.one_step_moves, memory=memory if budget else None,
+                         budget_bytes=budget, shared=shared, activations=activations, choose_recompute=chooses,
+                         time_limit_s=solver_time_limit_s)
     except InfeasiblePlanError as exc:
         if budget is None or "time limit" in str(exc):
             raise
@@ -125,8 +126,8 @@ def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: 
 
 def _over_budget(space, node_costs, costs, memory, activations, budget: int, mesh: Mesh, shared, time_limit_s: float) -> str:
     """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
-    least = solve(space, node_costs, costs.transition_s, one_step_moves=costs.one_step_moves, memory=memory,
-                  minimise="memory", shared=shared, activations=activations, time_limit_s=time_limit_s)
+    least = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, one_step_moves=costs.one_step_moves,
+                  memory=memory, minimise="memory", shared=shared, activations=activations, time_limit_s=time_limit_s)
     est = memory.estimate(least.choice, (frozenset(activations.nodes), *activation_bytes(activations, least.choice, least.recomputed)))
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}

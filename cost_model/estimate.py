@@ -8,7 +8,7 @@ import torch
 from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Profile, mesh_links
 from autopar.mesh import Mesh
-from autopar.passes.buckets import BUCKET_BYTES
+from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucketed_step, latency_s
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.strategy import StrategySpace, ValueRef
@@ -51,6 +51,19 @@ class CostModel:
 
     def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
         return sum(self.step_s(s) for s in self.steps(ref, src, dst))
+
+    def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
+        """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
+        bucket (:func:`~autopar.passes.buckets.bucketed_step`) costs its bandwidth term here and
+        its share of the bucket's latency, returned beside it; any other move costs what
+        :meth:`transition_s` says, and ``None``."""
+        steps = self.steps(ref, src, dst)
+        step = bucketed_step(steps)
+        if step is None:
+            return sum(self.step_s(s) for s in steps), None
+        latency = latency_s(step, self.mesh, self.links)
+        share = BucketShare((step.kind, step.axis, self.value(ref).dtype), min(1.0, step.bytes / self.bucket_bytes), latency)
+        return self.step_s(step) - latency, share
 
     def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
         """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""

@@ -11,15 +11,22 @@ whole bucket come out contiguous. Other gradient moves (several steps, as ``(P, 
 on a 2-D mesh, or an all-gather) run one by one.
 
 One function, :func:`gradient_buckets`, makes the buckets for the rewriter and for the plan, so
-the plan lists exactly the bucket collectives the per-rank graph runs.
+the plan lists exactly the bucket collectives the per-rank graph runs. The solver cannot know
+which gradients will share a bucket while it chooses layouts: it prices a bucketed move at its
+bandwidth term, and counts the buckets of each kind, mesh axis and dtype as the sum of the
+moves' shares of a bucket, ``min(1, bytes / bucket_bytes)``, and at least one as soon as a
+gradient joins, each bucket paying one α (:class:`BucketShare`, :mod:`autopar.passes.solver`).
 """
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from autopar.passes.redistribute import Step
+from autopar.cost_model.hardware import Link
+from autopar.mesh import Mesh
+from autopar.passes.redistribute import Step, step_s
 
 BUCKET_BYTES = 25 * 2**20
 """Default bucket capacity per rank, torch DDP's ``bucket_cap_mb=25``: large enough that a
@@ -68,3 +75,21 @@ def gradient_buckets(moves: Sequence[tuple[Step, torch.dtype]], bucket_bytes: in
         size[b] += step.bytes
     return [Bucket(Step(moves[m[0]][0].kind, moves[m[0]][0].axis, bytes=total), tuple(m))
             for m, total in zip(buckets, size)]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketShare:
+    """What one bucketed gradient move takes of its buckets, for the solver."""
+
+    group: tuple[str, int, torch.dtype]
+    """Collective kind, mesh axis and dtype: gradients of one group share buckets."""
+    fraction: float
+    """``min(1, bytes / bucket_bytes)``: a gradient of a bucket's size or more fills one."""
+    latency_s: float
+    """α of the group's collective, which each bucket pays once."""
+
+
+def latency_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """The α of a collective step: its modelled time less its bandwidth term (0 on an axis of
+    one rank, where no time is modelled)."""
+    return step_s(dataclasses.replace(step, bytes=0), mesh, links)

@@ -37,6 +37,25 @@ or a forward value the backward reads) and ``o_n,k`` the size of its outputs. Gr
 strategies by layout keeps the variables per tensor to the distinct layouts instead of the
 strategies.
 
+Gradient buckets (:mod:`autopar.passes.buckets`). A parameter's node reads the parameter's
+gradient, which moves into the parameter's placements at the step's end; a move that is one
+all-reduce or reduce-scatter joins a bucket, and a bucket pays one collective latency α for all
+its gradients. Such a move's ``r_v(p, q)`` is its bandwidth term only, and the buckets of each
+group ``g`` (collective kind, mesh axis, dtype) are counted and priced α_g each::
+
+                N_g ≥ Σ_v Σ_(p,q) s_v,p,q · t_v,p,q      (enough buckets for the bytes)
+                N_g ≥ Σ_(p,q) t_v,p,q    for every gradient v   (one as soon as a gradient joins)
+                α_g · N_g in the objective,  N_g ≥ 0
+
+summing over the bucketed moves ``(p, q)`` of ``g``, with ``s_v,p,q = min(1, bytes /
+bucket_bytes)`` the move's share of a bucket. Which gradients share a bucket is not known while
+layouts are chosen: the shares are linear in the choice and add up to one α per full bucket, and
+the second family charges a whole α to gradients that fill less than one bucket, as the step
+pays it. ``N_g`` needs no integrality: with integral one-hots it is ``max(1, Σ s)`` as soon as a
+gradient joins. A gradient that only its parameter reads moves by the reader's transport ``t``,
+not by the flow over one-axis moves below, whose paths could chain bucketed steps that the
+rewriter would run one by one.
+
 Three reductions keep the program small without changing its optimum. A tensor with one reader
 needs no ``y``: its transport carries the cost, or, when fewer, it moves as a unit of flow over
 the one-axis moves between layouts (``Σ_out f − Σ_in f = z_v,u − w_c,u`` at every layout ``u``,
@@ -61,6 +80,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.plan import SolverInfo
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.placement import Placements
+from autopar.passes.buckets import BucketShare
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 
@@ -84,15 +104,20 @@ class Solution:
 
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
+GradientCost = Callable[[ValueRef, Placements, Placements], tuple[float, BucketShare | None]]
 OneStepMoves = Callable[[ValueRef], Sequence[tuple[Placements, Placements, float]]]
 
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
-          *, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
+          *, gradient_s: GradientCost | None = None, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
           one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
           activations: ActivationSpace | None = None, choose_recompute: bool = True, minimise: str = "time",
           time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
+    ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
+    reads: the seconds of the move without bucket latency, and its share of a bucket when it
+    joins one (:meth:`~autopar.cost_model.estimate.CostModel.gradient_s`); without it gradients
+    are moved one by one.
 
     ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
     given, a tensor with one reader moves along them (:func:`_layout_flow`), which takes fewer
@@ -145,8 +170,13 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
                 costs[var] += node_costs[n.name][k]
     reader_moves: dict[tuple[str, int], list] = {}
     backward_reads = backward_param_reads(activations, space) if activations is not None else {}
+    bucket_shares: dict[tuple, list] = defaultdict(list)
     for (ref, readers), count in _tensor_classes(space, shared, followed, backward_reads).items():
-        _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
+        if gradient_s is not None and _gradient(readers, by_name):
+            _gradient_transport(solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares)
+        else:
+            _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
+    _enough_buckets(solver, costs, bucket_shares)
     again = {}
     choosing = activations is not None and choose_recompute
     if choosing:
@@ -280,6 +310,11 @@ def _tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set,
     return classes
 
 
+def _gradient(readers: frozenset, by_name: dict[str, NodeSpace]) -> bool:
+    """Whether a tensor is a parameter's gradient that only its parameter reads."""
+    return len(readers) == 1 and by_name[next(iter(readers))[0]].kind == "param"
+
+
 def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], readers: frozenset,
                       count: int, ind: dict, transition_s: TransitionCost, one_step_moves: OneStepMoves | None,
                       reader_moves: dict) -> None:
@@ -304,17 +339,55 @@ def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Nod
             if flow is not None:
                 reader_moves.setdefault((name, j), flow)
                 continue
-        t = {(p, q): solver.NumVar(0.0, 1.0, "") for p in src for q in dst}
-        for p in src:  # the reader's copy leaves the producer's layout
-            solver.Add(sum(t[p, q] for q in dst) == sum(src[p]))
-        for q in dst:  # and arrives in the layout the reader needs
-            solver.Add(sum(t[p, q] for p in src) == sum(dst[q]))
+        t = _transport(solver, src, dst)
         reader_moves.setdefault((name, j), [(var, transition_s(ref, p, q)) for (p, q), var in t.items() if p != q])
         for (p, q), var in t.items():
             if p != q and len(readers) == 1:
                 costs[var] += count * transition_s(ref, p, q)  # the only reader: its transport is the move
             elif p != q:
                 _move(solver, costs, moves, ref, p, q, count, transition_s, var)
+
+
+def _transport(solver, src: dict, dst: dict) -> dict:
+    """A reader's copy of a tensor: ``t[p, q]`` moves it from the producer's layout ``p`` to the
+    reader's ``q``, given each side's one-hot sums by layout."""
+    t = {(p, q): solver.NumVar(0.0, 1.0, "") for p in src for q in dst}
+    for p, terms in src.items():  # the reader's copy leaves the producer's layout
+        solver.Add(sum(t[p, q] for q in dst) == sum(terms))
+    for q, terms in dst.items():  # and arrives in the layout the reader needs
+        solver.Add(sum(t[p, q] for p in src) == sum(terms))
+    return t
+
+
+def _gradient_transport(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], reader: tuple[str, int],
+                        count: int, ind: dict, gradient_s: GradientCost, bucket_shares: dict) -> None:
+    """Move a parameter's gradient to the parameter's layout by the parameter's transport, each
+    move priced ``count`` times by ``gradient_s``. For every group of buckets its moves join,
+    ``bucket_shares[group, α]`` gets whether the gradient joins one and its share of one."""
+    producer, (name, j) = by_name[ref[0]], reader
+    src = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
+    dst = {q: _flat(g) for q, g in _group(ind[name], [s.inputs[j] for s in by_name[name].strategies]).items()}
+    bucketed: dict[tuple, list] = defaultdict(list)
+    for (p, q), var in _transport(solver, src, dst).items():
+        if p != q:
+            seconds, share = gradient_s(ref, p, q)
+            costs[var] += count * seconds
+            if share is not None:
+                bucketed[share.group, share.latency_s].append((var, count * share.fraction))
+    for key, moves in bucketed.items():
+        bucket_shares[key].append((sum(var for var, _ in moves), sum(fraction * var for var, fraction in moves)))
+
+
+def _enough_buckets(solver, costs: dict, bucket_shares: dict) -> None:
+    """The bucket counts ``N_g`` of the module docstring, each bucket priced at its group's α.
+    ``bucket_shares[group, α]`` holds, per gradient, whether it joins a bucket of the group and
+    its share of one, as expressions in its transport."""
+    for (_, latency), gradients in bucket_shares.items():
+        buckets = solver.NumVar(0.0, solver.infinity(), "")
+        solver.Add(buckets >= sum(share for _, share in gradients))  # enough buckets for the bytes
+        for joins, _ in gradients:
+            solver.Add(buckets >= joins)  # and one as soon as a gradient joins
+        costs[buckets] += latency
 
 
 def _layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) -> list | None:

@@ -1,18 +1,24 @@
-"""Gradient buckets: how gradients are packed, and that the per-rank graph runs one collective
-per bucket, exactly as the plan lists them."""
+"""Gradient buckets: how gradients are packed, how the solver prices them, and that the per-rank
+graph runs one collective per bucket, exactly as the plan lists them."""
 
 import collections
+import copy
 
+import pytest
 import torch
 
 import autopar
+from autopar.cost_model.estimate import CostModel
 from autopar.examples.mlp import MLP
-from autopar.passes.buckets import gradient_buckets
+from autopar.passes.buckets import BucketShare, gradient_buckets
 from autopar.passes.capture import capture
 from autopar.passes.redistribute import Step
 from autopar.passes.rewrite import graph_collectives, rewrite
+from autopar.placement import P, R, S
 from autopar.planner import plan_captured
 from autopar.runtime.launch import device_mesh
+from tests.conftest import FLOP_EQ_BYTE
+from tests.harness import run_ranks
 
 # compute dear: every op runs on its rank's part of the batch, whatever the layouts cost to move
 COMPUTE_DEAR = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8)
@@ -35,6 +41,21 @@ def test_gradients_are_packed_by_kind_axis_and_dtype_up_to_the_bucket_size():
     assert [(b.step.kind, b.step.axis, b.step.bytes) for b in buckets] == [
         ("all_reduce", 0, 100), ("reduce_scatter", 0, 100), ("all_reduce", 1, 10), ("all_reduce", 0, 10),
         ("all_reduce", 0, 10), ("all_reduce", 0, 250), ("all_reduce", 0, 5)]
+
+
+def test_bucketed_gradient_move_costs_its_bandwidth_and_a_share_of_a_bucket():
+    model = MLP(32, 32, num_layers=1)
+    captured = capture(model, (torch.randn(8, 32), torch.randn(8, 32)))
+    costs = CostModel(captured, autopar.Mesh((4,), ("dp",)), FLOP_EQ_BYTE, bucket_bytes=4 * 4096)
+    grads = {k.name: v for k, v in zip(captured.outputs, captured.graph.graph.output_node().args[0])
+             if k is not None and k.kind == "grad"}
+    ref = (grads["layers.0.weight"].name, 0)  # 32 x 32 fp32: a quarter of a bucket
+    alpha, beta = FLOP_EQ_BYTE.latency_s, FLOP_EQ_BYTE.s_per_byte
+    seconds, share = costs.gradient_s(ref, (P,), (R,))
+    assert seconds == pytest.approx(2 * 3 / 4 * 4096 * beta)  # the ring all-reduce's bandwidth term
+    assert share == BucketShare(("all_reduce", 0, torch.float32), 0.25, pytest.approx(alpha))
+    assert costs.gradient_s(ref, (P,), (S(1),))[1].group == ("reduce_scatter", 0, torch.float32)
+    assert costs.gradient_s(ref, (S(0),), (R,)) == (costs.transition_s(ref, (S(0),), (R,)), None)  # no bucket
 
 
 def _plan_and_rank_graph(make_world, mesh, pins, bucket_bytes):
@@ -60,6 +81,7 @@ def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
     bucket = ("all_reduce", "dp", 2 * (weight + bias))  # two layers' weights and biases
     assert ran == {bucket: 3, ("all_reduce", "dp", 4): 1}  # and the loss
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
+    assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver counted 3 buckets' latency
     buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
     assert [c.tensor for c in buckets] == ["bucket of 4 gradients"] * 3
     assert all(c.phase == "backward" and (c.src, c.dst) == ("(P)", "(R)") for c in buckets)
@@ -83,3 +105,29 @@ def test_gradient_moves_of_several_steps_are_not_bucketed(fake_world):
     assert sorted(c.axis for c in weights) == ["a"] * 6 + ["b"] * 6  # (P, P) -> (R, R): an all-reduce per axis each
     assert not any(c.tensor.startswith("bucket") for c in weights)
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
+
+
+def reduce_scattered_gradients() -> dict:
+    """One step of an MLP whose weights are split alternately by rows and columns, against one
+    device; run on every rank."""
+    torch.manual_seed(0)
+    model = MLP(32, 32, num_layers=4)
+    batch = (torch.randn(64, 32), torch.randn(64, 32))
+    reference = copy.deepcopy(model)
+    reference(*batch).backward()
+    pins = {"x": "S(0)", "target": "S(0)", **{f"layers.{i}.weight": f"S({i % 2})" for i in range(4)},
+            **{f"layers.{i}.bias": "S(0)" for i in range(4)}}
+    pmodel = autopar.compile(model, autopar.Mesh((4,), ("dp",)), batch, hardware=COMPUTE_DEAR, pins=pins)
+    pmodel(*(pmodel.rank_part(name, x) for name, x in zip(("x", "target"), batch))).backward()
+    grads = {name: pmodel.gather(name, p.grad) for name, p in model.named_parameters()}
+    return {"matches": {name: torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-6) for name, p in reference.named_parameters()},
+            "buckets": [(c.kind, c.dst) for c in pmodel.plan.collectives if c.tensor.startswith("bucket")]}
+
+
+@pytest.mark.slow
+def test_reduce_scattered_bucket_gives_each_rank_its_shards():
+    # one reduce-scatter for gradients scattered on dim 0 and on dim 1: every rank's shards of
+    # the bucket must come out contiguous and in place
+    for result in run_ranks(4, reduce_scattered_gradients):
+        assert result["buckets"] == [("reduce_scatter", "(S(0)) | (S(1))")]
+        assert all(result["matches"].values()), result["matches"]
