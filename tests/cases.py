@@ -149,7 +149,6 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
     params = pmodel.full_state_dict()
     ref_params = reference.state_dict()
     buffers = dict(reference.named_buffers())
-    buffers = dict(reference.named_buffers())
     return {
         "loss_rel": max(float((a - b).abs() / b.abs().clamp_min(1e-12)) for a, b in zip(losses, ref_losses)),
         "grad_ok": all(torch.allclose(first_grads[k], ref_grads[k], rtol=1e-4, atol=1e-5) for k in ref_grads),
