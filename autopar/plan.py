@@ -83,11 +83,20 @@ class MemoryEstimate:
     """The largest single temporary of the step."""
     recomputed_bytes: int = 0
     """Recomputed activations alive at once in the backward (one segment's)."""
+    liveness_peak_bytes: int = 0
+    """The peak of the per-rank program itself, every tensor alive from the op making it to its
+    last reader (:mod:`autopar.cost_model.liveness`); 0 when not measured."""
+
+    @property
+    def summed_bytes(self) -> int:
+        """The parts added up, as the solver budgets them."""
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes + self.recomputed_bytes)
 
     @property
     def peak_bytes(self) -> int:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.transient_bytes + self.recomputed_bytes)
+        """The liveness peak when measured, else the summed parts."""
+        return self.liveness_peak_bytes or self.summed_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """Planning: capture → propagate → cost → solve → ShardingPlan, with no devices needed."""
 
+import dataclasses
 import logging
 import math
 import re
@@ -10,6 +11,7 @@ import torch
 
 from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import Profile, resolve_profile
+from autopar.cost_model.liveness import Liveness, plan_liveness
 from autopar.errors import InfeasiblePlanError
 from autopar.explain import format_bytes
 from autopar.mesh import Mesh
@@ -95,26 +97,56 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     shared = _shared_layers(captured, space, node_costs, memory, share_layers)
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
              sum(len(n.strategies) for n in space.nodes), mesh)
-    try:
-        solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
-                         one_step_moves=costs.one_step_moves, memory=memory if budget else None,
-                         budget_bytes=budget, shared=shared, activations=activations, choose_recompute=chooses,
-                         time_limit_s=solver_time_limit_s)
-    except InfeasiblePlanError as exc:
-        if budget is None or "time limit" in str(exc):
-            raise
-        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
-                                               budget, mesh, shared, solver_time_limit_s)) from None
-    t3 = time.perf_counter()
-    stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
-    result = build_plan(captured, space, solution, costs, memory, activations, hardware_name=profile.name,
-                        pinned=tuple(parsed), memory_budget_bytes=budget,
-                        stage_s={**stages, "plan": time.perf_counter() - t3})
+    solver_budget, live = budget, None
+    for _ in range(LIVENESS_TRIES):
+        try:
+            solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
+                             one_step_moves=costs.one_step_moves, memory=memory if budget else None,
+                             budget_bytes=solver_budget, shared=shared, activations=activations,
+                             choose_recompute=chooses, time_limit_s=solver_time_limit_s)
+        except InfeasiblePlanError as exc:
+            if budget is None or "time limit" in str(exc):
+                raise
+            if live is not None:
+                raise InfeasiblePlanError(_over_by_liveness(budget, live, mesh)) from None
+            raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
+                                                   budget, mesh, shared, solver_time_limit_s)) from None
+        t3 = time.perf_counter()
+        stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
+        result = build_plan(captured, space, solution, costs, memory, activations, hardware_name=profile.name,
+                            pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
+        t4 = time.perf_counter()
+        live = plan_liveness(captured, result)
+        if budget is None or live.peak_bytes <= budget:
+            break
+        log.info("the program holds %s at its peak, %s over the budget: solving again for 1.5 times that much less",
+                 format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
+        solver_budget -= 1.5 * (live.peak_bytes - budget)
+    else:
+        raise InfeasiblePlanError(_over_by_liveness(budget, live, mesh))
+    result = dataclasses.replace(
+        result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
+        stage_s={**stages, "plan": t4 - t3, "memory": time.perf_counter() - t4})
     log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
     log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
              len(space.nodes), mesh, solution.info.status, result.predicted_step_s,
              result.peak_memory_bytes / 1e9, len(result.collectives))
     return result
+
+
+LIVENESS_TRIES = 5
+"""Solves under a budget before giving up when the program's liveness peak stays over it: each
+new solve asks the solver's summed memory for 1.5 times what the last program held too much."""
+
+
+def _over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:
+    return (
+        f"no plan on {mesh} found fits memory_budget={format_bytes(budget)} per device when its program runs: the "
+        f"last one holds {format_bytes(live.peak_bytes)} at its peak (forward {format_bytes(live.forward_bytes)}, "
+        f"backward {format_bytes(live.backward_bytes)}, optimizer step {format_bytes(live.optimizer_bytes)}).\n"
+        f"Fix: raise memory_budget to at least {live.peak_bytes} bytes ({format_bytes(live.peak_bytes)}), "
+        "or plan for a larger mesh"
+    )
 
 
 def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: bool | None) -> dict[str, str]:

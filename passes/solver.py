@@ -19,11 +19,11 @@ With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is 
                 K_u + R_u ≥ R_n              for every operand u of n in n's segment
                 K_u ≥ R_n                    for every operand u of n in another segment
                 K_u ≥ K_n                    for every view n of u (a view's bytes are u's)
-                A_n ≥ Σ_k b_n,k · x_n,k − B_n · (1 − K_n)      (kept bytes, B_n = max_k b_n,k)
-                Q_n ≥ Σ_k b_n,k · x_n,k − B_n · (1 − R_n)      (recomputed bytes)
-                Q ≥ Σ_(n ∈ S) Q_n            for every segment S (one segment is recomputed at a time)
-                E_n ≥ Σ_k c_n,k · x_n,k + (moves of n's operands) − C_n · (1 − R_n)
-                Σ A_n + Q enter the memory budget, Σ E_n the objective
+                k_n,j ≤ x_n,j,  Σ_j k_n,j = K_n,   r_n,j ≤ x_n,j,  Σ_j r_n,j = R_n   (by strategy j)
+                Q ≥ Σ_(n ∈ S) Σ_j b_n,j · r_n,j      for every segment S (one is recomputed at a time)
+                E_n ≥ (moves of n's operands) − C_n · (1 − R_n)
+                Σ_n Σ_j b_n,j · k_n,j + Q enter the memory budget,
+                Σ_n Σ_j c_n,j · r_n,j + E_n the objective
 
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
 ``v``, ``z_v,p`` is the sum of its producer's one-hots whose strategy gives ``v`` layout ``p``,
@@ -183,8 +183,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         again, kept_mb, recompute_mb = _keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared, costs)
     objective = solver.Objective()
     if memory is not None:
-        memory_coefs, peak = _memory_budget(solver, memory, ind, budget_bytes, shared,
-                                            (activations, kept_mb, recompute_mb) if choosing else None)
+        memory_coefs, peak, budget_row = _memory_budget(solver, memory, ind, budget_bytes, shared,
+                                                        (activations, kept_mb, recompute_mb) if choosing else None)
     if minimise == "memory":
         for var, coef in memory_coefs.items():
             objective.SetCoefficient(var, coef)
@@ -200,9 +200,15 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
                     "Pins on the large tensors, or a 1-D mesh, shrink it.", solver.NumVariables())
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
-    outcome = _solve_before_deadline(solver, params, time_limit_s * 1.1 + 5.0)
-    elapsed = time.perf_counter() - started
+    priced = budget_bytes is not None and minimise == "time"
+    outcome = _solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) + 5.0 if priced else time_limit_s * 1.1 + 5.0)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    if priced and status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
+        log.info("no plan under the memory budget yet; searching by a price on memory instead")
+        outcome = _priced_memory(solver, params, memory_coefs, peak, budget_row, budget_bytes,
+                                 started + time_limit_s * 1.1 + 5.0)
+        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    elapsed = time.perf_counter() - started
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
         raise InfeasiblePlanError(
             f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
@@ -435,24 +441,68 @@ def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float |
                 coefs[var] += sizes[k] * _MEMORY_SCALE
     if activations is not None:
         _, kept_mb, recompute_mb = activations
-        for var, count in kept_mb.items():
-            coefs[var] += count
+        for var, megabytes in kept_mb.items():
+            coefs[var] += megabytes
         coefs[recompute_mb] += 1.0
     peak = solver.NumVar(0.0, solver.infinity(), "largest_temporary")
     for name, sizes in memory.temporaries.items():
         if name in shared:
             continue  # the same constraint as its first layer's
         solver.Add(peak >= sum(sizes[k] * _MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
+    row = None
     if budget_bytes is not None:
-        solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
-    return coefs, peak
+        row = solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
+    return coefs, peak, row
+
+
+def _priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float):
+    """A plan under the budget when the solver finds none in time: the budget row is dropped and
+    memory priced in the objective at λ nanoseconds per megabyte, λ raised tenfold until the
+    fastest plan at that price fits, then bisected (geometrically) towards the smallest price
+    that fits. Each of these programs solves like one without a budget. Returns the fitting
+    outcome with the least time (status ``FEASIBLE``, bound 0), or ``None``."""
+    objective = solver.Objective()
+    time_coefs = {var.index(): (var, objective.GetCoefficient(var)) for var in solver.variables()}
+    budget_row.SetUb(solver.infinity())
+    memory_vars = [*memory_coefs.items(), (peak, 1.0)]
+
+    def attempt(price: float):
+        for var, coef in memory_vars:
+            objective.SetCoefficient(var, time_coefs[var.index()][1] + price * coef)
+        outcome = _solve_before_deadline(solver, params, max(deadline - time.perf_counter(), 1.0))
+        if outcome is None or outcome[1] is None:
+            return None, float("inf")
+        values = outcome[1]
+        used = sum(coef * values[var.index()] for var, coef in memory_vars)
+        seconds = sum(coef * values[index] for index, (_, coef) in time_coefs.items())
+        return (pywraplp.Solver.FEASIBLE, values, seconds, 0.0), used
+
+    budget_mb, best, low, high = budget_bytes * _MEMORY_SCALE, None, 0.0, None
+    price = 1.0
+    while time.perf_counter() < deadline and price < 1e12:
+        outcome, used = attempt(price)
+        if outcome is not None and used <= budget_mb:
+            best, high = outcome, price
+            break
+        low, price = price, price * 10
+    for _ in range(6):
+        if high is None or time.perf_counter() >= deadline:
+            break
+        price = (low * high) ** 0.5 if low else high / 10
+        outcome, used = attempt(price)
+        if outcome is not None and used <= budget_mb:
+            high = price
+            best = outcome if best is None or outcome[2] < best[2] else best
+        else:
+            low = price
+    return best
 
 
 def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
                        reader_moves: dict, shared: dict[str, str], costs: dict):
     """The activation constraints of the module docstring. Returns each op's recompute
-    variable, the kept megabytes as ``{variable: number of ops it stands for}``, and the
-    recomputed-megabytes variable ``Q``."""
+    variable, the kept megabytes as ``{variable: megabytes}``, and the recomputed-megabytes
+    variable ``Q``."""
     copies: dict[str, int] = defaultdict(int)
     for first in shared.values():
         copies[first] += 1
@@ -462,24 +512,25 @@ def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dic
     own = [name for name in acts.nodes if name not in shared]
     keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
     again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
-    kept_mb, segments = {}, defaultdict(list)
+    kept_mb: dict = defaultdict(float)
+    segments: dict[str, list] = defaultdict(list)
     for name in own:
-        size, largest = _linear(ind[name], acts.bytes[name]), max(acts.bytes[name], default=0.0)
-        kept = solver.NumVar(0.0, solver.infinity(), "")
-        solver.Add(kept >= (size - largest * (1 - keep[name])) * _MEMORY_SCALE)
-        kept_mb[kept] = 1 + copies[name]
-        recomputed = solver.NumVar(0.0, solver.infinity(), "")
-        solver.Add(recomputed >= (size - largest * (1 - again[name])) * _MEMORY_SCALE)
-        segments[acts.segment[name]].append(recomputed)
+        count = 1 + copies[name]
+        kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
+        for k, size in enumerate(acts.bytes[name]):
+            if size:
+                kept_mb[kept_k[k]] += size * _MEMORY_SCALE * count
+                segments[acts.segment[name]].append(size * _MEMORY_SCALE * again_k[k])
         if name in acts.extra:
-            kept_mb[_extra_kept(solver, acts.extra[name], ind[name], again[name],
-                                [again[shared.get(r, r)] for r in acts.extra[name][1]])] = 1 + copies[name]
+            _extra_kept(solver, acts.extra[name], ind[name], again[name],
+                        [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb, count)
         if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
-            _recompute_time(solver, name, ind, node_costs, by_reader[name], again[name], 1 + copies[name], costs)
+            for k, seconds in enumerate(node_costs[name]):
+                costs[again_k[k]] += count * seconds
+            _recompute_moves(solver, by_reader[name], again[name], count, costs)
     for name in acts.nodes:
         k, r = keep[shared.get(name, name)], again[shared.get(name, name)]
-        if name in acts.saved:
-            solver.Add(k + r >= 1)  # the backward finds it kept or recomputes it
+        solver.Add(k + r >= (1 if name in acts.saved else 0))  # the backward finds it kept or recomputes it
         for operand in acts.operands[name]:
             k_u, r_u = keep[shared.get(operand, operand)], again[shared.get(operand, operand)]
             solver.Add(k_u + (0 if acts.crosses(name, operand) else r_u) >= r)  # a recomputed op's operands are at hand
@@ -492,32 +543,42 @@ def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dic
     return again, kept_mb, recompute_mb
 
 
-def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: list):
-    """``X_n ≥ b'_n(x) − B'_n (1 − F_n)`` with ``F_n ≥ R_m − R_n`` for every forward reader m of
-    the outputs the backward does not read: they are kept when a reader is recomputed and the
-    op is not. Returns ``X_n`` in megabytes."""
+def _per_strategy(solver, terms: list[list], choice) -> list:
+    """``choice`` (keep or recompute) split by the op's strategy: ``c_k ≤ x_k``, ``Σ_k c_k =
+    choice``, so that its bytes and seconds are exact linear terms (tighter than a big M)."""
+    split = [solver.NumVar(0.0, 1.0, "") for _ in terms]
+    for var, group in zip(split, terms):
+        solver.Add(var <= sum(group))
+    solver.Add(sum(split) == choice)
+    return split
+
+
+def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: list, kept_mb: dict, count: int) -> None:
+    """The outputs of an op that the backward does not read are kept when one of their forward
+    readers m is recomputed and the op is not: ``F_n ≥ R_m − R_n``, their bytes ``b'_n,k`` on
+    ``w_k ≤ x_k`` with ``Σ_k w_k ≥ F_n``."""
     sizes, _ = extra
     needed = solver.NumVar(0.0, 1.0, "")
     for reader in readers_again:
         solver.Add(needed >= reader - again)
-    var = solver.NumVar(0.0, solver.infinity(), "")
-    solver.Add(var >= (_linear(terms, sizes) - max(sizes) * (1 - needed)) * _MEMORY_SCALE)
-    return var
+    split = [solver.NumVar(0.0, 1.0, "") for _ in terms]
+    for var, group in zip(split, terms):
+        solver.Add(var <= sum(group))
+    solver.Add(sum(split) >= needed)
+    for var, size in zip(split, sizes):
+        kept_mb[var] += size * _MEMORY_SCALE * count
 
 
-def _recompute_time(solver, name: str, ind: dict, node_costs: dict, moves: list, again, count: int, costs: dict) -> None:
-    """``E_n ≥ (compute + operand moves) − C_n (1 − R_n)``, in nanoseconds, priced ``count`` times;
+def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> None:
+    """``E_n ≥ (operand moves) − C_n (1 − R_n)``, in nanoseconds, priced ``count`` times;
     ``moves`` are the ``(variable or None, seconds)`` terms of moving the op's operands."""
-    work = _linear(ind[name], node_costs[name]) + sum(c * (1 if v is None else v) for v, c in moves)
-    bound = max(node_costs[name], default=0.0) + sum(c for _, c in moves)
+    if not moves:
+        return
+    work = sum(c * (1 if v is None else v) for v, c in moves)
+    bound = sum(c for _, c in moves)
     extra = solver.NumVar(0.0, solver.infinity(), "")
     solver.Add(extra >= (work - bound * (1 - again)) * _SCALE)
     costs[extra] += count / _SCALE
-
-
-def _linear(terms: list[list], values: list[float]):
-    """Σ_k values[k] · (the one-hot sum of strategy k)."""
-    return sum(values[k] * var for k, group in enumerate(terms) for var in group if values[k])
 
 
 def _solve_before_deadline(solver, params, deadline_s: float):

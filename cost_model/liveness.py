@@ -1,0 +1,108 @@
+"""Per-device peak memory by liveness, from the per-rank program itself.
+
+The solver budgets memory with a sum (parameters, gradients, optimizer state, kept and
+recomputed activations, the largest temporary). The program a rank runs is known exactly once a
+plan exists: this module walks its forward and backward graphs (traced on fake tensors) as the
+runtime runs them, a tensor alive from the op that makes it to the last op that reads it or
+any view of it, forward results and saved tensors until the backward is done, gradients until
+the optimizer has stepped. Storages are counted once however many views look into them.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_ALIASES = {torch.ops._c10d_functional.wait_tensor.default}
+"""Ops whose result is their input (a collective's result is the buffer it was launched into)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """Peak bytes alive per device in each phase of a training step."""
+
+    forward_bytes: int
+    backward_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_bytes, self.backward_bytes, self.optimizer_bytes)
+
+
+def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list[str], *,
+                  optimizer_slots: int = 2) -> Liveness:
+    """The peaks of one step of a partitioned per-rank program (see
+    :func:`autopar.runtime.partition.partition`). ``kinds`` says what each input of the forward
+    graph is: ``"param"``, ``"buffer"`` or ``"input"`` (a piece of the batch, alive for the
+    step). Each parameter has ``optimizer_slots`` optimizer states (2 for Adam), alive
+    throughout; the optimizer step itself holds about two of the largest parameter."""
+    sizes = [sum(n for _, n in _keys(node.meta.get("val"))) for node in forward.graph.nodes if node.op == "placeholder"]
+    params = [n for n, kind in zip(sizes, kinds) if kind == "param"]
+    resident = sum(sizes) + optimizer_slots * sum(params)
+    forward_peak, kept = _run(forward)
+    backward_peak, grads = _run(backward)
+    return Liveness(forward_bytes=resident + forward_peak,
+                    backward_bytes=resident + kept + backward_peak,
+                    optimizer_bytes=resident + grads + 2 * max(params, default=0))
+
+
+def _keys(value) -> list:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [(StorageWeakRef(v.untyped_storage()).cdata, v.untyped_storage().nbytes()) for v in values
+            if isinstance(v, torch.Tensor)]
+
+
+def _run(gm: fx.GraphModule) -> tuple[int, int]:
+    """The peak bytes the graph allocates while it runs (its inputs aside), and the bytes of
+    its outputs, which outlive it."""
+    nodes = list(gm.graph.nodes)
+    storage: dict[fx.Node, list] = {}
+    external = set()
+    for node in nodes:
+        if node.op == "placeholder":
+            storage[node] = _keys(node.meta.get("val"))
+            external.update(k for k, _ in storage[node])
+        elif node.op == "call_function" and node.target in _ALIASES:
+            storage[node] = storage.get(node.args[0], [])
+        elif node.op == "call_function":
+            storage[node] = _keys(node.meta.get("val"))
+    last: dict = {}
+    size: dict = {}
+    for i, node in enumerate(nodes):
+        for reader in node.all_input_nodes:
+            for key, _ in storage.get(reader, []):
+                last[key] = i
+        for key, nbytes in storage.get(node, []):
+            size[key] = nbytes
+            last.setdefault(key, i)
+    outputs = {key for reader in nodes[-1].all_input_nodes for key, _ in storage.get(reader, [])}
+    frees: dict[int, list] = {}
+    for key, i in last.items():
+        if key not in outputs and key not in external:
+            frees.setdefault(i, []).append(key)
+    live: dict = {}
+    total = peak = 0
+    for i, node in enumerate(nodes):
+        for key, nbytes in storage.get(node, []):
+            if key not in external and key not in live:
+                live[key] = nbytes
+                total += nbytes
+        peak = max(peak, total)
+        for key in frees.get(i, ()):
+            total -= live.pop(key, 0)
+    return peak, sum(size[k] for k in outputs if k not in external)
+
+
+def plan_liveness(captured, plan) -> Liveness:
+    """The liveness peaks of the program ``plan`` gives the first rank of its mesh, traced on
+    fake tensors (no devices or process group needed)."""
+    from autopar.passes.rewrite import rewrite
+    from autopar.runtime.partition import partition
+
+    mesh = plan.mesh
+    joint = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=[f"planning-{a}" for a in mesh.axis_names])
+    parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
+                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    return step_liveness(parts.forward, parts.backward, [k.kind for k in captured.inputs if k.kind != "tangent"])
