@@ -97,46 +97,88 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     shared = _shared_layers(captured, space, node_costs, memory, share_layers)
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
              sum(len(n.strategies) for n in space.nodes), mesh)
-    solver_budget, live = budget, None
-    for _ in range(LIVENESS_TRIES):
-        try:
-            solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
-                             one_step_moves=costs.one_step_moves, memory=memory if budget else None,
-                             budget_bytes=solver_budget, shared=shared, activations=activations,
-                             choose_recompute=chooses, time_limit_s=solver_time_limit_s)
-        except InfeasiblePlanError as exc:
-            if budget is None or "time limit" in str(exc):
-                raise
-            if live is not None:
-                raise InfeasiblePlanError(_over_by_liveness(budget, live, mesh)) from None
-            raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
-                                                   budget, mesh, shared, solver_time_limit_s)) from None
-        t3 = time.perf_counter()
-        stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1, "solve": t3 - t2}
-        result = build_plan(captured, space, solution, costs, memory, activations, hardware_name=profile.name,
-                            pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
-        t4 = time.perf_counter()
-        live = plan_liveness(captured, result)
-        if budget is None or live.peak_bytes <= budget:
-            break
-        log.info("the program holds %s at its peak, %s over the budget: solving again for 1.5 times that much less",
-                 format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
-        solver_budget -= 1.5 * (live.peak_bytes - budget)
-    else:
-        raise InfeasiblePlanError(_over_by_liveness(budget, live, mesh))
+    stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
+
+    def attempt(solver_budget: float | None):
+        started = time.perf_counter()
+        solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
+                         one_step_moves=costs.one_step_moves, memory=memory if budget else None,
+                         budget_bytes=solver_budget, shared=shared, activations=activations,
+                         choose_recompute=chooses, time_limit_s=solver_time_limit_s)
+        solved = time.perf_counter()
+        plan = build_plan(captured, space, solution, costs, memory, activations, hardware_name=profile.name,
+                          pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
+        planned = time.perf_counter()
+        live = plan_liveness(captured, plan)
+        return plan, live, {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}
+
+    try:
+        result, live, times = _within_budget(attempt, budget, mesh)
+    except _NoPlanUnderBudget:
+        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
+                                               budget, mesh, shared, solver_time_limit_s)) from None
     result = dataclasses.replace(
         result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
-        stage_s={**stages, "plan": t4 - t3, "memory": time.perf_counter() - t4})
+        stage_s={**stages, **times})
     log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
     log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
-             len(space.nodes), mesh, solution.info.status, result.predicted_step_s,
+             len(space.nodes), mesh, result.solver.status, result.predicted_step_s,
              result.peak_memory_bytes / 1e9, len(result.collectives))
     return result
 
 
 LIVENESS_TRIES = 5
-"""Solves under a budget before giving up when the program's liveness peak stays over it: each
-new solve asks the solver's summed memory for 1.5 times what the last program held too much."""
+"""Solves under a budget, at most, to find a plan whose program fits it (see
+:func:`_within_budget`)."""
+
+
+class _NoPlanUnderBudget(Exception):
+    """The solver finds no plan under the budget at all."""
+
+
+def _within_budget(attempt, budget: int | None, mesh: Mesh):
+    """``attempt(solver_budget) -> (plan, liveness, stage times)`` under the budget by the
+    program's liveness peak. The solver budgets a sum of parts, which a program may exceed: a
+    plan over the budget is solved again with the sum asked for 1.5 times the excess less, and
+    once one fits, the solver budget is bisected between the last that fit and the last that
+    did not, for the fastest plan that fits in ``LIVENESS_TRIES`` solves."""
+    if budget is None:
+        return attempt(None)
+    best = last = None
+    fits = fails = None
+    solver_budget = float(budget)
+    for _ in range(LIVENESS_TRIES):
+        try:
+            plan, live, times = attempt(solver_budget)
+        except InfeasiblePlanError as exc:
+            if "time limit" in str(exc):
+                raise
+            if last is None:
+                raise _NoPlanUnderBudget() from exc
+            fails = solver_budget
+            if fits is None:
+                break  # asking for less only gets harder
+        else:
+            last = live
+            if live.peak_bytes <= budget:
+                if best is None or plan.predicted_step_s < best[0].predicted_step_s:
+                    best = plan, live, times
+                if solver_budget >= budget:
+                    break  # the solver's own optimum fits
+                fits = solver_budget
+            else:
+                log.info("the program holds %s at its peak, %s over the budget: solving again",
+                         format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
+                fails = solver_budget
+        if fits is None:
+            solver_budget = fails - 1.5 * ((last.peak_bytes - budget) if last and last.peak_bytes > budget else 0.05 * budget)
+        else:
+            solver_budget = (fits + min(fails, budget)) / 2
+            if min(fails, budget) - fits < 0.01 * budget:
+                break
+    if best is None:
+        raise InfeasiblePlanError(_over_by_liveness(budget, last, mesh))
+    return best
 
 
 def _over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:
