@@ -39,6 +39,16 @@ def test_plan_can_share_repeated_layers():
     assert alone.returncode == 0 and "repeated layers" not in alone.stdout
 
 
+def test_plan_recomputes_layers_when_asked():
+    done = _autopar("plan", "gpt", "--mesh", "4", "--recompute", "layers")
+    assert done.returncode == 0, done.stderr
+    rows = dict(re.findall(r"^(blocks\.\d)\s+\S+ \S+\s+(\S+ \S+)", done.stdout, re.M))
+    assert set(rows) == {"blocks.0", "blocks.1"} and all(v != "0 B" for v in rows.values()), done.stdout
+    assert "recompute " in done.stdout.splitlines()[1]  # the step's recompute time
+    wrong = _autopar("plan", "gpt", "--recompute", "all")
+    assert wrong.returncode != 0 and "invalid choice: 'all'" in wrong.stderr
+
+
 def test_plan_reads_a_model_file(tmp_path):
     (tmp_path / "net.py").write_text(textwrap.dedent("""
         import torch
