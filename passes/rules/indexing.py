@@ -35,7 +35,7 @@ def gather_rule(node: fx.Node) -> list[Row]:
     ``dim`` on the input, the index (and a source tensor) and the output together."""
     x = val(node.args[0])
     index = val(node.args[2])
-    dim = node.args[1] % x.ndim
+    dim = node.args[1] % max(x.ndim, 1)  # a 0-d tensor takes dim 0 or -1
     num_in = 3 if node.target is aten.scatter.src else 2
     rows: list[Row] = [((R,), (R,) * num_in)]
     for d in range(x.ndim):

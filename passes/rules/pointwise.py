@@ -34,7 +34,8 @@ _IDENTITY = (
 def pointwise_rule(node: fx.Node) -> list[Row]:
     """Elementwise ops: each output dim may be split, taking the matching dim of every argument
     that is not broadcast along it (broadcast arguments stay replicated)."""
-    out = val(node)
+    outs = val(node) if isinstance(val(node), (list, tuple)) else [val(node)]
+    out = outs[0]  # several outputs (frexp's mantissa and exponent) have one shape
     args = [val(a) for a in tensor_args(node)]
     rows: list[Row] = [((R,), tuple(R for _ in args))]  # every rank computes the whole tensor
     for dim in range(out.ndim):
@@ -45,7 +46,7 @@ def pointwise_rule(node: fx.Node) -> list[Row]:
             ins.append(R if broadcast else S(arg_dim))
         rows.append(((S(dim),), tuple(ins)))  # split output dim `dim` and the matching input dims
     rows.extend(_partial_rows(node, len(args)))
-    return rows
+    return [((placements[0],) * len(outs), ins) for placements, ins in rows]
 
 
 def _partial_rows(node: fx.Node, num_args: int) -> list[Row]:

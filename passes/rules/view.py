@@ -44,6 +44,12 @@ def reshape_rule(node: fx.Node) -> list[Row]:
         mapping = {d: d + offset for d in range(x.ndim) if x.shape[d] == out.shape[d + offset] > 1}
     else:
         mapping = reshape_dim_map(tuple(x.shape), tuple(out.shape))
+    if node.target in (aten.squeeze.dim, aten.squeeze.dims):
+        named = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        for d in named:  # a named dim of size > 1 stays, but a rank's piece of size 1 would be squeezed
+            mapping.pop(d % max(x.ndim, 1), None)
+    if x.numel() == 0:
+        mapping = {}  # sizes do not tell which dims of an empty tensor match
     rows: list[Row] = [((R,), (R,))]
     if node.target is not aten.expand.default:
         rows.append(((P,), (P,)))  # a reshape of partial sums is a partial sum

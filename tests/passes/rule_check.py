@@ -1,0 +1,78 @@
+"""The ground-truth check of one rule row on a 2-way mesh axis, shared by the rule validators.
+
+The node's real inputs are cut into the two ranks' pieces as the row says (split, copied, or cut
+into two summands for a partial sum), the op runs on each rank's pieces with local shape
+arguments, and the pieces of the outputs are put back together (concatenated, checked equal, or
+summed) and compared with the op's output on the whole tensors.
+"""
+
+import torch
+from torch import fx
+
+from autopar.mesh import Mesh
+from autopar.placement import Partial, Replicate, Shard
+from autopar.passes.propagate import placement_problem
+from autopar.passes.rewrite import local_call_args
+from autopar.passes.rules import tensor_args
+from autopar.passes.strategy import Strategy
+
+MESH = Mesh((2,))
+
+
+class Recorder(fx.Interpreter):
+    """Runs a graph and keeps every node's value."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+
+def pieces(value: torch.Tensor, placement, gen):
+    if isinstance(placement, Shard):
+        return [c.contiguous() for c in torch.chunk(value, 2, placement.dim)]  # as the rewriter slices
+    if isinstance(placement, Replicate):
+        return [value, value]
+    share = torch.rand(value.shape, generator=gen, dtype=value.dtype)
+    finite = torch.isfinite(value)  # an infinite entry (a mask's -inf) is one rank's summand, the other's is 0
+    first = torch.where(finite, value * share, value)
+    return [first, torch.where(finite, value - first, 0)]
+
+
+def combine(parts, placement):
+    if isinstance(placement, Shard):
+        return torch.cat(parts, placement.dim)
+    if isinstance(placement, Partial):
+        return parts[0] + parts[1]
+    assert torch.equal(parts[0], parts[1]), "a replicated output differs between ranks"
+    return parts[0]
+
+
+def check_row(node, values, row, gen) -> bool:
+    """True if the row was checked, False if the shapes do not allow it on 2 ranks (a dim that
+    does not split evenly, a partial sum of integers)."""
+    outs, ins = row
+    args = tensor_args(node)
+    out_vals = values[node] if isinstance(values[node], (list, tuple)) else [values[node]]
+    metas = [a.meta["val"] for a in args] + [o for o in out_vals]
+    places = list(ins) + list(outs)
+    if any(p is not None and t is not None and placement_problem(t, (p,), MESH) for t, p in zip(metas, places)):
+        return False
+    arg_pieces = [pieces(values[a], p, gen) for a, p in zip(args, ins)]
+    strategy = Strategy(tuple(None if o is None else (o,) for o in outs), tuple((p,) for p in ins))
+    results = []
+    for rank in range(2):
+        call_args, call_kwargs = local_call_args(node, [p[rank] for p in arg_pieces], strategy, MESH)
+        result = node.target(*call_args, **call_kwargs)
+        results.append(result if isinstance(result, (list, tuple)) else [result])
+    for i, placement in enumerate(outs):
+        if placement is None or out_vals[i] is None:
+            continue
+        got = combine([results[0][i], results[1][i]], placement)
+        torch.testing.assert_close(got, out_vals[i], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{node.name} ({node.target}) row {row}: {m}")
+    return True
