@@ -185,7 +185,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             strategy = strategies[node.name]
             local_args = [fetch(a, p, in_backward) for a, p in zip(tensor_args(node), strategy.inputs)]
             args, kwargs = local_call_args(node, local_args, strategy, mesh)
-            result = _AS_RESHAPE.get(node.target, node.target)(*args, **kwargs)
+            target, args = _local_op(node, args)
+            result = target(*args, **kwargs)
             results = result if isinstance(result, (list, tuple)) else [result]
             for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
                 store[node.name, i] = value, layout
@@ -273,6 +274,16 @@ def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tu
 
 def _value(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
+
+
+def _local_op(node: fx.Node, args: list):
+    """The op and arguments a rank runs for ``node``: views as reshapes, and a squeeze of every
+    size-1 dim as a squeeze of the dims of size 1 in the whole tensor (a split dim's piece may
+    have size 1 on a rank)."""
+    if node.target is aten.squeeze.default:
+        whole = _value(node.args[0]).shape
+        return aten.squeeze.dims, [args[0], [d for d, n in enumerate(whole) if n == 1]]
+    return _AS_RESHAPE.get(node.target, node.target), args
 
 
 def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh):
