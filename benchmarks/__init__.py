@@ -15,3 +15,19 @@ def write_results(path: Path, **fields) -> None:
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
     path.write_text(json.dumps({**fields, "machine": machine, "date": time.strftime("%Y-%m-%d")}, indent=1))
     print(f"\nwrote {path}")
+
+
+def step_peak_bytes(pmodel, opt, batch) -> int:
+    """The per-rank peak memory of one whole training step (zero_grad, forward, backward,
+    optimizer step) by ``torch.distributed._tools.mem_tracker.MemTracker``, counting the
+    module's parameters and the optimizer's state."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(pmodel, opt)
+    with tracker:
+        opt.zero_grad()
+        pmodel(*batch).backward()
+        opt.step()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])

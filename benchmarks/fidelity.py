@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import write_results
+from benchmarks import step_peak_bytes, write_results
 
 import torch
 
@@ -57,7 +57,6 @@ def _layouts(model_name: str) -> tuple[str, ...]:
 
 def _measure(pmodel, batch, steps: int) -> tuple[float, int]:
     import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
     times = []
@@ -70,14 +69,7 @@ def _measure(pmodel, batch, steps: int) -> tuple[float, int]:
         opt.step()
         if i >= WARMUP:
             times.append(elapsed)
-    tracker = MemTracker()
-    tracker.track_external(pmodel, opt)
-    with tracker:
-        opt.zero_grad()
-        pmodel(*batch).backward()
-        opt.step()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    return statistics.median(times), int(peak)
+    return statistics.median(times), step_peak_bytes(pmodel, opt, batch)
 
 
 def worker(profile: str, steps: int, out: str) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import write_results
+from benchmarks import step_peak_bytes, write_results
 
 RESULTS = Path(__file__).parent / "results" / "memory.json"
 PROFILE = Path(__file__).parent / "results" / "cpu-profile-4-ranks.json"
@@ -53,7 +53,6 @@ def _measure(pmodel, batch, steps: int) -> tuple[list[float], float, int]:
     """Losses of ``steps`` AdamW steps, the median forward+backward time of those after the
     warm-up, and the MemTracker peak of one more step."""
     import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
     losses, times = [], []
@@ -67,13 +66,7 @@ def _measure(pmodel, batch, steps: int) -> tuple[list[float], float, int]:
             times.append(time.perf_counter() - started)
         opt.step()
         losses.append(float(loss))
-    tracker = MemTracker()
-    tracker.track_external(pmodel, opt)
-    with tracker:
-        opt.zero_grad()
-        pmodel(*batch).backward()
-        opt.step()
-    return losses, statistics.median(times), int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return losses, statistics.median(times), step_peak_bytes(pmodel, opt, batch)
 
 
 def worker(models: list[str], steps: int, out: str) -> None:
