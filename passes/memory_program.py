@@ -1,0 +1,190 @@
+"""Memory and activation constraints of the plan's integer program.
+
+The layout program (:mod:`autopar.passes.solver`) chooses strategy ``k`` of node ``n`` by the
+one-hot ``x_n,k``. Given the memory each strategy holds, this module counts the memory of a
+device and keeps it under the budget::
+
+                Σ_n Σ_k m_n,k · x_n,k + T ≤ budget       (memory budget, when given)
+                T ≥ Σ_k o_n,k · x_n,k    for every op n            (T: the largest temporary)
+
+``m_n,k`` is the memory node ``n`` holds for the whole step under strategy ``k`` (a parameter's
+piece with its gradient and optimizer state, or a forward value the backward reads) and
+``o_n,k`` the size of its outputs. When the solver finds no plan under the budget in time, the
+budget row is dropped and memory priced in the objective instead (:func:`_priced_memory`).
+
+With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
+(``K_n``) or recomputed (``R_n``), both binary, and the saved activations leave ``m``::
+
+                K_n + R_n ≥ 1                for every op the backward reads
+                K_u + R_u ≥ R_n              for every operand u of n in n's segment
+                K_u ≥ R_n                    for every operand u of n in another segment
+                K_u ≥ K_n                    for every view n of u (a view's bytes are u's)
+                k_n,j ≤ x_n,j,  Σ_j k_n,j = K_n,   r_n,j ≤ x_n,j,  Σ_j r_n,j = R_n   (by strategy j)
+                Q ≥ Σ_(n ∈ S) Σ_j b_n,j · r_n,j      for every segment S (one is recomputed at a time)
+                E_n ≥ (moves of n's operands) − C_n · (1 − R_n)
+                Σ_n Σ_j b_n,j · k_n,j + Q enter the memory budget,
+                Σ_n Σ_j c_n,j · r_n,j + E_n the objective
+"""
+
+import time
+from collections import defaultdict
+
+from ortools.linear_solver import pywraplp
+
+from autopar.cost_model.estimate import MemoryTerms
+from autopar.passes.mip import _MEMORY_SCALE, _SCALE, _solve_before_deadline
+from autopar.passes.remat import ActivationSpace
+
+
+def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
+                   activations: tuple | None):
+    """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
+    is a variable at least every op's output size under its chosen strategy. ``activations``
+    (the space, kept and recomputed megabytes of :func:`_keep_or_recompute`) replaces the
+    activations of the forward ops."""
+    coefs: dict = defaultdict(float)
+    exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
+    for name, sizes in memory.summed(exclude).items():
+        for k, terms in enumerate(ind[name]):
+            for var in terms:
+                coefs[var] += sizes[k] * _MEMORY_SCALE
+    if activations is not None:
+        _, kept_mb, recompute_mb = activations
+        for var, megabytes in kept_mb.items():
+            coefs[var] += megabytes
+        coefs[recompute_mb] += 1.0
+    peak = solver.NumVar(0.0, solver.infinity(), "largest_temporary")
+    for name, sizes in memory.temporaries.items():
+        if name in shared:
+            continue  # the same constraint as its first layer's
+        solver.Add(peak >= sum(sizes[k] * _MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
+    row = None
+    if budget_bytes is not None:
+        row = solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
+    return coefs, peak, row
+
+
+def _priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float):
+    """A plan under the budget when the solver finds none in time: the budget row is dropped and
+    memory priced in the objective at λ nanoseconds per megabyte, λ raised tenfold until the
+    fastest plan at that price fits, then bisected (geometrically) towards the smallest price
+    that fits. Each of these programs solves like one without a budget. Returns the fitting
+    outcome with the least time (status ``FEASIBLE``, bound 0), or ``None``."""
+    objective = solver.Objective()
+    time_coefs = {var.index(): (var, objective.GetCoefficient(var)) for var in solver.variables()}
+    budget_row.SetUb(solver.infinity())
+    memory_vars = [*memory_coefs.items(), (peak, 1.0)]
+
+    def attempt(price: float):
+        for var, coef in memory_vars:
+            objective.SetCoefficient(var, time_coefs[var.index()][1] + price * coef)
+        outcome = _solve_before_deadline(solver, params, max(deadline - time.perf_counter(), 1.0))
+        if outcome is None or outcome[1] is None:
+            return None, float("inf")
+        values = outcome[1]
+        used = sum(coef * values[var.index()] for var, coef in memory_vars)
+        seconds = sum(coef * values[index] for index, (_, coef) in time_coefs.items())
+        return (pywraplp.Solver.FEASIBLE, values, seconds, 0.0), used
+
+    budget_mb, best, low, high = budget_bytes * _MEMORY_SCALE, None, 0.0, None
+    price = 1.0
+    while time.perf_counter() < deadline and price < 1e12:
+        outcome, used = attempt(price)
+        if outcome is not None and used <= budget_mb:
+            best, high = outcome, price
+            break
+        low, price = price, price * 10
+    for _ in range(6):
+        if high is None or time.perf_counter() >= deadline:
+            break
+        price = (low * high) ** 0.5 if low else high / 10
+        outcome, used = attempt(price)
+        if outcome is not None and used <= budget_mb:
+            high = price
+            best = outcome if best is None or outcome[2] < best[2] else best
+        else:
+            low = price
+    return best
+
+
+def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
+                       reader_moves: dict, shared: dict[str, str], costs: dict):
+    """The activation constraints of the module docstring. Returns each op's recompute
+    variable, the kept megabytes as ``{variable: megabytes}``, and the recomputed-megabytes
+    variable ``Q``."""
+    copies: dict[str, int] = defaultdict(int)
+    for first in shared.values():
+        copies[first] += 1
+    by_reader: dict[str, list] = defaultdict(list)
+    for (reader, _), terms in reader_moves.items():
+        by_reader[reader].extend(terms)
+    own = [name for name in acts.nodes if name not in shared]
+    keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
+    again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
+    kept_mb: dict = defaultdict(float)
+    segments: dict[str, list] = defaultdict(list)
+    for name in own:
+        count = 1 + copies[name]
+        kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
+        for k, size in enumerate(acts.bytes[name]):
+            if size:
+                kept_mb[kept_k[k]] += size * _MEMORY_SCALE * count
+                segments[acts.segment[name]].append(size * _MEMORY_SCALE * again_k[k])
+        if name in acts.extra:
+            _extra_kept(solver, acts.extra[name], ind[name], again[name],
+                        [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb, count)
+        if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
+            for k, seconds in enumerate(node_costs[name]):
+                costs[again_k[k]] += count * seconds
+            _recompute_moves(solver, by_reader[name], again[name], count, costs)
+    for name in acts.nodes:
+        k, r = keep[shared.get(name, name)], again[shared.get(name, name)]
+        solver.Add(k + r >= (1 if name in acts.saved else 0))  # the backward finds it kept or recomputes it
+        for operand in acts.operands[name]:
+            k_u, r_u = keep[shared.get(operand, operand)], again[shared.get(operand, operand)]
+            solver.Add(k_u + (0 if acts.crosses(name, operand) else r_u) >= r)  # a recomputed op's operands are at hand
+        if name in acts.views:
+            base = acts.views[name]
+            solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
+    recompute_mb = solver.NumVar(0.0, solver.infinity(), "recomputed_activations")
+    for members in segments.values():
+        solver.Add(recompute_mb >= sum(members))  # one segment is recomputed at a time
+    return again, kept_mb, recompute_mb
+
+
+def _per_strategy(solver, terms: list[list], choice) -> list:
+    """``choice`` (keep or recompute) split by the op's strategy: ``c_k ≤ x_k``, ``Σ_k c_k =
+    choice``, so that its bytes and seconds are exact linear terms (tighter than a big M)."""
+    split = [solver.NumVar(0.0, 1.0, "") for _ in terms]
+    for var, group in zip(split, terms):
+        solver.Add(var <= sum(group))
+    solver.Add(sum(split) == choice)
+    return split
+
+
+def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: list, kept_mb: dict, count: int) -> None:
+    """The outputs of an op that the backward does not read are kept when one of their forward
+    readers m is recomputed and the op is not: ``F_n ≥ R_m − R_n``, their bytes ``b'_n,k`` on
+    ``w_k ≤ x_k`` with ``Σ_k w_k ≥ F_n``."""
+    sizes, _ = extra
+    needed = solver.NumVar(0.0, 1.0, "")
+    for reader in readers_again:
+        solver.Add(needed >= reader - again)
+    split = [solver.NumVar(0.0, 1.0, "") for _ in terms]
+    for var, group in zip(split, terms):
+        solver.Add(var <= sum(group))
+    solver.Add(sum(split) >= needed)
+    for var, size in zip(split, sizes):
+        kept_mb[var] += size * _MEMORY_SCALE * count
+
+
+def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> None:
+    """``E_n ≥ (operand moves) − C_n (1 − R_n)``, in nanoseconds, priced ``count`` times;
+    ``moves`` are the ``(variable or None, seconds)`` terms of moving the op's operands."""
+    if not moves:
+        return
+    work = sum(c * (1 if v is None else v) for v, c in moves)
+    bound = sum(c for _, c in moves)
+    extra = solver.NumVar(0.0, solver.infinity(), "")
+    solver.Add(extra >= (work - bound * (1 - again)) * _SCALE)
+    costs[extra] += count / _SCALE
