@@ -242,7 +242,8 @@ def _merge_tied(graph: fx.GraphModule, inputs: tuple, outputs: tuple, tied: dict
 def _off_meta(model: torch.nn.Module, example_inputs: tuple) -> tuple[torch.nn.Module, tuple]:
     """A model built under ``torch.device("meta")`` (one too big for any single device) is
     traced as a copy on fake CPU tensors of the same shapes: meta tensors have no autograd for
-    some ops (the loss), so their joint graph would lack the backward."""
+    some ops (the loss), so their joint graph would lack the backward. ``to_empty`` makes each
+    module a new parameter, so tied parameters are tied again in the copy."""
     tensors = [*model.parameters(), *model.buffers(), *example_inputs]
     if not any(t.is_meta for t in tensors):
         return model, example_inputs
@@ -251,6 +252,9 @@ def _off_meta(model: torch.nn.Module, example_inputs: tuple) -> tuple[torch.nn.M
     with mode:
         fake = fake.to_empty(device="cpu")
         inputs = tuple(torch.empty_like(t, device="cpu") if t.is_meta else mode.from_tensor(t) for t in example_inputs)
+    for alias, name in _tied_names(model).items():
+        owner, _, attr = alias.rpartition(".")
+        setattr(fake.get_submodule(owner), attr, fake.get_parameter(name))
     return fake, inputs
 
 

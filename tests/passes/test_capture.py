@@ -10,6 +10,7 @@ from torch import nn
 
 import autopar
 from autopar.examples.convnet import ConvNet
+from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.passes.capture import OutputKind, capture
 from tests.cases import BYTES_DEAR
@@ -114,3 +115,11 @@ def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_wrap_it(
     with pytest.raises(autopar.CaptureError,
                        match=r"(?s)forward\(input_ids, past_key_values\).*wrapper module whose forward\(\) takes"):
         capture(gpt2(vocab_size=32, seq=8, dim=16, num_layers=1).model, (ids, ids))
+
+
+def test_a_model_built_on_the_meta_device_keeps_its_tied_parameters_tied():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32, block_size=8, dim=16, num_heads=4, num_layers=1))
+        ids = torch.randint(0, 32, (2, 8))
+    params = [k.name for k in capture(model, (ids, ids)).inputs if k.kind == "param"]
+    assert "tok.weight" in params and "head.weight" not in params  # one parameter, as on a real device
