@@ -11,8 +11,9 @@ from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucketed_step, latency_s
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
-from autopar.passes.strategy import StrategySpace, ValueRef
-from autopar.placement import Placements
+from autopar.passes.rules import split_op
+from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
+from autopar.placement import Placements, R
 from autopar.plan import MemoryEstimate
 
 
@@ -31,7 +32,8 @@ class CostModel:
         val = self.graph_nodes[ref[0]].meta["val"]
         return val[ref[1]] if isinstance(val, (list, tuple)) else val
 
-    def node_costs(self, space: StrategySpace) -> dict[str, list[float]]:
+    def compute_costs(self, space: StrategySpace) -> dict[str, list[float]]:
+        """Node → compute seconds under each of its strategies."""
         costs = {}
         for n in space.nodes:
             if n.kind != "op":
@@ -40,6 +42,29 @@ class CostModel:
             work = node_work(self.graph_nodes[n.name])
             costs[n.name] = [compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
         return costs
+
+    def node_costs(self, space: StrategySpace) -> dict[str, list[float]]:
+        """Node → seconds under each of its strategies: compute, and the all-reduces of an op
+        that splits a dim it reduces (:meth:`split_steps`)."""
+        costs = self.compute_costs(space)
+        for n in space.nodes:
+            if n.kind == "op":
+                costs[n.name] = [c + sum(self.step_s(s) for s in self.split_steps(n.name, strategy))
+                                 for c, strategy in zip(costs[n.name], n.strategies)]
+        return costs
+
+    def split_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
+        """The all-reduces node ``name`` makes itself under ``strategy``, when the strategy
+        splits a dim the op reduces (:class:`~autopar.passes.rules.SplitOp`)."""
+        node = self.graph_nodes[name]
+        split = split_op(node.target)
+        axes = split.axes(node, strategy) if split is not None else ()
+        if not axes or not split.reduces:
+            return ()
+        reduced = split.reduced(node)
+        layout = tuple(R if axis in axes else p for axis, p in enumerate(split.placements(strategy)))
+        nbytes = math.prod(local_shape(tuple(reduced.shape), layout, self.mesh)) * reduced.element_size()
+        return tuple(Step("all_reduce", axis, bytes=nbytes) for _ in split.reduces for axis in axes)
 
     def steps(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...]:
         value = self.value(ref)

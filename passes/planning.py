@@ -55,7 +55,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     by_name = space.index()
     choice, recomputed = solution.choice, solution.recomputed
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
-    node_costs = costs.node_costs(space)
+    compute = costs.compute_costs(space)
     modules = module_paths(captured)
     kept_total, recomputed_total = activation_bytes(activations, choice, recomputed)
     needed = kept_ops(activations, recomputed)
@@ -71,7 +71,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
                  tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
                  tuple(format_placements(p) for p in chosen[n.name].inputs),
-                 node_costs[n.name][choice[n.name]], *activation(n.name))
+                 compute[n.name][choice[n.name]], *activation(n.name))
         for n in space.nodes if n.kind == "op"
     )
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh))
@@ -94,7 +94,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
-        recompute_s=sum(node_costs[name][choice[name]] for name in recomputed),
+        recompute_s=sum(compute[name][choice[name]] for name in recomputed),
     )
 
 
@@ -103,8 +103,10 @@ def _fmt(strategy: Strategy) -> tuple[str, ...]:
 
 
 def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh):
-    """The collectives of every planned move, then one per bucket of the gradient moves that
-    are bucketed (:func:`~autopar.passes.buckets.gradient_buckets`), as the rewriter runs them."""
+    """The collectives of every planned move, then the all-reduces ops make themselves
+    (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
+    per bucket of the gradient moves that are bucketed
+    (:func:`~autopar.passes.buckets.gradient_buckets`), as the rewriter runs them."""
     gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order
     for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
         steps = costs.steps(ref, src, dst)
@@ -119,6 +121,13 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
                     time_s=costs.step_s(step), tensor=_ref_name(ref),
                     consumer=consumer.name, src=format_placements(src), dst=format_placements(dst),
                 )
+    for n in space.nodes:
+        steps = costs.split_steps(n.name, chosen[n.name]) if n.kind == "op" else ()
+        layout = format_placements(chosen[n.name].inputs[0]) if steps else ""
+        for phase in (n.phase, "recompute") if n.name in recomputed else (n.phase,):
+            for step in steps:
+                yield Collective(kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase=phase,
+                                 time_s=costs.step_s(step), tensor=n.name, consumer=n.name, src=layout, dst=layout)
     for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
         yield Collective(

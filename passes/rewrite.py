@@ -9,7 +9,9 @@ graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can 
 The backward makes its own moves: a forward value a backward op needs in other placements is
 moved again in the backward (a parameter all-gathered for the forward is all-gathered again
 for the backward, as FSDP does), so that only forward values in their own placements are kept
-between the two. Ops the plan recomputes run again when a backward op first reads them, on
+between the two. An op whose strategy splits a dim it reduces or indexes (a vocabulary-parallel embedding or
+cross-entropy) runs as its :class:`~autopar.passes.rules.SplitOp` says, with the offset of the
+rank's piece and all-reduces over the axes that split the dim. Ops the plan recomputes run again when a backward op first reads them, on
 their kept operands (or operands recomputed the same way). The nodes of both carry
 ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the partitioner puts them in the backward.
 
@@ -37,7 +39,7 @@ from autopar.plan import ShardingPlan
 from autopar.passes.buckets import bucketed_step, gradient_buckets
 from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.redistribute import Step, local_shape, transition
-from autopar.passes.rules import shape_arg, tensor_args
+from autopar.passes.rules import shape_arg, split_op, tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 
 aten = torch.ops.aten
@@ -122,6 +124,14 @@ class _Rank:
     def zero(self, t, step):
         return t if self.coordinate[step.axis] == 0 else torch.zeros_like(t)
 
+    def split(self, axes: tuple[int, ...], whole: int) -> "_Split":
+        """The rank's piece of a dim of length ``whole`` split by mesh ``axes`` (outer first)."""
+        size, offset = whole, 0
+        for axis in axes:
+            size //= self.mesh.shape[axis]
+            offset += self.coordinate[axis] * size
+        return _Split(offset, size, [self.group_names[a] for a in axes])
+
     def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step) -> list[torch.Tensor]:
         """Reduce ``pieces``, whose moves are ``steps``, with the bucket's one collective ``step``."""
         n, group = self._n_group(step)
@@ -133,6 +143,18 @@ class _Rank:
         rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
         mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group))
         return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+
+
+class _Split:
+    """A :class:`~autopar.passes.rules.Split` on one rank."""
+
+    def __init__(self, offset: int, size: int, groups: list[str]):
+        self.offset, self.size, self.groups = offset, size, groups
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        for group in self.groups:
+            t = c10d.wait_tensor(c10d.all_reduce(t.contiguous(), op, group))
+        return t
 
 
 def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int],
@@ -185,8 +207,14 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             strategy = strategies[node.name]
             local_args = [fetch(a, p, in_backward) for a, p in zip(tensor_args(node), strategy.inputs)]
             args, kwargs = local_call_args(node, local_args, strategy, mesh)
-            target, args = _local_op(node, args)
-            result = target(*args, **kwargs)
+            split = split_op(node.target)
+            axes = split.axes(node, strategy) if split is not None else ()
+            if axes:
+                whole = split.value(node).shape[split.dim(node)]
+                result = split.run(node, args, kwargs, rank.split(axes, whole))
+            else:
+                target, args = _local_op(node, args)
+                result = target(*args, **kwargs)
             results = result if isinstance(result, (list, tuple)) else [result]
             for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
                 store[node.name, i] = value, layout

@@ -61,8 +61,10 @@ def make_model(name: str):
 def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     """Hand-written layouts as pins: ``dp`` (batch split over every mesh axis, weights
     replicated), ``fsdp`` (batch and every parameter split on dim 0 over every axis), ``megatron`` (column/row tensor parallel, on the last
-    axis), ``2d`` (data parallel on the first axis, Megatron on the second) and ``experts`` (the
-    MoE example's expert weights split on the expert dim over every axis, the rest planned)."""
+    axis), ``2d`` (data parallel on the first axis, Megatron on the second), ``experts`` (the
+    MoE example's expert weights split on the expert dim over every axis, the rest planned) and
+    ``vocab`` (the token embedding and output head split along the vocabulary on the last axis,
+    so the cross-entropy is vocabulary parallel; the rest planned)."""
     if preset is None:
         return None
     model, _ = make_model(model_name)
@@ -71,6 +73,10 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels"), "convnet": ("images", "labels")}.get(model_name, ("idx", "targets"))
     if preset == "experts":
         return {n: ("S(0)",) * ndim for n in names if n.endswith((".moe.w1", ".moe.w2"))}
+    if preset == "vocab":
+        vocab = ("tok.weight", "head.weight", "model.transformer.wte.weight", "model.model.embed_tokens.weight",
+                 "model.lm_head.weight")
+        return {n: ("R",) * (ndim - 1) + ("S(0)",) for n in names if n in vocab}
     assert model_name in ("mlp", "gpt") or preset in ("dp", "fsdp"), f"no tensor-parallel pins for {model_name}"
     if preset == "dp":
         return {**{k: ("S(0)",) * ndim for k in batch}, **{n: ("R",) * ndim for n in names}}

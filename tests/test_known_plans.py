@@ -4,6 +4,7 @@ import torch
 
 import autopar
 from autopar import Mesh
+from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from tests.conftest import FLOP_EQ_BYTE
 
@@ -77,3 +78,21 @@ def test_budgets_parse_sizes():
 
     with pytest.raises(ValueError, match="is not a size"):
         parse_memory("lots")
+
+
+def test_large_vocabulary_gets_vocabulary_parallel_embedding_and_cross_entropy():
+    # vocabulary 32k >> width 512 on 8 H100s: moving [2048, 32k] logits or the 64 MB table costs more
+    # than all-reducing a max and a sum per token
+    vocab, tokens = 32768, 8 * 256
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=256, dim=512, num_heads=8, num_layers=1))
+        ids = torch.randint(0, vocab, (8, 256))
+    plan = autopar.plan(model, Mesh((8,), ("tp",)), (ids, ids), hardware="h100")
+    assert plan.placements["tok.weight"] == ("S(0)",)  # the tied table split along the vocabulary
+    lookup = plan.node("embedding")
+    assert lookup.inputs[0] == "(S(0))" and lookup.outputs == ("(P)",)  # each rank looks up the rows it holds
+    assert plan.node("_log_softmax").inputs == ("(S(1))",)  # logits split along the vocabulary
+    assert plan.node("gather").outputs == ("(P)",)  # the target's log-probability, from the rank that holds it
+    per_token = [(c.kind, c.phase, c.bytes) for c in plan.collectives if c.consumer.startswith("_log_softmax")]
+    assert per_token == [("all_reduce", "forward", tokens * 4)] * 2 + [("all_reduce", "backward", tokens * 4)]
+    assert max(c.bytes for c in plan.collectives) < tokens * vocab * 4 // 8  # no logits moved, not even a rank's piece

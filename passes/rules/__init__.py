@@ -7,22 +7,82 @@ its arguments) returning rows. A row is ``(outs, ins)``: one placement per outpu
 running the op on the local pieces yields outputs with these placements". The propagation pass
 expands the rows to N-D meshes and drops layouts that do not divide evenly.
 
+Most rows mean that each rank runs the op itself on its pieces. A row that splits a dim the op
+reduces or indexes (the vocabulary of an embedding table or of a cross-entropy's logits) needs
+more: the rank's piece does not hold every entry the op reads. Such ops register a
+:class:`SplitOp` beside their rule: how a rank computes them from its piece, the offset of that
+piece and all-reduces over the mesh axes that split the dim.
+
 Rule modules, one per op family, register themselves on import; registering an op twice raises.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from autopar.placement import Placement
+from autopar.placement import Placement, Placements, Shard
+from autopar.passes.strategy import Strategy
 
 Row = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]
 Rule = Callable[[fx.Node], list[Row]]
 
 _RULES: dict[object, Rule] = {}
 _SHAPE_ARGS: dict[object, tuple[int, int]] = {}
+_SPLIT_OPS: dict[object, "SplitOp"] = {}
+
+
+class Split(Protocol):
+    """What a rank knows, inside a :class:`SplitOp`, about the axes that split the op's dim."""
+
+    offset: int
+    """Where the rank's piece of the dim starts in the whole dim."""
+    size: int
+    """The length of the rank's piece."""
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """``t`` reduced (``"sum"`` or ``"max"``) over the ranks that hold the other pieces."""
+
+
+@dataclass(frozen=True, slots=True)
+class SplitOp:
+    """How a rank computes an op under a row that splits dim ``dim(node)`` of one of its tensors:
+    tensor argument ``index`` (in :func:`tensor_args` order), or output ``index`` when ``output``."""
+
+    index: int
+    output: bool
+    dim: Callable[[fx.Node], int]
+    run: Callable[[fx.Node, list, dict, Split], object]
+    """``run(node, args, kwargs, split)``: the op's local result from local arguments."""
+    reduces: tuple[str, ...] = ()
+    """The all-reduces ``run`` makes, in order, each on a tensor of the split tensor's shape with
+    the dim reduced to 1 (in float32 at least)."""
+
+    def value(self, node: fx.Node) -> torch.Tensor:
+        """The split tensor, whole."""
+        if self.output:
+            out = val(node)
+            return out[self.index] if isinstance(out, (list, tuple)) else out
+        return val(tensor_args(node)[self.index])
+
+    def axes(self, node: fx.Node, strategy: Strategy) -> tuple[int, ...]:
+        """The mesh axes that split the dim under ``strategy``, outer first; none: the op runs
+        as itself."""
+        dim = self.dim(node)
+        return tuple(a for a, p in enumerate(self.placements(strategy)) if isinstance(p, Shard) and p.dim == dim)
+
+    def placements(self, strategy: Strategy) -> Placements:
+        return (strategy.outputs if self.output else strategy.inputs)[self.index]
+
+    def reduced(self, node: fx.Node) -> torch.Tensor:
+        """The whole tensor each all-reduce reduces (a meta tensor)."""
+        value = self.value(node)
+        shape = list(value.shape)
+        shape[self.dim(node)] = 1
+        return torch.empty(shape, dtype=torch.promote_types(value.dtype, torch.float32), device="meta")
 
 
 def register(*ops) -> Callable[[Rule], Rule]:
@@ -36,6 +96,25 @@ def register(*ops) -> Callable[[Rule], Rule]:
         return fn
 
     return wrap
+
+
+def register_split(*ops, index: int, dim: Callable[[fx.Node], int], output: bool = False,
+                   reduces: tuple[str, ...] = ()) -> Callable:
+    """Register the decorated ``run(node, args, kwargs, split)`` as the :class:`SplitOp` of ``ops``."""
+
+    def wrap(run):
+        for op in ops:
+            if op in _SPLIT_OPS:
+                raise ValueError(f"a split computation for {op} is already registered")
+            _SPLIT_OPS[op] = SplitOp(index, output, dim, run, reduces)
+        return run
+
+    return wrap
+
+
+def split_op(op) -> SplitOp | None:
+    _load()
+    return _SPLIT_OPS.get(op)
 
 
 def register_shape_arg(position: int, *ops, output: int = 0) -> None:

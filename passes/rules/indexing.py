@@ -1,10 +1,17 @@
-"""Embedding lookups, gathers and advanced indexing: split the indices, or a dim they do not index."""
+"""Embedding lookups, gathers and advanced indexing: split the indices, or a dim they do not index.
+
+An embedding table split along its rows (vocabulary parallel) and a gather or scatter along a
+split dim index a dim the rank holds only a piece of: the rank looks up the indices that fall
+in its piece and contributes zeros for the others, so the results are partial sums (a scatter
+writes only into its piece). This is how a vocabulary-parallel cross-entropy reads the target's
+log-probability from logits split along the vocabulary.
+"""
 
 import torch
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, val
+from autopar.passes.rules import Row, Split, register, register_split, val
 
 aten = torch.ops.aten
 
@@ -16,7 +23,23 @@ def embedding_rule(node: fx.Node) -> list[Row]:
     rows: list[Row] = [((R,), (R, R))]
     rows += [((S(d),), (R, S(d))) for d in range(idx.ndim)]  # split the indices
     rows.append(((S(idx.ndim),), (S(1), R)))  # split the embedding dim
+    rows.append(((P,), (S(0), R)))  # split the vocabulary: each rank looks up the rows it holds
     return rows
+
+
+def _local_index(index: torch.Tensor, split: Split) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index into the rank's piece of the split dim, whether it falls in the piece)``; an
+    index outside the piece points at entry 0."""
+    local = index - split.offset
+    inside = (local >= 0) & (local < split.size)
+    return torch.where(inside, local, 0), inside
+
+
+@register_split(aten.embedding.default, index=0, dim=lambda node: 0)
+def _embedding_split(node: fx.Node, args: list, kwargs: dict, split: Split):
+    weight, idx = args[0], args[1]
+    local, inside = _local_index(idx, split)
+    return aten.embedding.default(weight, local) * inside.unsqueeze(-1).to(weight.dtype)
 
 
 @register(aten.embedding_dense_backward.default)
@@ -26,7 +49,18 @@ def embedding_backward_rule(node: fx.Node) -> list[Row]:
     rows: list[Row] = [((R,), (R, R)), ((P,), (P, R))]  # linear in grad_out
     rows += [((P,), (S(d), S(d))) for d in range(idx.ndim)]  # split indices -> partial sums
     rows.append(((S(1),), (S(idx.ndim), R)))  # split the embedding dim
+    if not node.args[4]:  # scale_grad_by_freq counts each index over the whole batch
+        rows.append(((S(0),), (R, R)))  # split the vocabulary: each rank adds up the rows it holds
     return rows
+
+
+@register_split(aten.embedding_dense_backward.default, index=0, output=True, dim=lambda node: 0)
+def _embedding_backward_split(node: fx.Node, args: list, kwargs: dict, split: Split):
+    grad, idx, num_weights, padding_idx, scale_grad_by_freq = args
+    local, inside = _local_index(idx, split)
+    padding = padding_idx - split.offset if 0 <= padding_idx - split.offset < split.size else -1
+    grad = grad * inside.unsqueeze(-1).to(grad.dtype)
+    return aten.embedding_dense_backward.default(grad, local, split.size, padding, scale_grad_by_freq)
 
 
 @register(aten.gather.default, aten.scatter.value, aten.scatter.src)
@@ -43,7 +77,31 @@ def gather_rule(node: fx.Node) -> list[Row]:
             rows.append(((S(d),), (S(d),) * num_in))
     if node.target is aten.scatter.src:
         rows.append(((P,), (P, R, P)))  # partial input and source, one index: the result is a partial sum
+    elif node.target is aten.gather.default:
+        if x.is_floating_point():
+            rows.append(((P,), (S(dim), R)))  # split the gathered dim: each rank reads the entries it holds
+    else:
+        rows.append(((S(dim),), (S(dim), R)))  # split the scattered dim: each rank writes into its piece
     return rows
+
+
+def _gathered_dim(node: fx.Node) -> int:
+    return node.args[1] % max(val(node.args[0]).ndim, 1)
+
+
+@register_split(aten.gather.default, index=0, dim=_gathered_dim)
+def _gather_split(node: fx.Node, args: list, kwargs: dict, split: Split):
+    x, dim, index = args
+    local, inside = _local_index(index, split)
+    return torch.where(inside, aten.gather.default(x, dim, local), 0)
+
+
+@register_split(aten.scatter.value, index=0, dim=_gathered_dim)
+def _scatter_split(node: fx.Node, args: list, kwargs: dict, split: Split):
+    x, dim, index, value = args
+    local, inside = _local_index(index, split)
+    written = torch.zeros(x.shape, dtype=torch.int32, device=x.device).scatter_add(dim, local, inside.to(torch.int32))
+    return torch.where(written > 0, torch.as_tensor(value, dtype=x.dtype, device=x.device), x)
 
 
 @register(aten.index.Tensor)

@@ -1,10 +1,15 @@
-"""Normalisations: layer norm and (log-)softmax, forward and backward."""
+"""Normalisations: layer norm and (log-)softmax, forward and backward.
+
+A (log-)softmax can split the dim it normalises (the vocabulary of a language model's logits):
+each rank takes the maximum and the sum of exponentials over its piece, all-reduces them over
+the axes that split the dim, and normalises its piece; the backward all-reduces one sum.
+"""
 
 import torch
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, tensor_args, val
+from autopar.passes.rules import Row, Split, register, register_split, tensor_args, val
 
 aten = torch.ops.aten
 
@@ -43,15 +48,44 @@ def layer_norm_backward_rule(node: fx.Node) -> list[Row]:
 @register(aten._log_softmax.default, aten._softmax.default)
 def softmax_rule(node: fx.Node) -> list[Row]:
     x = val(node.args[0])
-    dim = node.args[1] % x.ndim
-    return [((R,), (R,))] + [((S(d),), (S(d),)) for d in range(x.ndim) if d != dim]  # split another dim
+    return [((R,), (R,))] + [((S(d),), (S(d),)) for d in range(x.ndim)]  # the softmax dim too: _softmax_split
+
+
+def _softmax_dim(node: fx.Node) -> int:
+    return node.args[1] % val(node.args[0]).ndim
+
+
+@register_split(aten._log_softmax.default, aten._softmax.default, index=0, dim=_softmax_dim, reduces=("max", "sum"))
+def _softmax_split(node: fx.Node, args: list, kwargs: dict, split: Split):
+    x, dim, half_to_float = args
+    out_dtype = torch.float32 if half_to_float else x.dtype
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    shifted = x - split.all_reduce(x.amax(dim, keepdim=True), "max")
+    total = split.all_reduce(shifted.exp().sum(dim, keepdim=True), "sum")
+    if node.target is aten._log_softmax.default:
+        return (shifted - total.log()).to(out_dtype)
+    return (shifted.exp() / total).to(out_dtype)
 
 
 @register(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
 def softmax_backward_rule(node: fx.Node) -> list[Row]:
     """``grad_x = _log_softmax_backward_data(grad_out, out, dim, dtype)``."""
     x = val(node.args[1])
-    dim = node.args[2] % x.ndim
     rows: list[Row] = [((R,), (R, R)), ((P,), (P, R))]  # linear in grad_out
-    rows += [((S(d),), (S(d), S(d))) for d in range(x.ndim) if d != dim]  # split another dim
+    rows += [((S(d),), (S(d), S(d))) for d in range(x.ndim)]  # the softmax dim too: _softmax_backward_split
     return rows
+
+
+@register_split(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default, index=1,
+                dim=lambda node: node.args[2] % val(node.args[1]).ndim, reduces=("sum",))
+def _softmax_backward_split(node: fx.Node, args: list, kwargs: dict, split: Split):
+    """``grad_x = grad - exp(out) * sum(grad)`` for log-softmax, ``out * (grad - sum(grad * out))``
+    for softmax, the sums over the whole dim."""
+    grad, out, dim, input_dtype = args
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    grad, out = grad.to(wide), out.to(wide)
+    if node.target is aten._log_softmax_backward_data.default:
+        result = grad - out.exp() * split.all_reduce(grad.sum(dim, keepdim=True), "sum")
+    else:
+        result = out * (grad - split.all_reduce((grad * out).sum(dim, keepdim=True), "sum"))
+    return result.to(input_dtype)

@@ -3,8 +3,13 @@
 The node's real inputs are cut into the two ranks' pieces as the row says (split, copied, or cut
 into two summands for a partial sum), the op runs on each rank's pieces with local shape
 arguments, and the pieces of the outputs are put back together (concatenated, checked equal, or
-summed) and compared with the op's output on the whole tensors.
+summed) and compared with the op's output on the whole tensors. An op whose row splits a dim it
+reduces or indexes runs as its ``SplitOp`` says, the two ranks in two threads that all-reduce
+through :class:`TwoRanks`.
 """
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import fx
@@ -13,7 +18,7 @@ from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.propagate import placement_problem
 from autopar.passes.rewrite import local_call_args
-from autopar.passes.rules import tensor_args
+from autopar.passes.rules import split_op, tensor_args
 from autopar.passes.strategy import Strategy
 
 MESH = Mesh((2,))
@@ -52,6 +57,33 @@ def combine(parts, placement):
     return parts[0]
 
 
+class TwoRanks:
+    """The two ranks of the axis, meeting at each all-reduce."""
+
+    def __init__(self):
+        self.barrier = threading.Barrier(2)
+        self.slots: list = [None, None]
+
+    def all_reduce(self, rank: int, t: torch.Tensor, op: str) -> torch.Tensor:
+        self.slots[rank] = t
+        self.barrier.wait()
+        pair = torch.stack(self.slots)
+        self.barrier.wait()  # both have read the slots before either writes the next reduction
+        return pair.sum(0) if op == "sum" else pair.amax(0)
+
+
+class RankSplit:
+    """One rank's :class:`~autopar.passes.rules.Split` of a dim of length ``whole``."""
+
+    def __init__(self, ranks: TwoRanks, rank: int, whole: int):
+        self.ranks, self.rank = ranks, rank
+        self.size = whole // 2
+        self.offset = rank * self.size
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return self.ranks.all_reduce(self.rank, t, op)
+
+
 def check_row(node, values, row, gen) -> bool:
     """True if the row was checked, False if the shapes do not allow it on 2 ranks (a dim that
     does not split evenly, a partial sum of integers)."""
@@ -64,11 +96,24 @@ def check_row(node, values, row, gen) -> bool:
         return False
     arg_pieces = [pieces(values[a], p, gen) for a, p in zip(args, ins)]
     strategy = Strategy(tuple(None if o is None else (o,) for o in outs), tuple((p,) for p in ins))
-    results = []
-    for rank in range(2):
+    split = split_op(node.target)
+    splits = split is not None and split.axes(node, strategy)
+    ranks = TwoRanks()
+
+    def run(rank: int) -> list:
         call_args, call_kwargs = local_call_args(node, [p[rank] for p in arg_pieces], strategy, MESH)
-        result = node.target(*call_args, **call_kwargs)
-        results.append(result if isinstance(result, (list, tuple)) else [result])
+        if splits:
+            whole = split.value(node).shape[split.dim(node)]
+            result = split.run(node, call_args, call_kwargs, RankSplit(ranks, rank, whole))
+        else:
+            result = node.target(*call_args, **call_kwargs)
+        return result if isinstance(result, (list, tuple)) else [result]
+
+    if splits:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(run, range(2)))
+    else:
+        results = [run(0), run(1)]
     for i, placement in enumerate(outs):
         if placement is None or out_vals[i] is None:
             continue

@@ -42,6 +42,11 @@ FOUR = [
     dict(model_name="convnet", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp",
          hardware=BYTES_DEAR),
     dict(model_name="convnet", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
+    # embedding and head split along the vocabulary: vocabulary-parallel lookups and cross-entropy
+    dict(model_name="gpt", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw", preset="vocab",
+         hardware=BYTES_DEAR),
+    dict(model_name="llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="vocab",
+         hardware=BYTES_DEAR),
 ]
 EIGHT = [  # a 3-D mesh: 8 ranks on this 2-core host, so one small model
     dict(model_name="mlp", mesh_shape=(2, 2, 2), axis_names=("a", "b", "c"), optimizer_name="adamw"),
@@ -159,3 +164,19 @@ def test_recomputed_layers_repeat_their_forward_collectives(results):
     again = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "recompute")
     assert again and not again - forward  # each one made again is one the forward makes
     assert any(n.activation == "recompute" for n in plan.nodes)
+
+
+@pytest.mark.slow
+def test_vocabulary_parallel_lookups_and_cross_entropy_match_one_device(results):
+    """The LLaMA case splits its embedding and head along the vocabulary on ``tp``: the lookup,
+    the log-softmax, the target's gather and scatter and the table's gradient all run on the
+    rank's piece of the vocabulary (and the parallel-training test checks the run)."""
+    plan = autopar.ShardingPlan.from_json(results["llama-2x2-adamw-vocab"][0]["plan"])
+    lookup = plan.node("embedding")
+    assert lookup.inputs[0] == "(R, S(0))" and lookup.outputs == ("(S(0), P)",)
+    for name in ("_log_softmax", "scatter", "_log_softmax_backward_data"):
+        assert plan.node(name).outputs == ("(S(0), S(1))",), plan.node(name)
+    assert plan.node("gather").outputs == ("(S(0), P)",)
+    assert plan.node("embedding_dense_backward").outputs == ("(R, S(0))",)
+    own = collections.Counter((c.kind, c.phase) for c in plan.collectives if c.consumer.startswith("_log_softmax"))
+    assert own == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 1}
