@@ -12,6 +12,16 @@ time, so the figures include the ranks' contention for cores and memory:
   uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes, with ``k`` the ring
   factor of :func:`autopar.passes.redistribute.step_s`.
 
+The profile also says that it describes the host that will run the plan, so that plans made
+with it time each op on this host (:mod:`autopar.cost_model.op_timing`) instead of using the
+roofline. Two more figures serve those timings:
+
+- the node overhead: rank 0 alone runs the joint training graph of a calibration block (layer
+  norm, two linears with a tanh GELU, a softmax and a sum; no model of the zoo) and compares
+  it with the sum of its ops timed one by one; the difference per node is what a program adds,
+- the contention: how much longer a matmul loop of about 50 ms takes while every rank runs it
+  than while rank 0 runs it alone (ranks sharing cores).
+
 Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
     autopar calibrate [-n 4] [--out cpu-profile.json]
@@ -96,13 +106,113 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
     default = next(c for c in collectives if c[0] == "all_reduce")
     link = Link(default[1], default[2], tuple(collectives))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+    contention = _contention()
+    node_overhead, program = _node_overhead()
     profile = HardwareProfile(
         name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=peak_flops,
         memory_bytes_per_s=bandwidth, efficiency=efficiency, memory_bytes=memory, devices_per_host=world,
-        intra_host=link, inter_host=link, op_overhead_s=overhead,
+        intra_host=link, inter_host=link, op_overhead_s=overhead, timed_ops=True,
+        node_overhead_s=node_overhead, contention=contention,
     )
     return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
-                     "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw}
+                     "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw,
+                     "contention": contention, "node_overhead_s": node_overhead, "calibration_program": program}
+
+
+def _contention() -> float:
+    """Time of a matmul loop of about 50 ms while every rank runs it, over the time while rank
+    0 runs it alone (the others wait at a barrier)."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    started = time.perf_counter()
+    torch.mm(a, b)
+    calls = max(1, int(0.05 / max(time.perf_counter() - started, 1e-6)))
+
+    def loop() -> float:
+        started = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, b)
+        return time.perf_counter() - started
+
+    alone = []
+    for _ in range(3):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(loop())
+        dist.barrier()
+    together = []
+    for _ in range(3):
+        dist.barrier()
+        together.append(loop())
+    ratio = torch.tensor([statistics.median(together) / statistics.median(alone) if alone else 0.0])
+    dist.broadcast(ratio, 0)
+    return max(1.0, float(ratio))
+
+
+class _CalibrationBlock(torch.nn.Module):
+    """A small training graph for the node overhead, unlike the example models."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)), approximate="tanh"))
+        return torch.softmax(x, -1).square().sum()
+
+
+def _node_overhead() -> tuple[float, dict]:
+    """Seconds per node that running the calibration block's joint graph takes beyond its ops
+    timed one by one (rank 0 alone; broadcast to every rank)."""
+    import torch.distributed as dist
+
+    from autopar.cost_model.op_timing import OpTimer
+    from autopar.mesh import Mesh
+    from autopar.passes.capture import capture
+    from autopar.passes.rules import tensor_args
+    from autopar.placement import R
+    from autopar.passes.strategy import Strategy
+
+    figures = torch.zeros(3, dtype=torch.float64)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        model, x = _CalibrationBlock(), torch.randn(256, 64)
+        captured = capture(model, (x,))
+        state = dict(model.named_parameters())
+        args = [state[k.name] if k.kind == "param" else x if k.kind == "input" else torch.ones(())
+                for k in captured.inputs]
+        graph = captured.graph
+        graph.graph.set_codegen(torch.fx.graph.CodeGen())  # flat positional inputs
+        graph.recompile()
+        with torch.no_grad():
+            program = _median_s_alone(lambda: graph(*args))
+        mesh = Mesh((1,), ("one",))
+        timer = OpTimer(mesh)
+        ops = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ != "getitem"]
+        timed = []
+        for node in ops:
+            outs = node.meta["val"]
+            outputs = tuple(None if o is None else (R,) for o in (outs if isinstance(outs, (list, tuple)) else [outs]))
+            timed.append(timer.node_s(node, Strategy(outputs, ((R,),) * len(tensor_args(node)))))
+        figures = torch.tensor([program, sum(t for t in timed if t is not None), len(ops)], dtype=torch.float64)
+    dist.broadcast(figures, 0)
+    program, ops_s, count = (float(f) for f in figures)
+    return max(0.0, (program - ops_s) / count), {"program_s": program, "ops_timed_s": ops_s, "nodes": int(count)}
+
+
+def _median_s_alone(fn, repeats: int = 20, warmup: int = 3) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        started = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 # Ops of the shapes training graphs are made of: skinny and square matmuls, elementwise ops
@@ -147,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             save_profile(profile, args.out, **measured)
             print(f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
-                  f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline")
+                  f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
+                  f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone; "
+                  f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
             print(f"wrote {args.out}; plan with hardware={args.out!r}")

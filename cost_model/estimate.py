@@ -7,6 +7,7 @@ import torch
 
 from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Profile, mesh_links
+from autopar.cost_model.op_timing import OpTimer
 from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucketed_step, latency_s
 from autopar.passes.capture import Captured
@@ -27,21 +28,31 @@ class CostModel:
         self.links = mesh_links(hardware, mesh)
         self.bucket_bytes = bucket_bytes
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
+        self.timer = OpTimer(mesh) if getattr(hardware, "timed_ops", False) else None
 
     def value(self, ref: ValueRef) -> torch.Tensor:
         val = self.graph_nodes[ref[0]].meta["val"]
         return val[ref[1]] if isinstance(val, (list, tuple)) else val
 
     def compute_costs(self, space: StrategySpace) -> dict[str, list[float]]:
-        """Node → compute seconds under each of its strategies."""
+        """Node → compute seconds under each of its strategies: timed on this host when the
+        profile says it is the host that runs (:mod:`~autopar.cost_model.op_timing`), else
+        the roofline."""
         costs = {}
         for n in space.nodes:
             if n.kind != "op":
                 costs[n.name] = [0.0] * len(n.strategies)
                 continue
-            work = node_work(self.graph_nodes[n.name])
-            costs[n.name] = [compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
+            node = self.graph_nodes[n.name]
+            work = node_work(node)
+            costs[n.name] = [self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
         return costs
+
+    def _timed(self, node, strategy: Strategy) -> float | None:
+        if self.timer is None:
+            return None
+        seconds = self.timer.node_s(node, strategy)
+        return None if seconds is None else (seconds + self.hardware.node_overhead_s) * self.hardware.contention
 
     def node_costs(self, space: StrategySpace) -> dict[str, list[float]]:
         """Node → seconds under each of its strategies: compute, and the all-reduces of an op

@@ -62,6 +62,17 @@ class HardwareProfile:
     op_overhead_s: float = 0.0
     """Fixed time of running one op, whatever its size (dispatch and launch); it matters for
     eager execution of small graphs, as on a CPU host."""
+    timed_ops: bool = False
+    """Whether this profile describes the host that plans, so that the cost model times each
+    op there (:mod:`autopar.cost_model.op_timing`) instead of using the roofline; a profile
+    written by ``autopar calibrate`` does."""
+    node_overhead_s: float = 0.0
+    """What one node of a per-rank program costs beyond its op timed alone (the op's dispatch
+    is colder in a program of many ops than in a loop of one); added to each timed op."""
+    contention: float = 1.0
+    """How many times slower an op runs while every rank of the host computes than while one
+    does (ranks sharing cores or memory bandwidth); multiplies the timed ops, which are timed
+    on one rank."""
 
     def compute_s(self, flops: float, bytes_moved: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, bytes_moved / self.memory_bytes_per_s) / self.efficiency

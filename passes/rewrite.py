@@ -20,7 +20,7 @@ that are one all-reduce or reduce-scatter run in buckets, one collective per buc
 (:mod:`autopar.passes.buckets`), the others one by one.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import contextlib
 
@@ -39,7 +39,7 @@ from autopar.plan import ShardingPlan
 from autopar.passes.buckets import bucketed_step, gradient_buckets
 from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.redistribute import Step, local_shape, transition
-from autopar.passes.rules import shape_arg, split_op, tensor_args
+from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 
 aten = torch.ops.aten
@@ -206,15 +206,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         def run(node: fx.Node, store: dict, in_backward: bool) -> None:
             strategy = strategies[node.name]
             local_args = [fetch(a, p, in_backward) for a, p in zip(tensor_args(node), strategy.inputs)]
-            args, kwargs = local_call_args(node, local_args, strategy, mesh)
-            split = split_op(node.target)
-            axes = split.axes(node, strategy) if split is not None else ()
-            if axes:
-                whole = split.value(node).shape[split.dim(node)]
-                result = split.run(node, args, kwargs, rank.split(axes, whole))
-            else:
-                target, args = _local_op(node, args)
-                result = target(*args, **kwargs)
+            result = local_call(node, local_args, strategy, mesh, rank.split)()
             results = result if isinstance(result, (list, tuple)) else [result]
             for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
                 store[node.name, i] = value, layout
@@ -302,6 +294,22 @@ def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tu
 
 def _value(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
+
+
+def local_call(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh,
+               split_of: Callable[[tuple[int, ...], int], Split]) -> Callable[[], object]:
+    """A function computing ``node``'s outputs on one rank from its local arguments (in
+    :func:`~autopar.passes.rules.tensor_args` order) under ``strategy``. An op whose strategy
+    splits a dim it reduces or indexes runs as its :class:`~autopar.passes.rules.SplitOp` says,
+    with ``split_of(axes, whole length)``; any other op runs as itself on local shapes."""
+    args, kwargs = local_call_args(node, local_args, strategy, mesh)
+    split = split_op(node.target)
+    axes = split.axes(node, strategy) if split is not None else ()
+    if axes:
+        piece = split_of(axes, split.value(node).shape[split.dim(node)])
+        return lambda: split.run(node, args, kwargs, piece)
+    target, args = _local_op(node, args)
+    return lambda: target(*args, **kwargs)
 
 
 def _local_op(node: fx.Node, args: list):

@@ -17,7 +17,7 @@ from torch import fx
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.propagate import placement_problem
-from autopar.passes.rewrite import local_call_args
+from autopar.passes.rewrite import local_call
 from autopar.passes.rules import split_op, tensor_args
 from autopar.passes.strategy import Strategy
 
@@ -101,12 +101,8 @@ def check_row(node, values, row, gen) -> bool:
     ranks = TwoRanks()
 
     def run(rank: int) -> list:
-        call_args, call_kwargs = local_call_args(node, [p[rank] for p in arg_pieces], strategy, MESH)
-        if splits:
-            whole = split.value(node).shape[split.dim(node)]
-            result = split.run(node, call_args, call_kwargs, RankSplit(ranks, rank, whole))
-        else:
-            result = node.target(*call_args, **call_kwargs)
+        result = local_call(node, [p[rank] for p in arg_pieces], strategy, MESH,
+                            lambda axes, whole: RankSplit(ranks, rank, whole))()
         return result if isinstance(result, (list, tuple)) else [result]
 
     if splits:
