@@ -20,7 +20,10 @@ roofline. Two more figures serve those timings:
   norm, two linears with a tanh GELU, a softmax and a sum; no model of the zoo) and compares
   it with the sum of its ops timed one by one; the difference per node is what a program adds,
 - the contention: how much longer a matmul loop of about 50 ms takes while every rank runs it
-  than while rank 0 runs it alone (ranks sharing cores).
+  than while rank 0 runs it alone (ranks sharing cores),
+- the step overhead: rank 0 alone runs stacks of 2 and 16 linear layers through autopar's
+  autograd step and compares each with its forward and backward programs run directly; a line
+  through the two gives a fixed time per step and a time per parameter.
 
 Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
@@ -108,15 +111,18 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
     contention = _contention()
     node_overhead, program = _node_overhead()
+    step_overhead, param_overhead, steps = _step_overhead()
     profile = HardwareProfile(
         name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=peak_flops,
         memory_bytes_per_s=bandwidth, efficiency=efficiency, memory_bytes=memory, devices_per_host=world,
         intra_host=link, inter_host=link, op_overhead_s=overhead, timed_ops=True,
-        node_overhead_s=node_overhead, contention=contention,
+        node_overhead_s=node_overhead, step_overhead_s=step_overhead, param_overhead_s=param_overhead,
+        contention=contention,
     )
     return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
                      "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw,
-                     "contention": contention, "node_overhead_s": node_overhead, "calibration_program": program}
+                     "contention": contention, "node_overhead_s": node_overhead, "calibration_program": program,
+                     "step_overhead_points": steps}
 
 
 def _contention() -> float:
@@ -205,6 +211,63 @@ def _node_overhead() -> tuple[float, dict]:
     return max(0.0, (program - ops_s) / count), {"program_s": program, "ops_timed_s": ops_s, "nodes": int(count)}
 
 
+class _LinearStack(torch.nn.Module):
+    def __init__(self, num_layers: int, dim: int = 64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(num_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def _step_overhead() -> tuple[float, float, list]:
+    """``(seconds per step, seconds per parameter and step)`` that autopar's autograd step adds
+    to running its forward and backward programs (rank 0 alone; broadcast to every rank)."""
+    import torch.distributed as dist
+
+    figures = torch.zeros(4, dtype=torch.float64)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        figures = torch.tensor([v for layers in (2, 16) for v in _runtime_overhead(_LinearStack(layers))],
+                               dtype=torch.float64)
+    dist.broadcast(figures, 0)
+    (p1, o1), (p2, o2) = figures.view(2, 2).tolist()
+    per_param = max(0.0, (o2 - o1) / (p2 - p1))
+    return max(0.0, o1 - p1 * per_param), per_param, [[p1, o1], [p2, o2]]
+
+
+def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
+    """``(parameters, seconds)`` that a training step through the runtime's autograd function
+    takes beyond the model's forward and backward programs."""
+    from autopar.passes.capture import capture
+    from autopar.runtime.module import _Program, _Step
+    from autopar.runtime.partition import partition
+
+    x = torch.randn(256, 64)
+    captured = capture(model, (x,))
+    parts = partition(captured.graph, [k.kind == "tangent" for k in captured.inputs],
+                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    grads = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    program = _Program(parts, "eager", [k.kind == "param" and k.name in grads for k in captured.inputs if k.kind != "tangent"],
+                       [None for k in captured.outputs if k is not None and k.kind != "grad"])
+    state = dict(model.named_parameters())
+    flat = [state[k.name] if k.kind == "param" else x for k in captured.inputs if k.kind != "tangent"]
+
+    def step():
+        for p in state.values():
+            p.grad = None
+        _Step.apply(program, *flat)[0].backward()
+
+    with torch.no_grad():
+        results = program.forward(*flat)
+        saved, tangents = results[program.num_outputs:], [torch.ones_like(r) for r in results[:program.num_outputs]]
+        programs = _median_s_alone(lambda: program.forward(*flat)) + _median_s_alone(lambda: program.backward(*saved, *tangents))
+    return len(state), max(0.0, _median_s_alone(step) - programs)
+
+
 def _median_s_alone(fn, repeats: int = 20, warmup: int = 3) -> float:
     times = []
     for i in range(warmup + repeats):
@@ -258,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             save_profile(profile, args.out, **measured)
             print(f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
                   f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
-                  f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone; "
+                  f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
+                  f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
                   f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")

@@ -43,7 +43,9 @@ def plan_table(plan: ShardingPlan) -> str:
         f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})",
         f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
         + (f"recompute {_time(plan.recompute_s)}, " if plan.recompute_s else "")
-        + f"communication {_time(plan.communication_s)}); peak memory per device {format_bytes(plan.peak_memory_bytes)}"
+        + f"communication {_time(plan.communication_s)}"
+        + (f", step overhead {_time(plan.overhead_s)}" if plan.overhead_s else "")
+        + f"); peak memory per device {format_bytes(plan.peak_memory_bytes)}"
         + (" by the per-rank program's liveness" if mem.liveness_peak_bytes else "")
         + f"; the solver's parts {format_bytes(mem.summed_bytes)} "
         f"(params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "

@@ -8,7 +8,7 @@ from typing import Mapping
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,9 @@ class ShardingPlan:
     recompute_s: float = 0.0
     """Compute time of the ops the backward runs again (their collectives are in
     ``communication_s``)."""
+    overhead_s: float = 0.0
+    """Time per step of the work around the per-rank program (autograd, one gradient per
+    parameter), as the hardware profile measured it."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -140,9 +143,9 @@ class ShardingPlan:
 
     @property
     def predicted_step_s(self) -> float:
-        """Modelled time of one training step (compute, recomputation and communication, no
-        overlap)."""
-        return self.compute_s + self.recompute_s + self.communication_s
+        """Modelled time of one training step (compute, recomputation, communication and the
+        step's overhead, no overlap)."""
+        return self.compute_s + self.recompute_s + self.communication_s + self.overhead_s
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -177,6 +180,7 @@ class ShardingPlan:
             "solver": asdict(self.solver),
             "stage_s": dict(self.stage_s),
             "recompute_s": self.recompute_s,
+            "overhead_s": self.overhead_s,
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -206,6 +210,7 @@ class ShardingPlan:
             solver=SolverInfo(**data["solver"]),
             stage_s=data["stage_s"],
             recompute_s=data["recompute_s"],
+            overhead_s=data["overhead_s"],
         )
 
     def _decisions(self) -> tuple:

@@ -48,6 +48,12 @@ class CostModel:
             costs[n.name] = [self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
         return costs
 
+    def step_overhead_s(self, num_params: int) -> float:
+        """The profile's time per step around the per-rank program, for ``num_params``
+        parameters (the same under every plan, so the solver leaves it out)."""
+        fixed = getattr(self.hardware, "step_overhead_s", 0.0)
+        return (fixed + num_params * getattr(self.hardware, "param_overhead_s", 0.0)) * getattr(self.hardware, "contention", 1.0)
+
     def _timed(self, node, strategy: Strategy) -> float | None:
         if self.timer is None:
             return None

@@ -69,6 +69,11 @@ class HardwareProfile:
     node_overhead_s: float = 0.0
     """What one node of a per-rank program costs beyond its op timed alone (the op's dispatch
     is colder in a program of many ops than in a loop of one); added to each timed op."""
+    step_overhead_s: float = 0.0
+    """Time per training step of the work around the per-rank program (autograd running the
+    program's forward and backward), besides ``param_overhead_s`` per parameter."""
+    param_overhead_s: float = 0.0
+    """Time per step and parameter of that work (autograd accumulating each gradient)."""
     contention: float = 1.0
     """How many times slower an op runs while every rank of the host computes than while one
     does (ranks sharing cores or memory bandwidth); multiplies the timed ops, which are timed

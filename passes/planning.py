@@ -95,6 +95,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         solver=solution.info,
         stage_s=stage_s,
         recompute_s=sum(compute[name][choice[name]] for name in recomputed),
+        overhead_s=costs.step_overhead_s(sum(n.kind == "param" for n in space.nodes)),
     )
 
 

@@ -45,3 +45,22 @@ def test_each_op_costs_the_profiles_overhead():
     slow = HardwareProfile(**{**{f: getattr(CPU, f) for f in CPU.__dataclass_fields__}, "op_overhead_s": 1e-3})
     charged = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), inputs, hardware=slow)
     assert charged.compute_s == pytest.approx(plain.compute_s + 1e-3 * len(plain.nodes), rel=1e-6)
+
+
+def test_the_step_overhead_per_step_and_parameter_is_part_of_the_predicted_step():
+    import dataclasses
+
+    import torch
+
+    from autopar.examples.mlp import MLP
+
+    model, inputs = MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16))
+    plain = autopar.plan(model, Mesh((2,), ("dp",)), inputs, hardware=CPU)
+    host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4, contention=2.0)
+    charged = autopar.plan(model, Mesh((2,), ("dp",)), inputs, hardware=host)
+    expected = (1e-3 + 1e-4 * len(list(model.parameters()))) * 2.0
+    assert plain.overhead_s == 0 and charged.overhead_s == pytest.approx(expected)
+    assert charged.predicted_step_s == pytest.approx(charged.compute_s + charged.communication_s + expected)
+    from autopar.explain import plan_table
+
+    assert "step overhead" in plan_table(charged) and "step overhead" not in plan_table(plain)
