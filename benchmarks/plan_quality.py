@@ -12,15 +12,20 @@ plans the activations around them):
   over the others.
 - ``fsdp+tp``: Megatron on the last axis, and parameters split over the other axes on their
   other dim, with the batch (2-D meshes only).
+- ``experts`` (the MoE only): the experts split over the last axis (expert parallelism, tokens
+  dispatched by all-to-all), the batch over every axis, the other parameters replicated.
+
+Megatron layouts apply to the transformers and the MLP; the ConvNet gets DDP and FSDP.
 
 Prints the predicted step time and per-device peak memory of each plan, whether it fits in the
 device's memory, and the ratio of the best hand-written plan that fits to autopar's; writes
-``benchmarks/results/plan_quality.json``.
+``benchmarks/results/plan_quality.json``, keeping the rows of models that this run did not plan.
 
-    python -m benchmarks.plan_quality [--models gpt,bert,llama,mlp] [--meshes 8,2x4,8x8,16x16]
+    python -m benchmarks.plan_quality [--models gpt,bert,llama,mlp,moe,convnet] [--meshes 8,2x4,8x8,16x16]
 """
 
 import argparse
+import json
 import math
 import re
 import time
@@ -47,11 +52,14 @@ MEGATRON = {
 
 def full_size(name: str, devices: int):
     """A full-size example model on the meta device and a global batch of a few sequences per
-    device (2 for GPT, 4 for BERT, 1 for LLaMA; 4096 rows for the MLP)."""
+    device (2 for GPT and the MoE, 4 for BERT, 1 for LLaMA; 4096 rows for the MLP, 32 images of
+    128x128 per device for the ConvNet)."""
     from autopar.examples.bert import Bert, BertConfig
+    from autopar.examples.convnet import ConvNet, ConvNetConfig
     from autopar.examples.gpt import GPT, GPTConfig
     from autopar.examples.llama import Llama, LlamaConfig
     from autopar.examples.mlp import MLP
+    from autopar.examples.moe import MoEConfig, MoEGPT
 
     with torch.device("meta"):
         if name == "gpt":  # GPT-2 XL-sized, widths rounded to multiples of 256
@@ -64,10 +72,17 @@ def full_size(name: str, devices: int):
             cfg = LlamaConfig(vocab_size=128256, dim=4096, num_heads=32, num_kv_heads=8, hidden=14336,
                               num_layers=32, max_seq=2048, rope_theta=500000.0)
             model, batch, seq, vocab = Llama(cfg), devices, 2048, cfg.vocab_size
+        elif name == "moe":  # 12 GPT blocks of width 1024 whose MLPs are 64 experts, top-2
+            cfg = MoEConfig(vocab_size=50432, block_size=1024, dim=1024, num_heads=16, num_layers=12, num_experts=64,
+                            expert_hidden=4096, group_size=1024)
+            model, batch, seq, vocab = MoEGPT(cfg), 2 * devices, 1024, cfg.vocab_size
         elif name == "mlp":
             model = MLP(8192, 32768, num_layers=8)
             x = torch.empty(4096, 8192)
             return model, (x, x)
+        elif name == "convnet":
+            model = ConvNet(ConvNetConfig(channels=(128, 256, 512, 1024), num_classes=1000))
+            return model, (torch.empty(32 * devices, 3, 128, 128), torch.zeros(32 * devices, dtype=torch.long))
         else:
             raise ValueError(name)
         tokens = torch.randint(0, vocab, (batch, seq))
@@ -89,6 +104,11 @@ def hand_written(name: str, model: torch.nn.Module, batch_names, mesh_shape: tup
 
     layouts = {"ddp": {**batch, **{k: ("R",) * ndim for k in shapes}},
                "fsdp": {**batch, **{k: _fit(every, shape, mesh_shape) for k, shape in shapes.items()}}}
+    if name == "moe":
+        experts = _fit(("R",) * (ndim - 1) + ("S(0)",), shapes["blocks.0.moe.w1"], mesh_shape)
+        layouts["experts"] = {**layouts["ddp"], **{k: experts for k in shapes if k.endswith((".moe.w1", ".moe.w2"))}}
+    if name not in MEGATRON:
+        return layouts
     tp_batch = {k: ("S(0)",) * (ndim - 1) + ("R",) for k in batch_names}
     megatron, fsdp_tp = dict(tp_batch), dict(tp_batch)
     for k, shape in shapes.items():
@@ -131,7 +151,7 @@ def _plan(captured, mesh, **kwargs) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,bert,llama,mlp")
+    parser.add_argument("--models", default="gpt,bert,llama,mlp,moe,convnet")
     parser.add_argument("--meshes", default="8,2x4,8x8,16x16")
     parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per plan")
     args = parser.parse_args()
@@ -168,7 +188,9 @@ def main() -> None:
                 verdict = "autopar at least as fast" if auto <= best_hand * (1 + 1e-9) else "HAND-WRITTEN FASTER"
                 print(f"{name:6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
             rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
-    write_results(RESULTS, hardware_profile="h100", device_memory_bytes=device_bytes, rows=rows)
+    planned = set(args.models.split(","))
+    kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in planned] if RESULTS.exists() else []
+    write_results(RESULTS, hardware_profile="h100", device_memory_bytes=device_bytes, rows=kept + rows)
 
 
 if __name__ == "__main__":
