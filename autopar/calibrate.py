@@ -19,8 +19,8 @@ roofline. Two more figures serve those timings:
 - the node overhead: rank 0 alone runs the joint training graph of a calibration block (layer
   norm, two linears with a tanh GELU, a softmax and a sum; no model of the zoo) and compares
   it with the sum of its ops timed one by one; the difference per node is what a program adds,
-- the contention: how much longer a matmul loop of about 50 ms takes while every rank runs it
-  than while rank 0 runs it alone (ranks sharing cores),
+- the contention: how many more matmuls rank 0 runs in 0.1 s alone (the other ranks asleep)
+  than while every rank runs them (ranks sharing cores),
 - the step overhead: rank 0 alone runs stacks of 2 and 16 linear layers through autopar's
   autograd step and compares each with its forward and backward programs run directly; a line
   through the two gives a fixed time per step and a time per parameter.
@@ -126,32 +126,29 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
 
 
 def _contention() -> float:
-    """Time of a matmul loop of about 50 ms while every rank runs it, over the time while rank
-    0 runs it alone (the others wait at a barrier)."""
+    """How many more matmuls rank 0 runs in 0.1 s alone (the other ranks asleep) than while
+    every rank runs them (the median of 3 of each)."""
     import torch.distributed as dist
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    started = time.perf_counter()
-    torch.mm(a, b)
-    calls = max(1, int(0.05 / max(time.perf_counter() - started, 1e-6)))
 
-    def loop() -> float:
-        started = time.perf_counter()
-        for _ in range(calls):
+    def calls_in(seconds: float = 0.1) -> int:
+        count, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
             torch.mm(a, b)
-        return time.perf_counter() - started
+            count += 1
+        return count
 
-    alone = []
+    alone, together = [], []
     for _ in range(3):
         dist.barrier()
         if dist.get_rank() == 0:
-            alone.append(loop())
+            alone.append(calls_in())
+        else:
+            time.sleep(0.2)
         dist.barrier()
-    together = []
-    for _ in range(3):
-        dist.barrier()
-        together.append(loop())
-    ratio = torch.tensor([statistics.median(together) / statistics.median(alone) if alone else 0.0])
+        together.append(calls_in())
+    ratio = torch.tensor([statistics.median(alone) / statistics.median(together) if alone else 0.0])
     dist.broadcast(ratio, 0)
     return max(1.0, float(ratio))
 
