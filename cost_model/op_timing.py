@@ -20,6 +20,7 @@ import time
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_flatten
 
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import local_shape
@@ -61,7 +62,7 @@ class OpTimer:
         dtypes = [a.meta["val"].dtype for a in args]
         if sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)) > TIMED_BYTES_LIMIT:
             return None
-        others = repr([a for a in node.args if not isinstance(a, fx.Node)])
+        others = repr([a for a in tree_flatten((node.args, node.kwargs))[0] if not isinstance(a, fx.Node)])
         key = (node.target, tuple(shapes), tuple(dtypes), others, strategy.outputs)
         if key not in self.times:
             self.times[key] = self._time(node, strategy, shapes, dtypes)
