@@ -41,7 +41,7 @@ import torch
 from autopar.cost_model.hardware import HardwareProfile, Link, save_profile
 from autopar.passes.redistribute import COLLECTIVE_KINDS
 
-_SIZES = [2**k for k in range(12, 23, 2)]  # 4 KiB .. 4 MiB per rank
+_SIZES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB per rank, toward a gradient bucket (25 MiB)
 
 
 def _median_s(fn, repeats: int = 10, warmup: int = 2) -> float:
