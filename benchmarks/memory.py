@@ -12,9 +12,9 @@ exists is trained for a few AdamW steps; the table gives per budget:
 - what the plan does to fit: ops recomputed, parameters split across the ranks;
 - whether its losses match one device (relative 1e-5).
 
-Writes ``benchmarks/results/memory.json``.
+Writes ``benchmarks/results/memory.json``, keeping the rows of models that this run did not plan.
 
-    python -m benchmarks.memory [--steps 5] [--models gpt,bert,llama]
+    python -m benchmarks.memory [--steps 5] [--models gpt,bert,llama,mlp,moe,convnet]
 """
 
 import argparse
@@ -112,7 +112,7 @@ def worker(models: list[str], steps: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--models", default="gpt,bert,llama")
+    parser.add_argument("--models", default="gpt,bert,llama,mlp,moe,convnet")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
@@ -141,7 +141,8 @@ def main() -> None:
         print(f"{r['model']:5} {budget:>6} {mib:>10} {r['predicted_s'] * 1e3:>8.2f} {r['measured_s'] * 1e3:>8.2f} "
               f"{r['predicted_peak_bytes'] / 2**20:>9.2f} {r['measured_peak_bytes'] / 2**20:>9.2f} {r['memory_error']:>+6.0%} "
               f"{r['recomputed_ops']:>10} {r['split_params']:>5} of {r['params']:<4} {r['loss_rel']:>8.1e}")
-    write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=rows)
+    kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in models] if RESULTS.exists() else []
+    write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=kept + rows)
 
 
 if __name__ == "__main__":
