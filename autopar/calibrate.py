@@ -44,12 +44,15 @@ from autopar.passes.redistribute import COLLECTIVE_KINDS
 _SIZES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB per rank, toward a gradient bucket (25 MiB)
 
 
-def _median_s(fn, repeats: int = 10, warmup: int = 2) -> float:
+def _median_s(fn, repeats: int = 10, warmup: int = 2, *, together: bool = True) -> float:
+    """Median seconds of ``fn``; ``together``, every rank starts each call at a barrier (all
+    ranks measure at once), else the calling rank times it on its own."""
     import torch.distributed as dist
 
     times = []
     for i in range(warmup + repeats):
-        dist.barrier()
+        if together:
+            dist.barrier()
         started = time.perf_counter()
         fn()
         if i >= warmup:
@@ -193,7 +196,7 @@ def _node_overhead() -> tuple[float, dict]:
         graph.graph.set_codegen(torch.fx.graph.CodeGen())  # flat positional inputs
         graph.recompile()
         with torch.no_grad():
-            program = _median_s_alone(lambda: graph(*args))
+            program = _median_s(lambda: graph(*args), 20, 3, together=False)
         mesh = Mesh((1,), ("one",))
         timer = OpTimer(mesh)
         ops = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ != "getitem"]
@@ -261,18 +264,9 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
     with torch.no_grad():
         results = program.forward(*flat)
         saved, tangents = results[program.num_outputs:], [torch.ones_like(r) for r in results[:program.num_outputs]]
-        programs = _median_s_alone(lambda: program.forward(*flat)) + _median_s_alone(lambda: program.backward(*saved, *tangents))
-    return len(state), max(0.0, _median_s_alone(step) - programs)
-
-
-def _median_s_alone(fn, repeats: int = 20, warmup: int = 3) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        started = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        programs = (_median_s(lambda: program.forward(*flat), 20, 3, together=False)
+                    + _median_s(lambda: program.backward(*saved, *tangents), 20, 3, together=False))
+    return len(state), max(0.0, _median_s(step, 20, 3, together=False) - programs)
 
 
 # Ops of the shapes training graphs are made of: skinny and square matmuls, elementwise ops

@@ -89,7 +89,8 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     space = propagate(captured, mesh, pins=parsed, fallback=fallback)
     t1 = time.perf_counter()
     costs = CostModel(captured, mesh, profile, bucket_bytes=bucket_bytes)
-    node_costs = costs.node_costs(space)
+    compute = costs.compute_costs(space)
+    node_costs = costs.node_costs(space, compute)
     t2 = time.perf_counter()
     memory = memory_terms(space, costs)
     activations = activation_space(captured, space, costs, recompute)
@@ -106,7 +107,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
                          budget_bytes=solver_budget, shared=shared, activations=activations,
                          choose_recompute=chooses, time_limit_s=solver_time_limit_s)
         solved = time.perf_counter()
-        plan = build_plan(captured, space, solution, costs, memory, activations, hardware_name=profile.name,
+        plan = build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
                           pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
         planned = time.perf_counter()
         live = plan_liveness(captured, plan)

@@ -60,15 +60,12 @@ class CostModel:
         seconds = self.timer.node_s(node, strategy)
         return None if seconds is None else (seconds + self.hardware.node_overhead_s) * self.hardware.contention
 
-    def node_costs(self, space: StrategySpace) -> dict[str, list[float]]:
-        """Node → seconds under each of its strategies: compute, and the all-reduces of an op
-        that splits a dim it reduces (:meth:`split_steps`)."""
-        costs = self.compute_costs(space)
-        for n in space.nodes:
-            if n.kind == "op":
-                costs[n.name] = [c + sum(self.step_s(s) for s in self.split_steps(n.name, strategy))
-                                 for c, strategy in zip(costs[n.name], n.strategies)]
-        return costs
+    def node_costs(self, space: StrategySpace, compute: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Node → seconds under each of its strategies: its ``compute`` (:meth:`compute_costs`),
+        and the all-reduces of an op that splits a dim it reduces (:meth:`split_steps`)."""
+        return {n.name: [c + sum(self.step_s(s) for s in self.split_steps(n.name, strategy)) if n.kind == "op" else c
+                         for c, strategy in zip(compute[n.name], n.strategies)]
+                for n in space.nodes}
 
     def split_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
         """The all-reduces node ``name`` makes itself under ``strategy``, when the strategy

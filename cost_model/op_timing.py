@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import local_shape
-from autopar.passes.rewrite import local_call
+from autopar.passes.rewrite import local_call, piece_of
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy
 
@@ -37,10 +37,10 @@ _BATCH_S = 2e-4
 
 
 class _Alone:
-    """A :class:`~autopar.passes.rules.Split` for timing: the piece's local work, no peers."""
+    """A :class:`~autopar.passes.rules.Split` for timing: the first rank's piece, no peers."""
 
-    def __init__(self, size: int):
-        self.offset, self.size = 0, size
+    def __init__(self, offset: int, size: int):
+        self.offset, self.size = offset, size
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         return t
@@ -73,7 +73,9 @@ class OpTimer:
 
         try:
             with torch.no_grad():
-                call = local_call(node, local, strategy, self.mesh, lambda axes, whole: _Alone(whole // _ways(axes, self.mesh)))
+                first = (0,) * self.mesh.ndim
+                call = local_call(node, local, strategy, self.mesh,
+                                  lambda axes, whole: _Alone(*piece_of(whole, axes, self.mesh, first)))
                 started = time.perf_counter()
                 call()
                 once = max(time.perf_counter() - started, 1e-7)
@@ -97,6 +99,3 @@ def _like(whole: torch.Tensor, shape) -> torch.Tensor:
     t = torch.empty_permuted(shape, order, dtype=whole.dtype)
     return t.uniform_() if whole.dtype.is_floating_point else t.zero_()
 
-
-def _ways(axes: tuple[int, ...], mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in axes)

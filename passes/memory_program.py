@@ -10,7 +10,7 @@ device and keeps it under the budget::
 ``m_n,k`` is the memory node ``n`` holds for the whole step under strategy ``k`` (a parameter's
 piece with its gradient and optimizer state, or a forward value the backward reads) and
 ``o_n,k`` the size of its outputs. When the solver finds no plan under the budget in time, the
-budget row is dropped and memory priced in the objective instead (:func:`_priced_memory`).
+budget row is dropped and memory priced in the objective instead (:func:`priced_memory`).
 
 With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
 (``K_n``) or recomputed (``R_n``), both binary, and the saved activations leave ``m``::
@@ -32,22 +32,22 @@ from collections import defaultdict
 from ortools.linear_solver import pywraplp
 
 from autopar.cost_model.estimate import MemoryTerms
-from autopar.passes.mip import _MEMORY_SCALE, _SCALE, _solve_before_deadline
+from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace
 
 
-def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
+def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
                    activations: tuple | None):
     """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
     is a variable at least every op's output size under its chosen strategy. ``activations``
-    (the space, kept and recomputed megabytes of :func:`_keep_or_recompute`) replaces the
+    (the space, kept and recomputed megabytes of :func:`keep_or_recompute`) replaces the
     activations of the forward ops."""
     coefs: dict = defaultdict(float)
     exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
     for name, sizes in memory.summed(exclude).items():
         for k, terms in enumerate(ind[name]):
             for var in terms:
-                coefs[var] += sizes[k] * _MEMORY_SCALE
+                coefs[var] += sizes[k] * MEMORY_SCALE
     if activations is not None:
         _, kept_mb, recompute_mb = activations
         for var, megabytes in kept_mb.items():
@@ -57,14 +57,14 @@ def _memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float |
     for name, sizes in memory.temporaries.items():
         if name in shared:
             continue  # the same constraint as its first layer's
-        solver.Add(peak >= sum(sizes[k] * _MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
+        solver.Add(peak >= sum(sizes[k] * MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
     row = None
     if budget_bytes is not None:
-        row = solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * _MEMORY_SCALE)  # memory budget
+        row = solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * MEMORY_SCALE)  # memory budget
     return coefs, peak, row
 
 
-def _priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float):
+def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float):
     """A plan under the budget when the solver finds none in time: the budget row is dropped and
     memory priced in the objective at λ nanoseconds per megabyte, λ raised tenfold until the
     fastest plan at that price fits, then bisected (geometrically) towards the smallest price
@@ -78,7 +78,7 @@ def _priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_
     def attempt(price: float):
         for var, coef in memory_vars:
             objective.SetCoefficient(var, time_coefs[var.index()][1] + price * coef)
-        outcome = _solve_before_deadline(solver, params, max(deadline - time.perf_counter(), 1.0))
+        outcome = solve_before_deadline(solver, params, max(deadline - time.perf_counter(), 1.0))
         if outcome is None or outcome[1] is None:
             return None, float("inf")
         values = outcome[1]
@@ -86,7 +86,7 @@ def _priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_
         seconds = sum(coef * values[index] for index, (_, coef) in time_coefs.items())
         return (pywraplp.Solver.FEASIBLE, values, seconds, 0.0), used
 
-    budget_mb, best, low, high = budget_bytes * _MEMORY_SCALE, None, 0.0, None
+    budget_mb, best, low, high = budget_bytes * MEMORY_SCALE, None, 0.0, None
     price = 1.0
     while time.perf_counter() < deadline and price < 1e12:
         outcome, used = attempt(price)
@@ -107,7 +107,7 @@ def _priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_
     return best
 
 
-def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
+def keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
                        reader_moves: dict, shared: dict[str, str], costs: dict):
     """The activation constraints of the module docstring. Returns each op's recompute
     variable, the kept megabytes as ``{variable: megabytes}``, and the recomputed-megabytes
@@ -128,8 +128,8 @@ def _keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dic
         kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
         for k, size in enumerate(acts.bytes[name]):
             if size:
-                kept_mb[kept_k[k]] += size * _MEMORY_SCALE * count
-                segments[acts.segment[name]].append(size * _MEMORY_SCALE * again_k[k])
+                kept_mb[kept_k[k]] += size * MEMORY_SCALE * count
+                segments[acts.segment[name]].append(size * MEMORY_SCALE * again_k[k])
         if name in acts.extra:
             _extra_kept(solver, acts.extra[name], ind[name], again[name],
                         [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb, count)
@@ -175,7 +175,7 @@ def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: l
         solver.Add(var <= sum(group))
     solver.Add(sum(split) >= needed)
     for var, size in zip(split, sizes):
-        kept_mb[var] += size * _MEMORY_SCALE * count
+        kept_mb[var] += size * MEMORY_SCALE * count
 
 
 def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> None:
@@ -186,5 +186,5 @@ def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> Non
     work = sum(c * (1 if v is None else v) for v, c in moves)
     bound = sum(c for _, c in moves)
     extra = solver.NumVar(0.0, solver.infinity(), "")
-    solver.Add(extra >= (work - bound * (1 - again)) * _SCALE)
-    costs[extra] += count / _SCALE
+    solver.Add(extra >= (work - bound * (1 - again)) * SCALE)
+    costs[extra] += count / SCALE

@@ -10,11 +10,11 @@ from ortools.linear_solver import pywraplp
 
 from autopar.errors import InfeasiblePlanError
 
-_SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
-_MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
+SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
+MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
 
 
-def _solve_before_deadline(solver, params, deadline_s: float):
+def solve_before_deadline(solver, params, deadline_s: float):
     """Run the solver in a forked child and give up at ``deadline_s``: MIP solvers honour their
     own time limit only between steps, not inside a long root relaxation. Returns ``(status,
     variable values, objective, bound)``, or ``None`` when the deadline passed."""

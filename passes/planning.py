@@ -49,13 +49,15 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
 
 
 def build_plan(captured: Captured, space: StrategySpace, solution: Solution, costs: CostModel,
-               memory: MemoryTerms, activations: ActivationSpace, *, hardware_name: str, pinned: tuple[str, ...],
-               memory_budget_bytes: int | None, stage_s: dict[str, float]) -> ShardingPlan:
+               compute: dict[str, list[float]], memory: MemoryTerms, activations: ActivationSpace, *,
+               hardware_name: str, pinned: tuple[str, ...], memory_budget_bytes: int | None,
+               stage_s: dict[str, float]) -> ShardingPlan:
+    """The plan of ``solution``; ``compute`` is each node's compute time under each strategy
+    (:meth:`~autopar.cost_model.estimate.CostModel.compute_costs`)."""
     mesh = costs.mesh
     by_name = space.index()
     choice, recomputed = solution.choice, solution.recomputed
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
-    compute = costs.compute_costs(space)
     modules = module_paths(captured)
     kept_total, recomputed_total = activation_bytes(activations, choice, recomputed)
     needed = kept_ops(activations, recomputed)

@@ -9,10 +9,11 @@ graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can 
 The backward makes its own moves: a forward value a backward op needs in other placements is
 moved again in the backward (a parameter all-gathered for the forward is all-gathered again
 for the backward, as FSDP does), so that only forward values in their own placements are kept
-between the two. An op whose strategy splits a dim it reduces or indexes (a vocabulary-parallel embedding or
-cross-entropy) runs as its :class:`~autopar.passes.rules.SplitOp` says, with the offset of the
-rank's piece and all-reduces over the axes that split the dim. Ops the plan recomputes run again when a backward op first reads them, on
-their kept operands (or operands recomputed the same way). The nodes of both carry
+between the two. An op whose strategy splits a dim it reduces or indexes (a vocabulary-parallel
+embedding or cross-entropy) runs as its :class:`~autopar.passes.rules.SplitOp` says, with the
+offset of the rank's piece and all-reduces over the axes that split the dim. Ops the plan
+recomputes run again when a backward op first reads them, on their kept operands (or operands
+recomputed the same way). The nodes of both carry
 ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the partitioner puts them in the backward.
 
 At the step's end each parameter's gradient moves into the parameter's placements; the moves
@@ -126,11 +127,7 @@ class _Rank:
 
     def split(self, axes: tuple[int, ...], whole: int) -> "_Split":
         """The rank's piece of a dim of length ``whole`` split by mesh ``axes`` (outer first)."""
-        size, offset = whole, 0
-        for axis in axes:
-            size //= self.mesh.shape[axis]
-            offset += self.coordinate[axis] * size
-        return _Split(offset, size, [self.group_names[a] for a in axes])
+        return _Split(*piece_of(whole, axes, self.mesh, self.coordinate), [self.group_names[a] for a in axes])
 
     def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step) -> list[torch.Tensor]:
         """Reduce ``pieces``, whose moves are ``steps``, with the bucket's one collective ``step``."""
@@ -143,6 +140,16 @@ class _Rank:
         rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
         mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group))
         return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+
+
+def piece_of(whole: int, axes: Sequence[int], mesh: Mesh, coordinate: Sequence[int]) -> tuple[int, int]:
+    """``(offset, size)`` of the piece of a dim of length ``whole`` that the rank at
+    ``coordinate`` holds when mesh ``axes`` split it, outer first."""
+    size, offset = whole, 0
+    for axis in axes:
+        size //= mesh.shape[axis]
+        offset += coordinate[axis] * size
+    return offset, size
 
 
 class _Split:

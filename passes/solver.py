@@ -61,8 +61,8 @@ from ortools.linear_solver import pywraplp
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.buckets import BucketShare
-from autopar.passes.memory_program import _keep_or_recompute, _memory_budget, _priced_memory
-from autopar.passes.mip import _MEMORY_SCALE, _SCALE, _solve_before_deadline
+from autopar.passes.memory_program import keep_or_recompute, memory_budget, priced_memory
+from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 from autopar.placement import Placements
@@ -116,7 +116,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     variables, and the costs of every copy add up on the shared variables.
 
     With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
-    (:func:`~autopar.passes.memory_program._memory_budget`); ``minimise="memory"`` looks for
+    (:func:`~autopar.passes.memory_program.memory_budget`); ``minimise="memory"`` looks for
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
@@ -162,20 +162,20 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     again = {}
     choosing = activations is not None and choose_recompute
     if choosing:
-        again, kept_mb, recompute_mb = _keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared, costs)
+        again, kept_mb, recompute_mb = keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared, costs)
     objective = solver.Objective()
     if memory is not None:
-        memory_coefs, peak, budget_row = _memory_budget(solver, memory, ind, budget_bytes, shared,
+        memory_coefs, peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared,
                                                         (activations, kept_mb, recompute_mb) if choosing else None)
     if minimise == "memory":
         for var, coef in memory_coefs.items():
             objective.SetCoefficient(var, coef)
         objective.SetCoefficient(peak, 1.0)
-        scale = _MEMORY_SCALE
+        scale = MEMORY_SCALE
     else:
         for var, cost in costs.items():
-            objective.SetCoefficient(var, cost * _SCALE)
-        scale = _SCALE
+            objective.SetCoefficient(var, cost * SCALE)
+        scale = SCALE
     objective.SetMinimization()
     if solver.NumVariables() > _LARGE:
         log.warning("the plan's integer program has %d variables; the solver may not finish within the time limit. "
@@ -183,11 +183,11 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     priced = budget_bytes is not None and minimise == "time"
-    outcome = _solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) + 5.0 if priced else time_limit_s * 1.1 + 5.0)
+    outcome = solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) + 5.0 if priced else time_limit_s * 1.1 + 5.0)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     if priced and status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
-        outcome = _priced_memory(solver, params, memory_coefs, peak, budget_row, budget_bytes,
+        outcome = priced_memory(solver, params, memory_coefs, peak, budget_row, budget_bytes,
                                  started + time_limit_s * 1.1 + 5.0)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started

@@ -69,7 +69,7 @@ def gather_rule(node: fx.Node) -> list[Row]:
     ``dim`` on the input, the index (and a source tensor) and the output together."""
     x = val(node.args[0])
     index = val(node.args[2])
-    dim = node.args[1] % max(x.ndim, 1)  # a 0-d tensor takes dim 0 or -1
+    dim = _gathered_dim(node)
     num_in = 3 if node.target is aten.scatter.src else 2
     rows: list[Row] = [((R,), (R,) * num_in)]
     for d in range(x.ndim):
@@ -86,7 +86,7 @@ def gather_rule(node: fx.Node) -> list[Row]:
 
 
 def _gathered_dim(node: fx.Node) -> int:
-    return node.args[1] % max(val(node.args[0]).ndim, 1)
+    return node.args[1] % max(val(node.args[0]).ndim, 1)  # a 0-d tensor takes dim 0 or -1
 
 
 @register_split(aten.gather.default, index=0, dim=_gathered_dim)

@@ -17,7 +17,7 @@ from torch import fx
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.propagate import placement_problem
-from autopar.passes.rewrite import local_call
+from autopar.passes.rewrite import local_call, piece_of
 from autopar.passes.rules import split_op, tensor_args
 from autopar.passes.strategy import Strategy
 
@@ -77,8 +77,7 @@ class RankSplit:
 
     def __init__(self, ranks: TwoRanks, rank: int, whole: int):
         self.ranks, self.rank = ranks, rank
-        self.size = whole // 2
-        self.offset = rank * self.size
+        self.offset, self.size = piece_of(whole, (0,), MESH, (rank,))
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         return self.ranks.all_reduce(self.rank, t, op)
