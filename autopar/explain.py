@@ -44,6 +44,7 @@ def plan_table(plan: ShardingPlan) -> str:
         f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
         + (f"recompute {_time(plan.recompute_s)}, " if plan.recompute_s else "")
         + f"communication {_time(plan.communication_s)}"
+        + (f", offload {_time(plan.offload_s)}" if plan.offload_s else "")
         + (f", step overhead {_time(plan.overhead_s)}" if plan.overhead_s else "")
         + f"); peak memory per device {format_bytes(plan.peak_memory_bytes)}"
         + (" by the per-rank program's liveness" if mem.liveness_peak_bytes else "")
@@ -51,6 +52,7 @@ def plan_table(plan: ShardingPlan) -> str:
         f"(params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
         f"activations {format_bytes(mem.activations_bytes)}, recomputed {format_bytes(mem.recomputed_bytes)}, "
         f"temporaries {format_bytes(mem.transient_bytes)})"
+        + (f"; in host memory {format_bytes(mem.host_bytes)}" if mem.host_bytes else "")
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables"
@@ -61,7 +63,12 @@ def plan_table(plan: ShardingPlan) -> str:
         "",
         "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else ""),
     ]
-    lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
+    if plan.host_optimizer:
+        lines += _table(["name", "placements", "optimizer state"],
+                        [[k, "(" + ", ".join(v) + ")", "host" if k in plan.host_optimizer else "-"]
+                         for k, v in plan.placements.items()])
+    else:
+        lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
     lines += ["", "Inputs"]
     lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
     heavy = [n for n in plan.nodes if any(h in n.op for h in _HEAVY)]
@@ -70,8 +77,9 @@ def plan_table(plan: ShardingPlan) -> str:
                     [[n.module or "-", n.op.removeprefix("aten.").removesuffix(".default"), n.name, n.phase,
                       " ".join(n.inputs), str(n.outputs[0]), _time(n.compute_s)]
                      for n in heavy])
-    lines += ["", "Activations by layer (kept from the forward, or recomputed in the backward)"]
-    lines += _table(["layer", "kept", "recomputed", "ops recomputed", "recompute time"], activation_rows(plan))
+    lines += ["", "Activations by layer (kept from the forward, recomputed in the backward, or offloaded to host memory)"]
+    lines += _table(["layer", "kept", "recomputed", "offloaded", "ops recomputed", "recompute time", "ops offloaded",
+                     "copy time"], activation_rows(plan))
     lines += ["", "Collectives"]
     lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
                     [[c.kind, c.axis, c.phase, format_bytes(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
@@ -83,22 +91,28 @@ def plan_table(plan: ShardingPlan) -> str:
 
 
 def activation_rows(plan: ShardingPlan) -> list[list[str]]:
-    """Per layer (segment): bytes kept and recomputed per device, how many ops are recomputed,
-    and what recomputing them costs (their compute and the collectives made again)."""
+    """Per layer (segment): bytes kept, recomputed and offloaded per device, how many ops are
+    recomputed and what recomputing them costs (their compute and the collectives made again),
+    how many are offloaded and how long their copies to the host and back take."""
     rows: dict[str, list] = {}
     segment = {n.name: segment_of(n.module) for n in plan.nodes}
+    column = {"keep": 0, "recompute": 1, "offload": 2}
     for n in plan.nodes:
         if n.activation:
-            row = rows.setdefault(segment[n.name], [0, 0, 0, 0.0])
-            row[0 if n.activation == "keep" else 1] += n.activation_bytes
+            row = rows.setdefault(segment[n.name], [0, 0, 0, 0, 0.0, 0, 0.0])
+            row[column[n.activation]] += n.activation_bytes
             if n.activation == "recompute":
-                row[2] += 1
-                row[3] += n.compute_s
+                row[3] += 1
+                row[4] += n.compute_s
+            elif n.activation == "offload":
+                row[5] += 1
+                row[6] += n.copy_s
     for c in plan.collectives:
         if c.phase == "recompute":
-            rows.setdefault(segment.get(c.consumer, ""), [0, 0, 0, 0.0])[3] += c.time_s
-    return [[name or "(root)", format_bytes(kept), format_bytes(again), str(count), _time(time_s)]
-            for name, (kept, again, count, time_s) in rows.items()]
+            rows.setdefault(segment.get(c.consumer, ""), [0, 0, 0, 0, 0.0, 0, 0.0])[4] += c.time_s
+    return [[name or "(root)", format_bytes(kept), format_bytes(again), format_bytes(away), str(count), _time(time_s),
+             str(copies), _time(copy_s)]
+            for name, (kept, again, away, count, time_s, copies, copy_s) in rows.items()]
 
 
 def annotated_graph(plan: ShardingPlan) -> str:

@@ -8,7 +8,7 @@ from typing import Mapping
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +53,12 @@ class NodePlan:
     """Placements required on each tensor input."""
     compute_s: float
     activation: str = ""
-    """For a forward op whose outputs the backward needs: ``keep`` or ``recompute``."""
+    """For a forward op whose outputs the backward needs: ``keep``, ``recompute`` or
+    ``offload`` (to host memory until the backward reads them)."""
     activation_bytes: int = 0
     """Per-device bytes of the outputs that choice concerns."""
+    copy_s: float = 0.0
+    """For an offloaded op: seconds of copying those bytes to host memory and back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +85,10 @@ class MemoryEstimate:
     transient_bytes: int
     """The largest single temporary of the step."""
     recomputed_bytes: int = 0
-    """Recomputed activations alive at once in the backward (one segment's)."""
+    """Recomputed or reloaded activations alive at once in the backward (one segment's)."""
+    host_bytes: int = 0
+    """Bytes per device kept in host memory instead: offloaded activations and optimizer
+    state (not part of the device's peak)."""
     liveness_peak_bytes: int = 0
     """The peak of the per-rank program itself, every tensor alive from the op making it to its
     last reader (:mod:`autopar.cost_model.liveness`); 0 when not measured."""
@@ -136,6 +142,13 @@ class ShardingPlan:
     overhead_s: float = 0.0
     """Time per step of the work around the per-rank program (autograd, one gradient per
     parameter), as the hardware profile measured it."""
+    offload_s: float = 0.0
+    """Time of offloading: activations copied back to the device (and copied out where the
+    forward does not hide it), and the gradients out, parameters back and host update of
+    optimizer state stepped on the host."""
+    host_optimizer: tuple[str, ...] = ()
+    """Parameters whose optimizer state lives in host memory, stepped there
+    (:meth:`autopar.runtime.module.ParallelModule.optimizer` builds that optimizer)."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -143,9 +156,9 @@ class ShardingPlan:
 
     @property
     def predicted_step_s(self) -> float:
-        """Modelled time of one training step (compute, recomputation, communication and the
-        step's overhead, no overlap)."""
-        return self.compute_s + self.recompute_s + self.communication_s + self.overhead_s
+        """Modelled time of one training step (compute, recomputation, communication, offload
+        and the step's overhead, no overlap but for activations copied out in the forward)."""
+        return self.compute_s + self.recompute_s + self.communication_s + self.overhead_s + self.offload_s
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -181,6 +194,8 @@ class ShardingPlan:
             "stage_s": dict(self.stage_s),
             "recompute_s": self.recompute_s,
             "overhead_s": self.overhead_s,
+            "offload_s": self.offload_s,
+            "host_optimizer": list(self.host_optimizer),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -211,11 +226,13 @@ class ShardingPlan:
             stage_s=data["stage_s"],
             recompute_s=data["recompute_s"],
             overhead_s=data["overhead_s"],
+            offload_s=data["offload_s"],
+            host_optimizer=tuple(data["host_optimizer"]),
         )
 
     def _decisions(self) -> tuple:
         return (self.mesh, self.hardware, self.links, self.graph_hash, tuple(self.placements.items()),
-                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes)
+                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes, self.host_optimizer)
 
     def __eq__(self, other) -> bool:
         """Plans are equal when they make the same decisions (solve time aside)."""

@@ -93,7 +93,8 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     node_costs = costs.node_costs(space, compute)
     t2 = time.perf_counter()
     memory = memory_terms(space, costs)
-    activations = activation_space(captured, space, costs, recompute)
+    host = costs.host()
+    activations = activation_space(captured, space, costs, recompute, offload=host is not None)
     chooses = budget is not None or recompute == "layers"
     shared = _shared_layers(captured, space, node_costs, memory, share_layers)
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
@@ -105,7 +106,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
         solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
                          one_step_moves=costs.one_step_moves, memory=memory if budget else None,
                          budget_bytes=solver_budget, shared=shared, activations=activations,
-                         choose_recompute=chooses, time_limit_s=solver_time_limit_s)
+                         choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s)
         solved = time.perf_counter()
         plan = build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
                           pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
@@ -117,7 +118,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
         result, live, times = _within_budget(attempt, budget, mesh)
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
-                                               budget, mesh, shared, solver_time_limit_s)) from None
+                                               budget, mesh, shared, host, solver_time_limit_s)) from None
     result = dataclasses.replace(
         result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
         stage_s={**stages, **times})
@@ -199,11 +200,16 @@ def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: 
     return repeated_layers(captured, space, node_costs, memory)
 
 
-def _over_budget(space, node_costs, costs, memory, activations, budget: int, mesh: Mesh, shared, time_limit_s: float) -> str:
-    """Why no plan fits: the least memory any plan reaches, by part, and what would fit."""
+def _over_budget(space, node_costs, costs, memory, activations, budget: int, mesh: Mesh, shared, host,
+                 time_limit_s: float) -> str:
+    """Why no plan fits: the least memory any plan reaches (offloading all it can), by part,
+    and what would fit."""
     least = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, one_step_moves=costs.one_step_moves,
-                  memory=memory, minimise="memory", shared=shared, activations=activations, time_limit_s=time_limit_s)
-    est = memory.estimate(least.choice, (frozenset(activations.nodes), *activation_bytes(activations, least.choice, least.recomputed)))
+                  memory=memory, minimise="memory", shared=shared, activations=activations, host=host,
+                  time_limit_s=time_limit_s)
+    est = memory.estimate(least.choice, (frozenset(activations.nodes),
+                                         *activation_bytes(activations, least.choice, least.recomputed, least.offloaded)),
+                          least.host_optimizer)
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}
     largest = max(parts, key=parts.get)
@@ -211,7 +217,8 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
     if state >= budget:
         over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
     else:
-        over = f"the {largest} ({format_bytes(parts[largest])}) do not fit in what the rest leaves"
+        over = (f"the {largest} ({format_bytes(parts[largest])}) {'does' if largest == 'optimizer state' else 'do'} "
+                "not fit in what the rest leaves")
     factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
     return (
         f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cost_model.compute import compute_s, node_work
-from autopar.cost_model.hardware import Profile, mesh_links
+from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer
 from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucketed_step, latency_s
@@ -47,6 +47,12 @@ class CostModel:
             work = node_work(node)
             costs[n.name] = [self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
         return costs
+
+    def host(self) -> Host | None:
+        """What offloading to host memory costs,
+        or ``None`` when the profile has no host link (a CPU computes in host memory)."""
+        link = getattr(self.hardware, "host_link", None)
+        return None if link is None else Host(link, self.hardware.host_update_s)
 
     def step_overhead_s(self, num_params: int) -> float:
         """The profile's time per step around the per-rank program, for ``num_params``
@@ -140,16 +146,19 @@ class MemoryTerms:
                 total[name] = [a + b for a, b in zip(total.get(name, [0.0] * len(sizes)), sizes)]
         return total
 
-    def estimate(self, choice: dict[str, int], activations: tuple[frozenset[str], int, int] | None = None) -> MemoryEstimate:
-        """The parts under ``choice``. ``activations`` = (ops priced by a keep-or-recompute
-        choice, their kept bytes, their recomputed bytes) replaces those ops' activations."""
+    def estimate(self, choice: dict[str, int], activations: tuple[frozenset[str], int, int, int] | None = None,
+                 host_optimizer: frozenset[str] = frozenset()) -> MemoryEstimate:
+        """The parts under ``choice``. ``activations`` = (ops priced by a keep, recompute or
+        offload choice, their kept, recomputed and offloaded bytes) replaces those ops'
+        activations; the optimizer state of the ``host_optimizer`` parameters is in host memory."""
         def total(part, exclude=frozenset()):
             return int(sum(sizes[choice[name]] for name, sizes in part.items() if name not in exclude))
 
         temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items()), default=0)
-        chosen, kept, recomputed = activations if activations is not None else (frozenset(), 0, 0)
-        return MemoryEstimate(total(self.params), total(self.grads), total(self.optimizer),
-                              total(self.activations, chosen) + kept, int(temporaries), recomputed)
+        chosen, kept, recomputed, offloaded = activations if activations is not None else (frozenset(), 0, 0, 0)
+        on_host = total(self.optimizer) - total(self.optimizer, host_optimizer)
+        return MemoryEstimate(total(self.params), total(self.grads), total(self.optimizer, host_optimizer),
+                              total(self.activations, chosen) + kept, int(temporaries), recomputed, offloaded + on_host)
 
 
 def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = 2) -> MemoryTerms:

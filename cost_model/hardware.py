@@ -7,6 +7,7 @@ and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and second
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +36,19 @@ class Link:
             if name == kind:
                 return alpha, beta
         return self.latency_s, self.s_per_byte
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """What offloading to host memory costs: the device-host copy ``link``, and the seconds the
+    host takes to step optimizer state, from the bytes the step reads and writes (``None``
+    when unknown: optimizer state then stays on the device)."""
+
+    link: Link
+    update_s: Callable[[float], float | None]
+
+    def copy_s(self, nbytes: float) -> float:
+        return self.link.latency_s + nbytes * self.link.s_per_byte
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,9 +92,20 @@ class HardwareProfile:
     """How many times slower an op runs while every rank of the host computes than while one
     does (ranks sharing cores or memory bandwidth); multiplies the timed ops, which are timed
     on one rank."""
+    host_link: Link | None = None
+    """The copy link between a device and its host's memory (PCIe), for offloading activations
+    and optimizer state; ``None`` where the device computes in host memory (a CPU), so that
+    offloading would save nothing."""
+    host_memory_bytes_per_s: float = 0.0
+    """Host-memory bandwidth per device, which an optimizer step run on the host is bound by."""
 
     def compute_s(self, flops: float, bytes_moved: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, bytes_moved / self.memory_bytes_per_s) / self.efficiency
+
+    def host_update_s(self, bytes_moved: float) -> float | None:
+        """Seconds the host takes to read and write ``bytes_moved`` bytes of optimizer state
+        (``None`` when the profile does not know its host's bandwidth)."""
+        return bytes_moved / self.host_memory_bytes_per_s if self.host_memory_bytes_per_s > 0 else None
 
     def link(self, mesh: Mesh, axis: int) -> Link:
         inner = 1
@@ -109,9 +134,16 @@ class SyntheticProfile:
     """β of every axis, or one per axis."""
     memory_bytes: int = 80 * 2**30
     """Device memory."""
+    host_link: Link | None = None
+    """The device-to-host copy link; ``None``: nothing is offloaded."""
+    host_s_per_byte_memory: float = 0.0
+    """Seconds per byte an optimizer step on the host reads or writes."""
 
     def compute_s(self, flops: float, bytes_moved: float) -> float:
         return flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
+
+    def host_update_s(self, bytes_moved: float) -> float | None:
+        return bytes_moved * self.host_s_per_byte_memory
 
     def link(self, mesh: Mesh, axis: int) -> Link:
         beta = self.s_per_byte
@@ -125,20 +157,26 @@ class SyntheticProfile:
 
 
 # Figures: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 at
-# 450 GB/s per direction, 80 GB) and ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU).
+# 450 GB/s per direction, 80 GB), ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU), PCIe
+# Gen5 x16 to the host (64 GB/s per direction, about 50 GB/s for pinned copies) and the DGX
+# H100's two Xeon 8480C sockets (8 channels of DDR5-4800 each, 614 GB/s for 8 GPUs).
 H100 = HardwareProfile(
     name="h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, efficiency=0.6,
     memory_bytes=80 * 10**9, devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 450e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 50e9),
+    host_link=Link(latency_s=10e-6, s_per_byte=1 / 50e9), host_memory_bytes_per_s=614e9 / 8,
 )
 # NVIDIA A100 SXM4 80 GB datasheet (312 TFLOP/s dense BF16, 2.04 TB/s HBM2e, NVLink 3 at
-# 300 GB/s per direction) and HDR InfiniBand (200 Gb/s = 25 GB/s per GPU).
+# 300 GB/s per direction), HDR InfiniBand (200 Gb/s = 25 GB/s per GPU), PCIe Gen4 x16 (32 GB/s
+# per direction, about 25 GB/s pinned) and the DGX A100's two EPYC 7742 sockets (8 channels of
+# DDR4-3200 each, 410 GB/s for 8 GPUs).
 A100 = HardwareProfile(
     name="a100", flops_per_s=312e12, memory_bytes_per_s=2.04e12, efficiency=0.6,
     memory_bytes=80 * 10**9, devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 300e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
+    host_link=Link(latency_s=10e-6, s_per_byte=1 / 25e9), host_memory_bytes_per_s=410e9 / 8,
 )
 # A small CPU host running gloo over loopback; order-of-magnitude figures for a 2-core VM.
 CPU = HardwareProfile(
@@ -192,6 +230,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     if data.get("format") != "autopar-hardware-profile" or data.get("version") != 1:
         raise ValueError(f"{path} is not an autopar hardware profile (version 1); write one with `autopar calibrate`")
     fields = dict(data["profile"])
-    for tier in ("intra_host", "inter_host"):
-        fields[tier] = Link.from_dict(fields[tier])
+    for tier in ("intra_host", "inter_host", "host_link"):
+        if fields.get(tier) is not None:
+            fields[tier] = Link.from_dict(fields[tier])
     return HardwareProfile(**fields)

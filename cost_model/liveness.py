@@ -5,7 +5,8 @@ recomputed activations, the largest temporary). The program a rank runs is known
 plan exists: this module walks its forward and backward graphs (traced on fake tensors) as the
 runtime runs them, a tensor alive from the op that makes it to the last op that reads it or
 any view of it, forward results and saved tensors until the backward is done, gradients until
-the optimizer has stepped. Storages are counted once however many views look into them.
+the optimizer has stepped. Storages are counted once however many views look into them; copies
+offloaded to host memory are not device memory, nor is optimizer state stepped on the host.
 """
 
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.runtime.offload import OFFLOAD_OPS
 
 _ALIASES = {torch.ops._c10d_functional.wait_tensor.default}
 """Ops whose result is their input (a collective's result is the buffer it was launched into)."""
@@ -32,14 +35,16 @@ class Liveness:
 
 
 def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list[str], *,
-                  optimizer_slots: int = 2) -> Liveness:
+                  optimizer_slots: int = 2, on_host: list[bool] | None = None) -> Liveness:
     """The peaks of one step of a partitioned per-rank program (see
     :func:`autopar.runtime.partition.partition`). ``kinds`` says what each input of the forward
     graph is: ``"param"``, ``"buffer"`` or ``"input"`` (a piece of the batch, alive for the
     step). Each parameter has ``optimizer_slots`` optimizer states (2 for Adam), alive
-    throughout; the optimizer step itself holds about two of the largest parameter."""
+    throughout, unless ``on_host`` marks it stepped on the host; the optimizer step itself
+    holds about two of the largest parameter stepped on the device."""
     sizes = [sum(n for _, n in _keys(node.meta.get("val"))) for node in forward.graph.nodes if node.op == "placeholder"]
-    params = [n for n, kind in zip(sizes, kinds) if kind == "param"]
+    on_host = on_host or [False] * len(kinds)
+    params = [n for n, kind, host in zip(sizes, kinds, on_host) if kind == "param" and not host]
     resident = sum(sizes) + optimizer_slots * sum(params)
     forward_peak, kept = _run(forward)
     backward_peak, grads = _run(backward)
@@ -66,6 +71,8 @@ def _run(gm: fx.GraphModule) -> tuple[int, int]:
             external.update(k for k, _ in storage[node])
         elif node.op == "call_function" and node.target in _ALIASES:
             storage[node] = storage.get(node.args[0], [])
+        elif node.op == "call_function" and node.target in OFFLOAD_OPS:
+            storage[node] = []
         elif node.op == "call_function":
             storage[node] = _keys(node.meta.get("val"))
     last: dict = {}
@@ -105,4 +112,6 @@ def plan_liveness(captured, plan) -> Liveness:
     joint = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=[f"planning-{a}" for a in mesh.axis_names])
     parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
                       [None if k is None else k.kind == "grad" for k in captured.outputs])
-    return step_liveness(parts.forward, parts.backward, [k.kind for k in captured.inputs if k.kind != "tangent"])
+    state = [k for k in captured.inputs if k.kind != "tangent"]
+    return step_liveness(parts.forward, parts.backward, [k.kind for k in state],
+                         on_host=[k.name in plan.host_optimizer for k in state])

@@ -13,17 +13,27 @@ piece with its gradient and optimizer state, or a forward value the backward rea
 budget row is dropped and memory priced in the objective instead (:func:`priced_memory`).
 
 With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
-(``K_n``) or recomputed (``R_n``), both binary, and the saved activations leave ``m``::
+(``K_n``), recomputed (``R_n``) or offloaded to host memory (``O_n``), all binary, and the saved
+activations leave ``m``::
 
-                K_n + R_n ≥ 1                for every op the backward reads
-                K_u + R_u ≥ R_n              for every operand u of n in n's segment
+                K_n + R_n + O_n ≥ 1          for every op the backward reads
+                K_u + R_u + O_u ≥ R_n        for every operand u of n in n's segment
                 K_u ≥ R_n                    for every operand u of n in another segment
                 K_u ≥ K_n                    for every view n of u (a view's bytes are u's)
-                k_n,j ≤ x_n,j,  Σ_j k_n,j = K_n,   r_n,j ≤ x_n,j,  Σ_j r_n,j = R_n   (by strategy j)
-                Q ≥ Σ_(n ∈ S) Σ_j b_n,j · r_n,j      for every segment S (one is recomputed at a time)
+                k_n,j ≤ x_n,j,  Σ_j k_n,j = K_n   (by strategy j; likewise r_n,j and o_n,j)
+                Q ≥ Σ_(n ∈ S) Σ_j b_n,j · (r_n,j + o_n,j)   for every segment S (one segment's
+                                                 recomputed or reloaded values are alive at a time)
                 E_n ≥ (moves of n's operands) − C_n · (1 − R_n)
+                U_S ≥ Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ S) Σ_k c_n,k · x_n,k,   U_S ≥ 0
                 Σ_n Σ_j b_n,j · k_n,j + Q enter the memory budget,
-                Σ_n Σ_j c_n,j · r_n,j + E_n the objective
+                Σ_n Σ_j (c_n,j · r_n,j + t_n,j · o_n,j) + E_n + Σ_S U_S the objective
+
+``t_n,j`` is the time of copying op n's held bytes over the host link one way. The copy back
+before the backward reads them is charged whole; the copy out runs beside the forward, and only
+what the segment's forward compute does not cover (``U_S``) is charged. With optimizer offload
+(ZeRO-Offload), a parameter's optimizer state may live in host memory (``H_p``, binary), where
+the host steps it: its bytes leave the budget, and its gradient's copy out, its parameter's
+copy back and the host's update enter the objective.
 """
 
 import time
@@ -31,18 +41,20 @@ from collections import defaultdict
 
 from ortools.linear_solver import pywraplp
 
+from autopar.cost_model.hardware import Host
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace
 
 
 def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
-                   activations: tuple | None):
+                   activations: tuple | None, host_optimizer_mb: dict | None = None):
     """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
     is a variable at least every op's output size under its chosen strategy. ``activations``
     (the space, kept and recomputed megabytes of :func:`keep_or_recompute`) replaces the
-    activations of the forward ops."""
-    coefs: dict = defaultdict(float)
+    activations of the forward ops; ``host_optimizer_mb`` (of :func:`host_optimizer`) takes
+    optimizer state moved to the host off."""
+    coefs: dict = defaultdict(float, host_optimizer_mb or {})
     exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
     for name, sizes in memory.summed(exclude).items():
         for k, terms in enumerate(ind[name]):
@@ -108,28 +120,32 @@ def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_b
 
 
 def keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
-                       reader_moves: dict, shared: dict[str, str], costs: dict):
-    """The activation constraints of the module docstring. Returns each op's recompute
-    variable, the kept megabytes as ``{variable: megabytes}``, and the recomputed-megabytes
-    variable ``Q``."""
-    copies: dict[str, int] = defaultdict(int)
-    for first in shared.values():
-        copies[first] += 1
+                       reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
+    """The activation constraints of the module docstring, with offload when ``host`` is
+    given. Returns each op's recompute and offload variables, the kept megabytes as
+    ``{variable: megabytes}``, and the recomputed-megabytes variable ``Q``."""
+    copies = _copies(shared)
     by_reader: dict[str, list] = defaultdict(list)
     for (reader, _), terms in reader_moves.items():
         by_reader[reader].extend(terms)
     own = [name for name in acts.nodes if name not in shared]
     keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
     again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
+    away = {name: solver.IntVar(0, 1 if host is not None and name in acts.offloadable else 0, "") for name in own}
     kept_mb: dict = defaultdict(float)
     segments: dict[str, list] = defaultdict(list)
+    copied_out: dict[str, list] = defaultdict(list)  # per segment: nanoseconds of the copies out
     for name in own:
         count = 1 + copies[name]
         kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
+        away_k = _per_strategy(solver, ind[name], away[name]) if away[name].ub() else [0] * len(ind[name])
         for k, size in enumerate(acts.bytes[name]):
             if size:
                 kept_mb[kept_k[k]] += size * MEMORY_SCALE * count
-                segments[acts.segment[name]].append(size * MEMORY_SCALE * again_k[k])
+                segments[acts.segment[name]].append(size * MEMORY_SCALE * (again_k[k] + away_k[k]))
+                if away[name].ub():
+                    costs[away_k[k]] += count * host.copy_s(size)  # copied back, before the backward reads it
+                    copied_out[acts.segment[name]].append(count * host.copy_s(size) * SCALE * away_k[k])
         if name in acts.extra:
             _extra_kept(solver, acts.extra[name], ind[name], again[name],
                         [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb, count)
@@ -137,19 +153,53 @@ def keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
             _recompute_moves(solver, by_reader[name], again[name], count, costs)
+    for segment, terms in copied_out.items():
+        work = [(1 + copies[name]) * node_costs[name][k] * SCALE * var for name in own if acts.segment[name] == segment
+                for k, group in enumerate(ind[name]) for var in group]  # nanoseconds of the segment's forward compute
+        exposed = solver.NumVar(0.0, solver.infinity(), "")
+        solver.Add(exposed >= sum(terms) - sum(work))  # the copies out that the segment's forward does not cover
+        costs[exposed] += 1 / SCALE
     for name in acts.nodes:
-        k, r = keep[shared.get(name, name)], again[shared.get(name, name)]
-        solver.Add(k + r >= (1 if name in acts.saved else 0))  # the backward finds it kept or recomputes it
+        k, r, o = keep[shared.get(name, name)], again[shared.get(name, name)], away[shared.get(name, name)]
+        solver.Add(k + r + o >= (1 if name in acts.saved else 0))  # the backward finds it kept, recomputes or reloads it
         for operand in acts.operands[name]:
-            k_u, r_u = keep[shared.get(operand, operand)], again[shared.get(operand, operand)]
-            solver.Add(k_u + (0 if acts.crosses(name, operand) else r_u) >= r)  # a recomputed op's operands are at hand
+            u = shared.get(operand, operand)
+            solver.Add(keep[u] + (0 if acts.crosses(name, operand) else again[u] + away[u]) >= r)  # a recomputed op's operands are at hand
         if name in acts.views:
             base = acts.views[name]
             solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
     recompute_mb = solver.NumVar(0.0, solver.infinity(), "recomputed_activations")
     for members in segments.values():
         solver.Add(recompute_mb >= sum(members))  # one segment is recomputed at a time
-    return again, kept_mb, recompute_mb
+    return again, away, kept_mb, recompute_mb
+
+
+def host_optimizer(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict):
+    """``H_p`` of the module docstring for every parameter: its optimizer state in host memory,
+    stepped there. Returns ``{parameter: H_p}`` and the megabytes it takes off the device as
+    ``{variable: −megabytes}``."""
+    copies = _copies(shared)
+    chosen, saved_mb = {}, {}
+    for name, sizes in memory.optimizer.items():
+        if name in shared:
+            continue
+        updates = [host.update_s(3 * grad + 2 * size) for grad, size in zip(memory.grads[name], sizes)]
+        if any(u is None for u in updates):
+            continue
+        chosen[name] = solver.IntVar(0, 1, "")
+        count = 1 + copies[name]
+        for k, var in enumerate(_per_strategy(solver, ind[name], chosen[name])):
+            grad = memory.grads[name][k]
+            saved_mb[var] = -sizes[k] * MEMORY_SCALE * count
+            costs[var] += count * (2 * host.copy_s(grad) + updates[k])  # gradient out, parameter back, host update
+    return chosen, saved_mb
+
+
+def _copies(shared: dict[str, str]) -> dict[str, int]:
+    copies: dict[str, int] = defaultdict(int)
+    for first in shared.values():
+        copies[first] += 1
+    return copies
 
 
 def _per_strategy(solver, terms: list[list], choice) -> list:

@@ -1,6 +1,7 @@
 """Turn the solver's choice into a :class:`~autopar.plan.ShardingPlan`."""
 
 from autopar.cost_model.estimate import CostModel, MemoryTerms
+from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
@@ -56,18 +57,23 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     (:meth:`~autopar.cost_model.estimate.CostModel.compute_costs`)."""
     mesh = costs.mesh
     by_name = space.index()
-    choice, recomputed = solution.choice, solution.recomputed
+    choice, recomputed, offloaded = solution.choice, solution.recomputed, solution.offloaded
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
     modules = module_paths(captured)
-    kept_total, recomputed_total = activation_bytes(activations, choice, recomputed)
-    needed = kept_ops(activations, recomputed)
+    kept_total, recomputed_total, offloaded_total = activation_bytes(activations, choice, recomputed, offloaded)
+    needed = kept_ops(activations, recomputed, offloaded)
 
-    def activation(name: str) -> tuple[str, int]:
+    host = costs.host()
+
+    def activation(name: str) -> tuple[str, int, float]:
         if name in recomputed:
-            return "recompute", int(activations.bytes[name][choice[name]])
+            return "recompute", int(activations.bytes[name][choice[name]]), 0.0
+        if name in offloaded:
+            size = activations.bytes[name][choice[name]]
+            return "offload", int(size), 2 * host.copy_s(size)
         if name in needed:
-            return "keep", kept_bytes(activations, name, choice, recomputed)
-        return "", 0
+            return "keep", kept_bytes(activations, name, choice, recomputed), 0.0
+        return "", 0, 0.0
 
     nodes = tuple(
         NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
@@ -92,13 +98,39 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         bucket_bytes=costs.bucket_bytes,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total)),
+        memory=memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total, offloaded_total),
+                               solution.host_optimizer),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
         recompute_s=sum(compute[name][choice[name]] for name in recomputed),
         overhead_s=costs.step_overhead_s(sum(n.kind == "param" for n in space.nodes)),
+        offload_s=offload_s(activations, solution, memory, host, {n: c[choice[n]] for n, c in compute.items()}),
+        host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),
     )
+
+
+def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None,
+              compute: dict[str, float]) -> float:
+    """Seconds per step that offloading costs, as the solver prices them
+    (:mod:`autopar.passes.memory_program`): each offloaded activation copied back, the copies
+    out that a segment's forward compute does not cover, and for each parameter stepped on
+    the host its gradient out, its piece back and the host's update."""
+    if host is None:
+        return 0.0
+    choice = solution.choice
+    out: dict[str, float] = {}
+    total = 0.0
+    for name in solution.offloaded:
+        seconds = host.copy_s(acts.bytes[name][choice[name]])
+        total += seconds
+        out[acts.segment[name]] = out.get(acts.segment[name], 0.0) + seconds
+    for segment, seconds in out.items():
+        total += max(0.0, seconds - sum(compute[n] for n in acts.nodes if acts.segment[n] == segment))
+    for name in solution.host_optimizer:
+        grad, size = memory.grads[name][choice[name]], memory.optimizer[name][choice[name]]
+        total += 2 * host.copy_s(grad) + host.update_s(3 * grad + 2 * size)
+    return total
 
 
 def _fmt(strategy: Strategy) -> tuple[str, ...]:

@@ -1,16 +1,20 @@
-"""Which forward values the backward keeps and which it recomputes.
+"""Which forward values the backward keeps, which it recomputes and which go to host memory.
 
 The backward of a training step reads forward values. Every forward op of the joint graph is
-*kept* (its outputs stay in memory from the forward until the backward has read them) or
+*kept* (its outputs stay in memory from the forward until the backward has read them),
 *recomputed* (the backward runs it again, with the collectives its operands need, just before
-the first backward op that reads it), and the solver picks one for each, with the layouts.
+the first backward op that reads it) or *offloaded* (its outputs are copied to host memory as
+soon as they are made, and copied back when a backward op first reads them), and the solver
+picks one for each, with the layouts. Offload is offered when the hardware profile has a host
+link (a GPU's PCIe); on a CPU host the device memory is the host memory.
 
 Recomputation stays inside a *segment*: one layer of a stack (``layers.3``), or else the
 top-level module an op comes from (``tok_emb``, ``head``; ``""`` for the root). A recomputed op
 reads operands of its own segment kept or recomputed, and operands of other segments kept: the
 inputs of a layer are its checkpoints, as in per-layer activation checkpointing, so a backward
 only ever holds one segment's recomputed values at a time. Ops that draw random numbers are
-never recomputed.
+never recomputed, but may be offloaded. Views are never offloaded (they hold no memory): a view
+of an offloaded op is made again in the backward, from the reloaded op.
 
 A view holds no memory of its own: keeping it keeps the op it views. A view of a parameter that
 the backward reads is always made again in the backward, from the parameter, so that a
@@ -27,10 +31,10 @@ from autopar.passes.capture import Captured, module_paths
 from autopar.passes.strategy import StrategySpace
 
 RECOMPUTE_OPTIONS = ("auto", "none", "layers")
-"""``recompute=`` on plan and compile: ``"auto"`` lets the solver recompute what the memory
-budget asks for (nothing without a budget); ``"none"`` keeps every activation; ``"layers"``
-recomputes everything inside each layer of a stack from the layer's input, as activation
-checkpointing of every block does, and decides the rest as ``"auto"``."""
+"""``recompute=`` on plan and compile: ``"auto"`` lets the solver recompute or offload what the
+memory budget asks for (nothing without a budget); ``"none"`` keeps every activation;
+``"layers"`` recomputes everything inside each layer of a stack from the layer's input, as
+activation checkpointing of every block does, and decides the rest as ``"auto"``."""
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -72,13 +76,17 @@ class ActivationSpace:
     param_views: frozenset[str]
     """Views of parameters the backward reads (a weight's transpose): always made again in the
     backward, so that a parameter gathered for the forward is not held until the backward."""
+    offloadable: frozenset[str] = frozenset()
+    """Ops whose held outputs may go to host memory (empty without a host link)."""
 
     def crosses(self, name: str, operand: str) -> bool:
         return self.segment[name] != self.segment[operand]
 
 
-def activation_space(captured: Captured, space: StrategySpace, costs: CostModel, recompute: str) -> ActivationSpace:
-    """The choices for ``space`` under the ``recompute`` option (see :data:`RECOMPUTE_OPTIONS`)."""
+def activation_space(captured: Captured, space: StrategySpace, costs: CostModel, recompute: str, *,
+                     offload: bool = False) -> ActivationSpace:
+    """The choices for ``space`` under the ``recompute`` option (see :data:`RECOMPUTE_OPTIONS`),
+    with offload to host memory when ``offload``."""
     graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
     by_name = space.index()
     paths = module_paths(captured)
@@ -110,9 +118,12 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
             extra[n.name] = sizes(n, others), tuple(sorted(readers))
     kept = {n.name: [0.0] * len(n.strategies) if n.name in views else sizes(n, held.get(n.name) or set(read_forward.get(n.name, {})))
             for n in forward}
+    offloadable = {n.name for n in forward if offload and recompute != "none" and n.name not in views
+                   and n.name not in never_kept and any(kept[n.name])}
     return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
                            operands, kept, frozenset(never_kept),
-                           {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views))
+                           {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views),
+                           frozenset(offloadable))
 
 
 def _reads(space: StrategySpace, names: set[str]) -> tuple[dict[str, set[int]], dict[str, dict[int, set[str]]]]:
@@ -184,10 +195,10 @@ def backward_param_reads(acts: ActivationSpace, space: StrategySpace) -> dict[st
     return {v: by_name[v].args[0] for v in acts.param_views if by_name[by_name[v].args[0][0]].kind == "param"}
 
 
-def kept_ops(acts: ActivationSpace, recomputed: frozenset[str]) -> set[str]:
-    """The ops whose outputs stay from the forward to the backward: those the backward reads,
-    and the operands of recomputed ops, unless recomputed themselves."""
-    kept = set(acts.saved).union(*(acts.operands[r] for r in recomputed)) - recomputed
+def kept_ops(acts: ActivationSpace, recomputed: frozenset[str], offloaded: frozenset[str] = frozenset()) -> set[str]:
+    """The ops whose outputs stay on the device from the forward to the backward: those the
+    backward reads, and the operands of recomputed ops, unless recomputed or offloaded."""
+    kept = set(acts.saved).union(*(acts.operands[r] for r in recomputed)) - recomputed - offloaded
     bases = list(kept)
     while bases:
         base = acts.views.get(bases.pop())
@@ -197,18 +208,21 @@ def kept_ops(acts: ActivationSpace, recomputed: frozenset[str]) -> set[str]:
     return kept
 
 
-def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str]) -> tuple[int, int]:
-    """``(kept, recomputed)`` bytes per device: every kept op's outputs, and the largest
-    segment's recomputed outputs (one segment's are alive at a time)."""
-    needed = kept_ops(acts, recomputed)
-    kept = 0
+def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
+                     offloaded: frozenset[str] = frozenset()) -> tuple[int, int, int]:
+    """``(kept, recomputed, offloaded)`` bytes per device: every kept op's outputs; the largest
+    segment's recomputed and reloaded outputs (one segment's are alive at a time); and the
+    offloaded outputs, which wait in host memory."""
+    needed = kept_ops(acts, recomputed, offloaded)
+    kept = host = 0
     per_segment: dict[str, float] = {}
     for name in acts.nodes:
-        if name in recomputed:
+        if name in recomputed or name in offloaded:
             per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + acts.bytes[name][choice[name]]
+            host += acts.bytes[name][choice[name]] if name in offloaded else 0
         elif name in needed:
             kept += kept_bytes(acts, name, choice, recomputed)
-    return int(kept), int(max(per_segment.values(), default=0.0))
+    return int(kept), int(max(per_segment.values(), default=0.0)), int(host)
 
 
 def kept_bytes(acts: ActivationSpace, name: str, choice: dict[str, int], recomputed: frozenset[str]) -> int:

@@ -13,8 +13,11 @@ between the two. An op whose strategy splits a dim it reduces or indexes (a voca
 embedding or cross-entropy) runs as its :class:`~autopar.passes.rules.SplitOp` says, with the
 offset of the rank's piece and all-reduces over the axes that split the dim. Ops the plan
 recomputes run again when a backward op first reads them, on their kept operands (or operands
-recomputed the same way). The nodes of both carry
-``IN_BACKWARD`` in ``node.meta["custom"]``, so that the partitioner puts them in the backward.
+recomputed the same way). The outputs of ops the plan offloads are copied to host memory as soon
+as they are made (``autopar::offload``) and copied back when a backward op or a recomputation
+first reads them (``autopar::reload``, :mod:`autopar.runtime.offload`). Backward moves,
+recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
+partitioner puts them in the backward.
 
 At the step's end each parameter's gradient moves into the parameter's placements; the moves
 that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
@@ -42,6 +45,7 @@ from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
+from autopar.runtime.offload import offload, reload
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -180,7 +184,11 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
     nodes = {n.name: n for n in graph.nodes}
     recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
+    offloaded = {n.name for n in plan.nodes if n.activation == "offload"}
     backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    to_host = {aliases.get(a.name, (a.name, 0)) for n in graph.nodes if n in backward or n.name in recomputed
+               for a in n.all_input_nodes}
+    to_host = {ref for ref in to_host if ref[0] in offloaded}  # the outputs of offloaded ops the backward reads
     grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
                if k is not None and k.kind == "grad" and isinstance(v, fx.Node)}
     gradients = [(n, grad_of[k.name]) for n, k in zip(captured.placeholders, captured.inputs)
@@ -189,6 +197,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     def per_rank(*local_inputs):
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
+        on_host: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (in backward, value, placements)
 
         def fetch(arg: fx.Node, dst: Placements, in_backward: bool = False) -> torch.Tensor:
@@ -199,6 +208,12 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             if in_backward and ref[0] in recomputed:
                 if ref not in again:
                     recompute(nodes[ref[0]])
+                t, src = again[ref]
+            elif in_backward and ref in on_host:
+                if ref not in again:
+                    with fx_traceback.annotate(IN_BACKWARD):
+                        host, layout = on_host[ref]
+                        again[ref] = reload(host, env[ref][0].device), layout
                 t, src = again[ref]
             else:
                 t, src = env[ref]
@@ -251,6 +266,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         for node in graph.nodes:
             if node.op == "call_function" and node.name not in aliases:
                 run(node, env, node in backward)
+                for ref in sorted(r for r in to_host if r[0] == node.name):
+                    t, layout = env[ref]
+                    on_host[ref] = offload(t), layout
         reduce_gradients_in_buckets()
         outputs = []
         for kind, value in zip(captured.outputs, graph.output_node().args[0]):

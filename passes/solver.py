@@ -61,7 +61,7 @@ from ortools.linear_solver import pywraplp
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.buckets import BucketShare
-from autopar.passes.memory_program import keep_or_recompute, memory_budget, priced_memory
+from autopar.passes.memory_program import Host, host_optimizer, keep_or_recompute, memory_budget, priced_memory
 from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
@@ -81,8 +81,10 @@ class Solution:
     info: SolverInfo
     recomputed: frozenset[str] = frozenset()
     """Forward ops the backward runs again instead of keeping their outputs."""
-    """Status (``"OPTIMAL"``, or ``"FEASIBLE"`` when stopped at the time limit with a plan),
-    objective, bound, time and size."""
+    offloaded: frozenset[str] = frozenset()
+    """Forward ops whose outputs wait in host memory for the backward."""
+    host_optimizer: frozenset[str] = frozenset()
+    """Parameters whose optimizer state lives in host memory and is stepped there."""
 
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
@@ -93,8 +95,8 @@ OneStepMoves = Callable[[ValueRef], Sequence[tuple[Placements, Placements, float
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
           *, gradient_s: GradientCost | None = None, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
           one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
-          activations: ActivationSpace | None = None, choose_recompute: bool = True, minimise: str = "time",
-          time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
+          activations: ActivationSpace | None = None, choose_recompute: bool = True, host: Host | None = None,
+          minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
     ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
     reads: the seconds of the move without bucket latency, and its share of a bucket when it
@@ -109,7 +111,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     ``activations`` makes the views of parameters the backward reads again in the backward
     (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
     choice of every forward op; the kept and recomputed activations then replace
-    ``memory.activations`` of those ops.
+    ``memory.activations`` of those ops. ``host`` adds, under a memory budget, offload to host
+    memory of activations (with ``choose_recompute``) and of optimizer state.
 
     ``shared`` maps nodes of repeated layers to their counterpart in the first layer
     (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
@@ -159,14 +162,19 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         else:
             _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
     _enough_buckets(solver, costs, bucket_shares)
-    again = {}
+    again, away, on_host = {}, {}, {}
     choosing = activations is not None and choose_recompute
+    offloading = host if budget_bytes is not None or minimise == "memory" else None
     if choosing:
-        again, kept_mb, recompute_mb = keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared, costs)
+        again, away, kept_mb, recompute_mb = keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared,
+                                                               costs, offloading)
+    host_mb = None
+    if memory is not None and offloading is not None:
+        on_host, host_mb = host_optimizer(solver, memory, ind, shared, offloading, costs)
     objective = solver.Objective()
     if memory is not None:
         memory_coefs, peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared,
-                                                        (activations, kept_mb, recompute_mb) if choosing else None)
+                                                        (activations, kept_mb, recompute_mb) if choosing else None, host_mb)
     if minimise == "memory":
         for var, coef in memory_coefs.items():
             objective.SetCoefficient(var, coef)
@@ -208,10 +216,14 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         name: max(range(len(terms)), key=lambda k: sum(values[v.index()] for v in terms[k]))
         for name, terms in ind.items()
     }
+    def chosen(variables: dict, names) -> frozenset[str]:
+        return frozenset(name for name in names if values[variables[shared.get(name, name)].index()] > 0.5)
+
     if choosing:
-        recomputed = frozenset(name for name in activations.nodes if values[again[shared.get(name, name)].index()] > 0.5)
+        recomputed, offloaded = chosen(again, activations.nodes), chosen(away, activations.nodes)
     else:
-        recomputed = activations.param_views if activations is not None else frozenset()
+        recomputed, offloaded = activations.param_views if activations is not None else frozenset(), frozenset()
+    on_host_params = chosen(on_host, [name for name in memory.optimizer if shared.get(name, name) in on_host]) if on_host else frozenset()
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
         objective_s=objective_value / scale,
@@ -223,7 +235,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     )
     log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
               info.num_constraints, elapsed, info.status)
-    return Solution(choice, info, recomputed)
+    return Solution(choice, info, recomputed, offloaded, on_host_params)
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:

@@ -15,6 +15,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
 from autopar.passes.rewrite import graph_collectives, placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
+from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.partition import Partitioned, partition
 from autopar.runtime.state import gather_whole, local_piece
 
@@ -64,6 +65,8 @@ class ParallelModule(torch.nn.Module):
     ``forward`` returns what the model returns, whole on every rank, and writes the new values
     of buffers the model updates in place (batch norm's running statistics) into the local
     pieces of those buffers; ``backward()`` on the result fills the local gradients.
+    :meth:`optimizer` builds the optimizer the plan was made for (with optimizer state in host
+    memory where the plan says so).
     """
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
@@ -77,6 +80,7 @@ class ParallelModule(torch.nn.Module):
         self._backend = backend
         self._planner = planner
         self._built = False
+        self._optimizer_checked = False
         if example_inputs is not None:
             self._build(tuple(example_inputs))
 
@@ -88,9 +92,25 @@ class ParallelModule(torch.nn.Module):
             raise RuntimeError("the plan is made on the first call; pass example_inputs to autopar.compile to plan earlier")
         return self._plan
 
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options) -> torch.optim.Optimizer:
+        """An optimizer of ``optimizer_class`` over this rank's parameters, with the optimizer
+        state of the parameters the plan puts in host memory (``plan.host_optimizer``) there,
+        stepped on the host (:class:`~autopar.runtime.offload.HostOptimizer`); a plain
+        ``optimizer_class(self.parameters(), **options)`` when the plan offloads none."""
+        on_host = {id(self.module.get_parameter(name)) for name in self.plan.host_optimizer}
+        self._optimizer_checked = True
+        if not on_host:
+            return optimizer_class(self.parameters(), **options)
+        return HostOptimizer(self.parameters(), on_host, optimizer_class, **options)
+
     def forward(self, *inputs):
         if not self._built:
             self._build(inputs)
+        elif self._plan.host_optimizer and not self._optimizer_checked:
+            log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer was built "
+                        "by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise keeps it on the device, "
+                        "over the plan's memory", len(self._plan.host_optimizer))
+            self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = _Step.apply(self._program, *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)

@@ -1,0 +1,110 @@
+"""Host memory for what the plan offloads: activations between the forward and the backward, and
+optimizer state stepped on the host (ZeRO-Offload).
+
+``autopar::offload`` and ``autopar::reload`` are the ops the rewriter puts into the per-rank
+graph around an offloaded activation. On CUDA the copy out goes to pinned host memory on a side
+stream, so it runs beside the forward compute that follows, and the activation's device memory is
+reused only once the copy is done; the copy back runs on the compute stream, after the copies out,
+when the backward first needs the value. On a CPU device both are plain copies: a CPU computes in
+host memory, and the planner offers offload only for profiles with a host link.
+"""
+
+import torch
+
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+@torch.library.custom_op("autopar::offload", mutates_args=())
+def offload(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` in host memory."""
+    if x.device.type != "cuda":
+        return x.clone(memory_format=torch.contiguous_format)
+    side, compute = _side_stream(x.device), torch.cuda.current_stream(x.device)
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)
+    x.record_stream(side)
+    return host
+
+
+@offload.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape, device="cpu")
+
+
+@torch.library.custom_op("autopar::reload", mutates_args=())
+def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (made by :func:`offload`) copied back to ``device``."""
+    if device.type != "cuda":
+        return host.to(device, copy=True)
+    compute = torch.cuda.current_stream(device)
+    compute.wait_stream(_side_stream(device))
+    return host.to(device, non_blocking=True)
+
+
+@reload.register_fake
+def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return host.new_empty(host.shape, device=device)
+
+
+OFFLOAD_OPS = (torch.ops.autopar.offload.default,)
+"""Ops whose results live in host memory, not on the device."""
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """An optimizer whose state for some parameters lives in host memory, stepped there.
+
+    ``params`` are the parameters (local pieces) of a :class:`~autopar.runtime.module.ParallelModule`;
+    those in ``on_host`` get a host copy (pinned on CUDA) that an inner optimizer of class
+    ``optimizer_class`` steps, with its state: each step copies their gradients to the host,
+    steps there, and copies the new values back. The other parameters are stepped on the device
+    as usual. Its ``param_groups`` are the inner optimizer's, so learning-rate schedulers work.
+    """
+
+    def __init__(self, params, on_host: set[int], optimizer_class: type[torch.optim.Optimizer], **options):
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        inner_params = []
+        for p in params:
+            if id(p) in on_host:
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda).copy_(p.detach()).requires_grad_(True)
+                self._pairs.append((p, host))
+                inner_params.append(host)
+            else:
+                inner_params.append(p)
+        self.inner = optimizer_class(inner_params, **options)
+        super().__init__(inner_params, self.inner.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    @property
+    def host_params(self) -> list[torch.Tensor]:
+        """The host copies of the parameters stepped on the host."""
+        return [host for _, host in self._pairs]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, _ in self._pairs:
+            p.grad = None
+        self.inner.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, host in self._pairs:
+            host.grad = None if p.grad is None else p.grad.to("cpu", non_blocking=p.is_cuda)
+        if any(p.is_cuda for p, _ in self._pairs):
+            torch.cuda.synchronize()
+        loss = self.inner.step(closure)
+        for p, host in self._pairs:
+            p.copy_(host, non_blocking=True)
+        return loss
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)

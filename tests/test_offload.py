@@ -1,0 +1,126 @@
+"""Offload to host memory chosen by the solver with recomputation, under one memory budget: in what
+order a tightening budget takes keep, recompute and offload, what the per-rank program does with
+an offloaded activation, and that a plan whose hardware has no host link never offloads."""
+
+import collections
+
+import pytest
+import torch
+
+import autopar
+from autopar import Mesh
+from autopar.cost_model.hardware import Link
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.passes.capture import capture
+from autopar.passes.rewrite import rewrite
+from autopar.runtime.offload import HostOptimizer
+from autopar.runtime.partition import partition
+
+ONE_DEVICE = Mesh((1,), ("x",))
+NO_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6)
+WITH_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6,
+                                     host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11)
+"""A device whose host copies (10 ps per byte) are ten times slower than its memory: recomputing
+a pointwise op is cheaper than copying its output, copying a matmul's output cheaper than
+recomputing it."""
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=32, dim=128, num_heads=4, num_layers=2)
+    return GPT(cfg), (torch.randint(0, 64, (8, 32)), torch.randint(0, 64, (8, 32)))
+
+
+def _plan(gpt, hardware=WITH_HOST, **options):
+    model, batch = gpt
+    return autopar.plan(model, ONE_DEVICE, batch, hardware=hardware, **options)
+
+
+def _chosen(plan, activation: str) -> collections.Counter:
+    return collections.Counter(n.op.split(".")[1] for n in plan.nodes if n.activation == activation and n.activation_bytes)
+
+
+@pytest.fixture(scope="module")
+def sweep(gpt):
+    """Plans under 100% (no budget), 95%, 80% and 60% of the unbudgeted plan's peak."""
+    free = _plan(gpt)
+    return [free] + [_plan(gpt, memory_budget=int(free.peak_memory_bytes * f)) for f in (0.95, 0.8, 0.6)]
+
+
+def test_without_a_budget_nothing_goes_to_the_host(sweep):
+    free = sweep[0]
+    assert not _chosen(free, "offload") and not free.host_optimizer
+    assert free.offload_s == 0 and free.memory.host_bytes == 0
+
+
+def test_tightening_the_budget_takes_recompute_then_offload_then_optimizer_state(sweep):
+    free, slightly, tighter, tightest = sweep
+    assert _chosen(slightly, "recompute")["gelu"] and not _chosen(slightly, "offload") and not slightly.host_optimizer
+    assert not _chosen(tighter, "recompute") & collections.Counter({"mm": 1, "addmm": 1})  # matmuls: offloaded instead
+    assert _chosen(tighter, "offload") & collections.Counter({"mm": 1, "addmm": 1}) and not tighter.host_optimizer
+    assert tightest.host_optimizer and _chosen(tightest, "offload")
+    for plan, fraction in zip(sweep[1:], (0.95, 0.8, 0.6)):
+        assert plan.peak_memory_bytes <= free.peak_memory_bytes * fraction
+    assert [p.predicted_step_s for p in sweep] == sorted(p.predicted_step_s for p in sweep)
+    assert tighter.offload_s > 0 and tighter.memory.host_bytes == sum(
+        n.activation_bytes for n in tighter.nodes if n.activation == "offload")
+    assert tightest.memory.host_bytes > tighter.memory.host_bytes
+
+
+def test_without_a_host_link_the_budget_only_recomputes(gpt, sweep):
+    plan = _plan(gpt, hardware=NO_HOST, memory_budget=int(sweep[0].peak_memory_bytes * 0.9))
+    assert _chosen(plan, "recompute") and not _chosen(plan, "offload") and not plan.host_optimizer
+
+
+def test_recompute_none_keeps_every_activation_on_the_device(gpt, sweep):
+    plan = _plan(gpt, memory_budget=int(sweep[0].peak_memory_bytes * 0.95), recompute="none")
+    assert not _chosen(plan, "recompute") and not _chosen(plan, "offload")
+    assert plan.host_optimizer and plan.peak_memory_bytes <= sweep[0].peak_memory_bytes * 0.95  # optimizer state moved instead
+
+
+def test_the_plan_table_and_json_carry_the_offload(sweep):
+    plan = sweep[3]
+    text = str(plan)
+    assert "offloaded" in text and "copy time" in text and "in host memory" in text and "optimizer state" in text
+    again = autopar.ShardingPlan.from_json(plan.to_json())
+    assert again == plan and again.host_optimizer == plan.host_optimizer and again.offload_s == plan.offload_s
+    assert again.memory.host_bytes == plan.memory.host_bytes
+
+
+def test_offloaded_values_leave_in_the_forward_and_come_back_in_the_backward(gpt, sweep):
+    model, batch = gpt
+    plan = sweep[2]
+    captured = capture(model, batch)
+    joint = rewrite(captured, plan, coordinate=(0,), group_names=["offload-test"])
+    parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
+                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    offload, reload = torch.ops.autopar.offload.default, torch.ops.autopar.reload.default
+
+    def count(gm, op):
+        return sum(n.target is op for n in gm.graph.nodes)
+
+    assert count(parts.forward, offload) == count(parts.backward, reload) > 0
+    assert count(parts.forward, reload) == 0 and count(parts.backward, offload) == 0
+    saved = {n.name for n in parts.forward.graph.output_node().args[0] if n is not None}
+    assert {n.name for n in parts.forward.graph.nodes if n.target is offload} <= saved  # the host copy is what is saved
+
+
+def test_the_host_optimizer_steps_as_the_plain_one():
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    twin.load_state_dict(model.state_dict())
+    host = HostOptimizer(list(model.parameters()), {id(model.weight)}, torch.optim.AdamW, lr=0.1)
+    plain = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (host, plain)]
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for m, opt in ((model, host), (twin, plain)):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()
+        for s in schedules:
+            s.step()
+    assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
+    assert host.param_groups[0]["lr"] == plain.param_groups[0]["lr"]
+    assert len(host.host_params) == 1 and set(host.state) == {host.host_params[0], model.bias}
