@@ -141,13 +141,14 @@ class _NoPlanUnderBudget(Exception):
 def _within_budget(attempt, budget: int | None, mesh: Mesh):
     """``attempt(solver_budget) -> (plan, liveness, stage times)`` under the budget by the
     program's liveness peak. The solver budgets a sum of parts, which a program may exceed: a
-    plan over the budget is solved again with the sum asked for 1.5 times the excess less, and
-    once one fits, the solver budget is bisected between the last that fit and the last that
-    did not, for the fastest plan that fits in ``LIVENESS_TRIES`` solves."""
+    plan over the budget is solved again with the sum asked for 1.5 times the excess less (or,
+    once asking for less has found no plan at all, for halfway between that and the last ask
+    over the budget), and once one fits, the solver budget is bisected between the last that
+    fit and the last that did not, for the fastest plan that fits in ``LIVENESS_TRIES`` solves."""
     if budget is None:
         return attempt(None)
     best = last = None
-    fits = fails = None
+    fits = over = infeasible = None  # the solver budgets that fit, gave a program over the budget, gave no plan
     solver_budget = float(budget)
     for _ in range(LIVENESS_TRIES):
         try:
@@ -157,9 +158,7 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
                 raise
             if last is None:
                 raise _NoPlanUnderBudget() from exc
-            fails = solver_budget
-            if fits is None:
-                break  # asking for less only gets harder
+            infeasible = solver_budget
         else:
             last = live
             if live.peak_bytes <= budget:
@@ -171,13 +170,16 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             else:
                 log.info("the program holds %s at its peak, %s over the budget: solving again",
                          format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
-                fails = solver_budget
-        if fits is None:
-            solver_budget = fails - 1.5 * ((last.peak_bytes - budget) if last and last.peak_bytes > budget else 0.05 * budget)
-        else:
-            solver_budget = (fits + min(fails, budget)) / 2
-            if min(fails, budget) - fits < 0.01 * budget:
+                over = solver_budget
+        upper = budget if over is None else min(over, budget)
+        if fits is not None:
+            if upper - fits < 0.01 * budget:
                 break
+            solver_budget = (fits + upper) / 2
+        elif infeasible is not None:
+            solver_budget = (infeasible + upper) / 2
+        else:
+            solver_budget = over - 1.5 * (last.peak_bytes - budget)
     if best is None:
         raise InfeasiblePlanError(_over_by_liveness(budget, last, mesh))
     return best

@@ -19,9 +19,11 @@ first reads them (``autopar::reload``, :mod:`autopar.runtime.offload`). Backward
 recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
 partitioner puts them in the backward.
 
-At the step's end each parameter's gradient moves into the parameter's placements; the moves
-that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
-(:mod:`autopar.passes.buckets`), the others one by one.
+Each parameter's gradient moves into the parameter's placements; the moves that are one
+all-reduce or reduce-scatter run in buckets, one collective per bucket
+(:mod:`autopar.passes.buckets`), each as soon as the backward has made all of its gradients (so
+that a split parameter's whole gradient is not held until the step's end), the others at the
+step's end, one by one.
 """
 
 from collections.abc import Callable, Sequence
@@ -40,7 +42,7 @@ from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
-from autopar.passes.buckets import bucketed_step, gradient_buckets
+from autopar.passes.buckets import Bucket, bucketed_step, gradient_buckets
 from autopar.passes.capture import Captured, backward_nodes
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
@@ -193,6 +195,19 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                if k is not None and k.kind == "grad" and isinstance(v, fx.Node)}
     gradients = [(n, grad_of[k.name]) for n, k in zip(captured.placeholders, captured.inputs)
                  if k.kind == "param" and k.name in grad_of]  # (parameter, its gradient) in parameter order
+    def phases(n: fx.Node) -> tuple[bool, ...]:  # whether n runs in the backward, in the forward, or in both
+        return (True,) if n in backward else (False, True) if n.name in recomputed else (False,)
+
+    fetched = {(in_backward, aliases.get(a.name, (a.name, 0)), p)
+               for n in graph.nodes if n.op == "call_function" and n.name not in aliases for in_backward in phases(n)
+               for a, p in zip(tensor_args(n), strategies[n.name].inputs)}  # the moves ops make for themselves
+    bucket_keys, bucket_steps, buckets = _gradient_buckets(gradients, strategies, aliases, backward, fetched, plan)
+    inputs = {n.name for n in captured.placeholders}
+    producers = [{bucket_keys[i][1][0] for i in b.members} - inputs for b in buckets]
+    filled_by: dict[str, list[int]] = {}
+    for b, names in enumerate(producers):
+        for name in names:
+            filled_by.setdefault(name, []).append(b)
 
     def per_rank(*local_inputs):
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
@@ -237,39 +252,31 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             with fx_traceback.annotate(IN_BACKWARD):
                 run(node, again, True)
 
-        def reduce_gradients_in_buckets() -> None:
-            """Make the gradient moves that go into buckets, in parameter order, one collective
-            per bucket; the outputs then find them made."""
-            pending: dict[tuple[bool, ValueRef, Placements], tuple[torch.Tensor, Step]] = {}
-            for param, value in gradients:
-                ref = aliases.get(value.name, (value.name, 0))
-                t, src = env[ref]
-                dst = strategies[param.name].outputs[0]
-                key = (value in backward, ref, dst)
-                if src == dst or key in moved or key in pending:
-                    continue
-                shape = tuple(_value(value).shape)
-                step = bucketed_step(transition(src, dst, shape, t.element_size(), t.dtype.is_floating_point,
-                                                mesh, plan.links))
-                if step is not None:
-                    pending[key] = t, step
-            keys, moves = list(pending), list(pending.values())
+        def reduce(bucket: Bucket) -> None:
+            """One bucket's collective, on its gradients as this rank made them; the
+            outputs then find their moves made."""
             with fx_traceback.annotate(IN_BACKWARD):
-                for bucket in gradient_buckets([(step, t.dtype) for t, step in moves], plan.bucket_bytes):
-                    members = [moves[i] for i in bucket.members]
-                    reduced = rank.bucket([t for t, _ in members], [step for _, step in members], bucket.step)
-                    for i, piece in zip(bucket.members, reduced):
-                        moved[keys[i]] = piece
+                reduced = rank.bucket([env[bucket_keys[i][1]][0] for i in bucket.members],
+                                      [bucket_steps[i] for i in bucket.members], bucket.step)
+            for i, piece in zip(bucket.members, reduced):
+                moved[bucket_keys[i]] = piece
 
+        left = [set(p) for p in producers]  # per bucket, the ops still to make one of its gradients
         for i, node in enumerate(captured.placeholders):
             env[node.name, 0] = local_inputs[i], layouts[i]
+        for b, names in enumerate(left):
+            if not names:
+                reduce(buckets[b])
         for node in graph.nodes:
             if node.op == "call_function" and node.name not in aliases:
                 run(node, env, node in backward)
                 for ref in sorted(r for r in to_host if r[0] == node.name):
                     t, layout = env[ref]
                     on_host[ref] = offload(t), layout
-        reduce_gradients_in_buckets()
+                for b in filled_by.get(node.name, ()):
+                    left[b].discard(node.name)
+                    if not left[b]:
+                        reduce(buckets[b])
         outputs = []
         for kind, value in zip(captured.outputs, graph.output_node().args[0]):
             if kind is None or not isinstance(value, fx.Node):
@@ -294,6 +301,28 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             f"{type(exc).__name__}: {exc}\nFix: plan again with fallback=True, or pin the failing tensor replicated"
         ) from exc
     return gm
+
+
+def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict[str, Strategy], aliases: dict,
+                      backward: set, fetched: set, plan: ShardingPlan) -> tuple[list, list[Step], list[Bucket]]:
+    """The gradient moves that go into buckets, in parameter order: each move's key
+    ``(in backward, gradient, parameter's placements)`` and collective step, and the buckets
+    (:func:`~autopar.passes.buckets.gradient_buckets`, as the plan lists them). A move that an
+    op makes for itself (``fetched``, a key of the same form) is left to that op. The rewriter
+    makes each bucket's collective as soon as the backward has made all of its gradients."""
+    pending: dict[tuple[bool, ValueRef, Placements], tuple[Step, torch.dtype]] = {}
+    for param, value in gradients:
+        ref = aliases.get(value.name, (value.name, 0))
+        src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
+        key = (value in backward, ref, dst)
+        val = _value(value)
+        if src == dst or key in pending or key in fetched:
+            continue
+        step = bucketed_step(transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
+                                        plan.mesh, plan.links))
+        if step is not None:
+            pending[key] = step, val.dtype
+    return list(pending), [step for step, _ in pending.values()], gradient_buckets(list(pending.values()), plan.bucket_bytes)
 
 
 _GRAPH_COLLECTIVES = {
