@@ -1,6 +1,11 @@
 """A plan made under a memory budget fits it on a real run: on 4 gloo ranks, the per-rank peak
 that torch's MemTracker measures over a whole AdamW step is within the budget and within 15% of
-the plan's prediction, and training matches one device."""
+the plan's prediction, and training matches one device.
+
+A plan for a device with a host link (offload) runs too. On this CPU host the host copies are in
+the same memory as the rest, so MemTracker measures the device peak and the host bytes together:
+it must come within 15% of the predicted peak plus the plan's host bytes, and training must match
+one device with the optimizer state of some parameters stepped on the host."""
 
 import copy
 
@@ -8,12 +13,16 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost_model.hardware import Link
 from autopar.examples.gpt import GPT, GPTConfig
 from tests.cases import SYNTHETIC, make_optimizer
 from tests.harness import run_ranks
 
 MESH = autopar.Mesh((4,), ("dp",))
 REPLICATED = 0.6  # the budget, as a fraction of what data parallelism (replicated parameters) needs
+WITH_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6,
+                                     host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11)
+OFFLOADING = 0.35  # the budget, as a fraction of the unbudgeted plan's peak, that splitting alone cannot meet
 
 
 def _model():
@@ -23,10 +32,7 @@ def _model():
     return model, batches
 
 
-def train_under_budget() -> dict:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    model, batches = _model()
+def _reference(model, batches) -> tuple[list[float], dict]:
     reference = copy.deepcopy(model)
     ref_opt = make_optimizer("adamw", reference.parameters())
     ref_losses = []
@@ -36,11 +42,13 @@ def train_under_budget() -> dict:
         loss.backward()
         ref_opt.step()
         ref_losses.append(float(loss))
-    data_parallel = {**{k: "S(0)" for k in ("idx", "targets")}, **{k: "R" for k, _ in model.named_parameters()}}
-    replicated = autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, pins=data_parallel).peak_memory_bytes
-    budget = int(replicated * REPLICATED)
-    pmodel = autopar.compile(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=budget)
-    opt = make_optimizer("adamw", pmodel.parameters())
+    return ref_losses, reference.state_dict()
+
+
+def _train(pmodel, opt, batches) -> tuple[list[float], int]:
+    """Losses, and the largest per-rank MemTracker peak of a whole step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     losses, peak = [], 0
     for step, batch in enumerate(batches):
         tracker = MemTracker()
@@ -52,16 +60,58 @@ def train_under_budget() -> dict:
             opt.step()
         losses.append(float(loss))
         peak = max(peak, int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
-    params, ref_params = pmodel.full_state_dict(), reference.state_dict()
-    return {"replicated": replicated, "budget": budget, "predicted": pmodel.plan.peak_memory_bytes, "measured": peak,
-            "recomputed": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in pmodel.plan.nodes),
-            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+    return losses, peak
+
+
+def _matches(pmodel, losses, ref_losses, ref_params) -> dict:
+    params = pmodel.full_state_dict()
+    return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params)}
 
 
+def train_under_budget() -> dict:
+    model, batches = _model()
+    ref_losses, ref_params = _reference(model, batches)
+    data_parallel = {**{k: "S(0)" for k in ("idx", "targets")}, **{k: "R" for k, _ in model.named_parameters()}}
+    replicated = autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, pins=data_parallel).peak_memory_bytes
+    budget = int(replicated * REPLICATED)
+    pmodel = autopar.compile(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=budget)
+    losses, peak = _train(pmodel, make_optimizer("adamw", pmodel.parameters()), batches)
+    return {"replicated": replicated, "budget": budget, "predicted": pmodel.plan.peak_memory_bytes, "measured": peak,
+            "recomputed": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in pmodel.plan.nodes),
+            **_matches(pmodel, losses, ref_losses, ref_params)}
+
+
+def train_with_offload() -> dict:
+    model, batches = _model()
+    ref_losses, ref_params = _reference(model, batches)
+    unbudgeted = autopar.plan(model, MESH, batches[0], hardware=WITH_HOST).peak_memory_bytes
+    budget = int(unbudgeted * OFFLOADING)
+    pmodel = autopar.compile(model, MESH, batches[0], hardware=WITH_HOST, memory_budget=budget)
+    losses, peak = _train(pmodel, pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), batches)
+    plan = pmodel.plan
+    return {"budget": budget, "predicted": plan.peak_memory_bytes, "host": plan.memory.host_bytes, "measured": peak,
+            "offloaded": sum(n.activation == "offload" for n in plan.nodes), "host_optimizer": len(plan.host_optimizer),
+            **_matches(pmodel, losses, ref_losses, ref_params)}
+
+
+def both() -> tuple[dict, dict]:
+    return train_under_budget(), train_with_offload()
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(4, train_under_budget)
+def both_runs():
+    return run_ranks(4, both)
+
+
+@pytest.fixture(scope="module")
+def runs(both_runs):
+    return [r for r, _ in both_runs]
+
+
+@pytest.fixture(scope="module")
+def offload_runs(both_runs):
+    return [r for _, r in both_runs]
 
 
 @pytest.mark.slow
@@ -81,4 +131,14 @@ def test_measured_peak_is_within_the_budget_and_near_the_prediction(runs):
 @pytest.mark.slow
 def test_training_under_the_budget_matches_one_device(runs):
     for r in runs:
+        assert r["loss_rel"] <= 1e-5 and r["param_ok"]
+
+
+@pytest.mark.slow
+def test_a_plan_that_offloads_fits_and_trains_as_one_device(offload_runs):
+    for r in offload_runs:
+        assert r["offloaded"] > 0 and r["host_optimizer"] > 0 and r["host"] > 0
+        assert r["predicted"] <= r["budget"]
+        together = r["predicted"] + r["host"]  # device and host memory are one on this host
+        assert abs(r["measured"] / together - 1) <= 0.15, f"predicted {r['predicted']} + {r['host']} B, measured {r['measured']} B"
         assert r["loss_rel"] <= 1e-5 and r["param_ok"]
