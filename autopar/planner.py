@@ -141,10 +141,11 @@ class _NoPlanUnderBudget(Exception):
 def _within_budget(attempt, budget: int | None, mesh: Mesh):
     """``attempt(solver_budget) -> (plan, liveness, stage times)`` under the budget by the
     program's liveness peak. The solver budgets a sum of parts, which a program may exceed: a
-    plan over the budget is solved again with the sum asked for 1.5 times the excess less (or,
-    once asking for less has found no plan at all, for halfway between that and the last ask
-    over the budget), and once one fits, the solver budget is bisected between the last that
-    fit and the last that did not, for the fastest plan that fits in ``LIVENESS_TRIES`` solves."""
+    plan over the budget is solved again with the sum asked for 1.5 times the excess less than
+    that plan's sum (or, once asking for less has found no plan at all, for halfway between
+    that ask and the last plan over the budget), and once one fits, the solver budget is
+    bisected between the last that fit and the last that did not, for the fastest plan that
+    fits in ``LIVENESS_TRIES`` solves."""
     if budget is None:
         return attempt(None)
     best = last = None
@@ -170,8 +171,8 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             else:
                 log.info("the program holds %s at its peak, %s over the budget: solving again",
                          format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
-                over = solver_budget
-        upper = budget if over is None else min(over, budget)
+                over, over_sum = solver_budget, plan.memory.summed_bytes
+        upper = budget if over is None else min(over, over_sum, budget)
         if fits is not None:
             if upper - fits < 0.01 * budget:
                 break
@@ -179,7 +180,7 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
         elif infeasible is not None:
             solver_budget = (infeasible + upper) / 2
         else:
-            solver_budget = over - 1.5 * (last.peak_bytes - budget)
+            solver_budget = min(over, over_sum) - 1.5 * (last.peak_bytes - budget)
     if best is None:
         raise InfeasiblePlanError(_over_by_liveness(budget, last, mesh))
     return best
@@ -211,7 +212,7 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
                   time_limit_s=time_limit_s)
     est = memory.estimate(least.choice, (frozenset(activations.nodes),
                                          *activation_bytes(activations, least.choice, least.recomputed, least.offloaded)),
-                          least.host_optimizer)
+                          least.host_optimizer, least.host_params)
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}
     largest = max(parts, key=parts.get)

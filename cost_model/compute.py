@@ -1,7 +1,8 @@
 """Compute cost of a node under a strategy: roofline time of the rank's share of the work.
 
-FLOPs come from :mod:`torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention);
-other ops count one FLOP per output element. Bytes moved are the op's inputs and outputs.
+FLOPs come from :mod:`torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention,
+and its attention formulas for the CPU flash-attention kernels a model captured on a CPU runs,
+which the flop counter does not list); other ops count one FLOP per output element. Bytes moved are the op's inputs and outputs.
 Views and other metadata-only ops are free. A mesh axis on which the strategy splits or
 partially sums anything divides the work by its size; on an axis where everything is replicated
 every rank does the whole op, so redundant compute costs what it costs.
@@ -11,7 +12,7 @@ import math
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.cost_model.hardware import Profile
@@ -30,6 +31,15 @@ FREE_OPS = {
 }
 
 
+_CPU_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda query, key, value, *_, **__: sdpa_flop_count(query.shape, key.shape, value.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda grad_out, query, key, value, *_, **__: sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape,
+                                                                               value.shape),
+}
+
+
 def _tensors(value) -> list[torch.Tensor]:
     flat, _ = tree_flatten(value)
     return [t for t in flat if isinstance(t, torch.Tensor)]
@@ -44,8 +54,10 @@ def node_work(node: fx.Node) -> tuple[float, float]:
     ins = [a.meta["val"] for a in tree_flatten((node.args, node.kwargs))[0]
            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in outs + ins)
-    formula = flop_registry.get(node.target.overloadpacket)
-    if formula is not None:
+    if node.target in _CPU_ATTENTION:
+        args = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, node.args)
+        flops = float(_CPU_ATTENTION[node.target](*args))
+    elif (formula := flop_registry.get(node.target.overloadpacket)) is not None:
         args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
         flops = float(formula(*args, out_val=out, **kwargs))
     else:
