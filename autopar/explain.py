@@ -64,9 +64,9 @@ def plan_table(plan: ShardingPlan) -> str:
         "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else ""),
     ]
     if plan.host_optimizer:
-        lines += _table(["name", "placements", "optimizer state"],
-                        [[k, "(" + ", ".join(v) + ")", "host" if k in plan.host_optimizer else "-"]
-                         for k, v in plan.placements.items()])
+        lines += _table(["name", "placements", "in host memory"],
+                        [[k, "(" + ", ".join(v) + ")", "parameter, gradient, optimizer state" if k in plan.host_params
+                          else "optimizer state" if k in plan.host_optimizer else "-"] for k, v in plan.placements.items()])
     else:
         lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
     lines += ["", "Inputs"]

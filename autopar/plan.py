@@ -144,11 +144,15 @@ class ShardingPlan:
     parameter), as the hardware profile measured it."""
     offload_s: float = 0.0
     """Time of offloading: activations copied back to the device (and copied out where the
-    forward does not hide it), and the gradients out, parameters back and host update of
-    optimizer state stepped on the host."""
+    forward does not hide it), the gradients out, parameters back and host update of
+    optimizer state stepped on the host, and parameters in host memory copied in for the
+    forward and the backward."""
     host_optimizer: tuple[str, ...] = ()
     """Parameters whose optimizer state lives in host memory, stepped there
     (:meth:`autopar.runtime.module.ParallelModule.optimizer` builds that optimizer)."""
+    host_params: tuple[str, ...] = ()
+    """Parameters (among ``host_optimizer``) whose pieces live in host memory, copied to the
+    device for the forward and again for the backward; their gradients go to the host."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -196,6 +200,7 @@ class ShardingPlan:
             "overhead_s": self.overhead_s,
             "offload_s": self.offload_s,
             "host_optimizer": list(self.host_optimizer),
+            "host_params": list(self.host_params),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -228,11 +233,13 @@ class ShardingPlan:
             overhead_s=data["overhead_s"],
             offload_s=data["offload_s"],
             host_optimizer=tuple(data["host_optimizer"]),
+            host_params=tuple(data["host_params"]),
         )
 
     def _decisions(self) -> tuple:
         return (self.mesh, self.hardware, self.links, self.graph_hash, tuple(self.placements.items()),
-                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes, self.host_optimizer)
+                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes, self.host_optimizer,
+                self.host_params)
 
     def __eq__(self, other) -> bool:
         """Plans are equal when they make the same decisions (solve time aside)."""

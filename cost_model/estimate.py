@@ -147,17 +147,19 @@ class MemoryTerms:
         return total
 
     def estimate(self, choice: dict[str, int], activations: tuple[frozenset[str], int, int, int] | None = None,
-                 host_optimizer: frozenset[str] = frozenset()) -> MemoryEstimate:
+                 host_optimizer: frozenset[str] = frozenset(), host_params: frozenset[str] = frozenset()) -> MemoryEstimate:
         """The parts under ``choice``. ``activations`` = (ops priced by a keep, recompute or
         offload choice, their kept, recomputed and offloaded bytes) replaces those ops'
-        activations; the optimizer state of the ``host_optimizer`` parameters is in host memory."""
+        activations; the optimizer state of the ``host_optimizer`` parameters, and the
+        ``host_params`` with their gradients, are in host memory."""
         def total(part, exclude=frozenset()):
             return int(sum(sizes[choice[name]] for name, sizes in part.items() if name not in exclude))
 
         temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items()), default=0)
         chosen, kept, recomputed, offloaded = activations if activations is not None else (frozenset(), 0, 0, 0)
-        on_host = total(self.optimizer) - total(self.optimizer, host_optimizer)
-        return MemoryEstimate(total(self.params), total(self.grads), total(self.optimizer, host_optimizer),
+        on_host = sum(total(part) - total(part, names) for part, names in
+                      ((self.optimizer, host_optimizer), (self.params, host_params), (self.grads, host_params)))
+        return MemoryEstimate(total(self.params, host_params), total(self.grads, host_params), total(self.optimizer, host_optimizer),
                               total(self.activations, chosen) + kept, int(temporaries), recomputed, offloaded + on_host)
 
 

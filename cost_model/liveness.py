@@ -35,14 +35,18 @@ class Liveness:
 
 
 def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list[str], *,
-                  optimizer_slots: int = 2, on_host: list[bool] | None = None) -> Liveness:
+                  optimizer_slots: int = 2, on_host: list[bool] | None = None,
+                  host_inputs: list[bool] | None = None) -> Liveness:
     """The peaks of one step of a partitioned per-rank program (see
     :func:`autopar.runtime.partition.partition`). ``kinds`` says what each input of the forward
     graph is: ``"param"``, ``"buffer"`` or ``"input"`` (a piece of the batch, alive for the
     step). Each parameter has ``optimizer_slots`` optimizer states (2 for Adam), alive
     throughout, unless ``on_host`` marks it stepped on the host; the optimizer step itself
-    holds about two of the largest parameter stepped on the device."""
-    sizes = [sum(n for _, n in _keys(node.meta.get("val"))) for node in forward.graph.nodes if node.op == "placeholder"]
+    holds about two of the largest parameter stepped on the device. Inputs that
+    ``host_inputs`` marks (parameters living in host memory) are left out."""
+    placeholders = [node for node in forward.graph.nodes if node.op == "placeholder"]
+    host_inputs = host_inputs or [False] * len(kinds)
+    sizes = [0 if host else sum(n for _, n in _keys(node.meta.get("val"))) for node, host in zip(placeholders, host_inputs)]
     on_host = on_host or [False] * len(kinds)
     params = [n for n, kind, host in zip(sizes, kinds, on_host) if kind == "param" and not host]
     resident = sum(sizes) + optimizer_slots * sum(params)
@@ -114,4 +118,5 @@ def plan_liveness(captured, plan) -> Liveness:
                       [None if k is None else k.kind == "grad" for k in captured.outputs])
     state = [k for k in captured.inputs if k.kind != "tangent"]
     return step_liveness(parts.forward, parts.backward, [k.kind for k in state],
-                         on_host=[k.name in plan.host_optimizer for k in state])
+                         on_host=[k.name in plan.host_optimizer for k in state],
+                         host_inputs=[k.name in plan.host_params for k in state])

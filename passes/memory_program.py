@@ -33,7 +33,10 @@ before the backward reads them is charged whole; the copy out runs beside the fo
 what the segment's forward compute does not cover (``U_S``) is charged. With optimizer offload
 (ZeRO-Offload), a parameter's optimizer state may live in host memory (``H_p``, binary), where
 the host steps it: its bytes leave the budget, and its gradient's copy out, its parameter's
-copy back and the host's update enter the objective.
+copy back and the host's update enter the objective. The parameter itself may live there too
+(``P_p ≤ H_p``, ZeRO-Infinity): its piece and its gradient leave the budget, and it is copied to
+the device for the forward and again for the backward instead of back after the update (one
+more copy per step).
 """
 
 import time
@@ -48,13 +51,13 @@ from autopar.passes.remat import ActivationSpace
 
 
 def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
-                   activations: tuple | None, host_optimizer_mb: dict | None = None):
+                   activations: tuple | None, host_mb: dict | None = None):
     """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
     is a variable at least every op's output size under its chosen strategy. ``activations``
     (the space, kept and recomputed megabytes of :func:`keep_or_recompute`) replaces the
-    activations of the forward ops; ``host_optimizer_mb`` (of :func:`host_optimizer`) takes
+    activations of the forward ops; ``host_mb`` (of :func:`host_state`) takes the parameters and
     optimizer state moved to the host off."""
-    coefs: dict = defaultdict(float, host_optimizer_mb or {})
+    coefs: dict = defaultdict(float, host_mb or {})
     exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
     for name, sizes in memory.summed(exclude).items():
         for k, terms in enumerate(ind[name]):
@@ -174,25 +177,30 @@ def keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict
     return again, away, kept_mb, recompute_mb
 
 
-def host_optimizer(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict):
-    """``H_p`` of the module docstring for every parameter: its optimizer state in host memory,
-    stepped there. Returns ``{parameter: H_p}`` and the megabytes it takes off the device as
-    ``{variable: −megabytes}``."""
+def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict):
+    """``H_p`` and ``P_p`` of the module docstring for every parameter: its optimizer state, and
+    the parameter with its gradient, in host memory. Returns ``{parameter: H_p}``,
+    ``{parameter: P_p}`` and the megabytes they take off the device as ``{variable: −megabytes}``."""
     copies = _copies(shared)
-    chosen, saved_mb = {}, {}
+    optimizer, params, saved_mb = {}, {}, {}
     for name, sizes in memory.optimizer.items():
         if name in shared:
             continue
         updates = [host.update_s(3 * grad + 2 * size) for grad, size in zip(memory.grads[name], sizes)]
         if any(u is None for u in updates):
             continue
-        chosen[name] = solver.IntVar(0, 1, "")
+        optimizer[name], params[name] = solver.IntVar(0, 1, ""), solver.IntVar(0, 1, "")
+        solver.Add(params[name] <= optimizer[name])  # a parameter on the host is stepped there
         count = 1 + copies[name]
-        for k, var in enumerate(_per_strategy(solver, ind[name], chosen[name])):
+        state_k = _per_strategy(solver, ind[name], optimizer[name])
+        param_k = _per_strategy(solver, ind[name], params[name])
+        for k, (state, param) in enumerate(zip(state_k, param_k)):
             grad = memory.grads[name][k]
-            saved_mb[var] = -sizes[k] * MEMORY_SCALE * count
-            costs[var] += count * (2 * host.copy_s(grad) + updates[k])  # gradient out, parameter back, host update
-    return chosen, saved_mb
+            saved_mb[state] = -sizes[k] * MEMORY_SCALE * count
+            costs[state] += count * (2 * host.copy_s(grad) + updates[k])  # gradient out, parameter back, host update
+            saved_mb[param] = -(memory.params[name][k] + grad) * MEMORY_SCALE * count
+            costs[param] += count * host.copy_s(memory.params[name][k])  # copied in twice a step instead of back once
+    return optimizer, params, saved_mb
 
 
 def _copies(shared: dict[str, str]) -> dict[str, int]:

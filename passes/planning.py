@@ -99,7 +99,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
         memory=memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total, offloaded_total),
-                               solution.host_optimizer),
+                               solution.host_optimizer, solution.host_params),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
@@ -107,6 +107,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         overhead_s=costs.step_overhead_s(sum(n.kind == "param" for n in space.nodes)),
         offload_s=offload_s(activations, solution, memory, host, {n: c[choice[n]] for n, c in compute.items()}),
         host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),
+        host_params=tuple(by_name[name].target for name in sorted(solution.host_params)),
     )
 
 
@@ -114,8 +115,9 @@ def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, ho
               compute: dict[str, float]) -> float:
     """Seconds per step that offloading costs, as the solver prices them
     (:mod:`autopar.passes.memory_program`): each offloaded activation copied back, the copies
-    out that a segment's forward compute does not cover, and for each parameter stepped on
-    the host its gradient out, its piece back and the host's update."""
+    out that a segment's forward compute does not cover, for each parameter stepped on the
+    host its gradient out, its piece back and the host's update, and for each parameter in
+    host memory one more copy in."""
     if host is None:
         return 0.0
     choice = solution.choice
@@ -130,6 +132,8 @@ def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, ho
     for name in solution.host_optimizer:
         grad, size = memory.grads[name][choice[name]], memory.optimizer[name][choice[name]]
         total += 2 * host.copy_s(grad) + host.update_s(3 * grad + 2 * size)
+    for name in solution.host_params:
+        total += host.copy_s(memory.params[name][choice[name]])
     return total
 
 

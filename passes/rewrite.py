@@ -15,7 +15,9 @@ offset of the rank's piece and all-reduces over the axes that split the dim. Ops
 recomputes run again when a backward op first reads them, on their kept operands (or operands
 recomputed the same way). The outputs of ops the plan offloads are copied to host memory as soon
 as they are made (``autopar::offload``) and copied back when a backward op or a recomputation
-first reads them (``autopar::reload``, :mod:`autopar.runtime.offload`). Backward moves,
+first reads them (``autopar::reload``, :mod:`autopar.runtime.offload`). Parameters the plan
+keeps in host memory come in as host tensors, are copied to the device when the forward first
+reads them and again when the backward does, and their gradients go out to the host. Backward moves,
 recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
 partitioner puts them in the backward.
 
@@ -191,6 +193,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     to_host = {aliases.get(a.name, (a.name, 0)) for n in graph.nodes if n in backward or n.name in recomputed
                for a in n.all_input_nodes}
     to_host = {ref for ref in to_host if ref[0] in offloaded}  # the outputs of offloaded ops the backward reads
+    host_params = {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name in plan.host_params}
+    devices = {n.name: n.meta["val"].device for n in captured.placeholders}
     grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
                if k is not None and k.kind == "grad" and isinstance(v, fx.Node)}
     gradients = [(n, grad_of[k.name]) for n, k in zip(captured.placeholders, captured.inputs)
@@ -213,6 +217,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         on_host: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
+        brought: dict[tuple[bool, ValueRef], torch.Tensor] = {}  # parameters from host memory, per phase
         moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (in backward, value, placements)
 
         def fetch(arg: fx.Node, dst: Placements, in_backward: bool = False) -> torch.Tensor:
@@ -232,6 +237,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 t, src = again[ref]
             else:
                 t, src = env[ref]
+                if ref[0] in host_params:
+                    t = bring(t, ref, in_backward)
             if src == dst:
                 return t
             key = (in_backward, ref, dst)
@@ -239,6 +246,12 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
                     moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
             return moved[key]
+
+        def bring(host: torch.Tensor, ref: ValueRef, in_backward: bool) -> torch.Tensor:
+            if (in_backward, ref) not in brought:
+                with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
+                    brought[in_backward, ref] = reload(host, devices[ref[0]])
+            return brought[in_backward, ref]
 
         def run(node: fx.Node, store: dict, in_backward: bool) -> None:
             strategy = strategies[node.name]
@@ -285,13 +298,15 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 outputs.append(fetch(value, (R,) * mesh.ndim))
             else:  # a parameter's gradient or an updated buffer's new value, in that parameter's or buffer's placements
                 state = next(n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer") and k.name == kind.name)
-                outputs.append(fetch(value, strategies[state.name].outputs[0], value in backward))
+                result = fetch(value, strategies[state.name].outputs[0], value in backward)
+                outputs.append(offload(result) if kind.kind == "grad" and state.name in host_params else result)
         return outputs
 
     fake_mode = FakeTensorMode()
     with fake_mode:
         fakes = [torch.empty(local_shape(tuple(n.meta["val"].shape), p, mesh), dtype=n.meta["val"].dtype,
-                             device=n.meta["val"].device) for n, p in zip(captured.placeholders, layouts)]
+                             device="cpu" if n.name in host_params else n.meta["val"].device)
+                 for n, p in zip(captured.placeholders, layouts)]
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(per_rank, tracing_mode="fake")(*fakes)

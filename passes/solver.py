@@ -61,7 +61,7 @@ from ortools.linear_solver import pywraplp
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.buckets import BucketShare
-from autopar.passes.memory_program import Host, host_optimizer, keep_or_recompute, memory_budget, priced_memory
+from autopar.passes.memory_program import Host, host_state, keep_or_recompute, memory_budget, priced_memory
 from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
@@ -85,6 +85,8 @@ class Solution:
     """Forward ops whose outputs wait in host memory for the backward."""
     host_optimizer: frozenset[str] = frozenset()
     """Parameters whose optimizer state lives in host memory and is stepped there."""
+    host_params: frozenset[str] = frozenset()
+    """Parameters (a subset of ``host_optimizer``) that live in host memory themselves."""
 
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
@@ -112,7 +114,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
     choice of every forward op; the kept and recomputed activations then replace
     ``memory.activations`` of those ops. ``host`` adds, under a memory budget, offload to host
-    memory of activations (with ``choose_recompute``) and of optimizer state.
+    memory of activations (with ``choose_recompute``), of optimizer state and of parameters.
 
     ``shared`` maps nodes of repeated layers to their counterpart in the first layer
     (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
@@ -162,7 +164,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         else:
             _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
     _enough_buckets(solver, costs, bucket_shares)
-    again, away, on_host = {}, {}, {}
+    again, away, on_host, params_on_host = {}, {}, {}, {}
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
     if choosing:
@@ -170,7 +172,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
                                                                costs, offloading)
     host_mb = None
     if memory is not None and offloading is not None:
-        on_host, host_mb = host_optimizer(solver, memory, ind, shared, offloading, costs)
+        on_host, params_on_host, host_mb = host_state(solver, memory, ind, shared, offloading, costs)
     objective = solver.Objective()
     if memory is not None:
         memory_coefs, peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared,
@@ -223,7 +225,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         recomputed, offloaded = chosen(again, activations.nodes), chosen(away, activations.nodes)
     else:
         recomputed, offloaded = activations.param_views if activations is not None else frozenset(), frozenset()
-    on_host_params = chosen(on_host, [name for name in memory.optimizer if shared.get(name, name) in on_host]) if on_host else frozenset()
+    stepped_on_host = [name for name in memory.optimizer if shared.get(name, name) in on_host] if on_host else []
+    host_optimizer, host_params = chosen(on_host, stepped_on_host), chosen(params_on_host, stepped_on_host)
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
         objective_s=objective_value / scale,
@@ -235,7 +238,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     )
     log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
               info.num_constraints, elapsed, info.status)
-    return Solution(choice, info, recomputed, offloaded, on_host_params)
+    return Solution(choice, info, recomputed, offloaded, host_optimizer, host_params)
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:

@@ -96,8 +96,10 @@ class ParallelModule(torch.nn.Module):
         """An optimizer of ``optimizer_class`` over this rank's parameters, with the optimizer
         state of the parameters the plan puts in host memory (``plan.host_optimizer``) there,
         stepped on the host (:class:`~autopar.runtime.offload.HostOptimizer`); a plain
-        ``optimizer_class(self.parameters(), **options)`` when the plan offloads none."""
-        on_host = {id(self.module.get_parameter(name)) for name in self.plan.host_optimizer}
+        ``optimizer_class(self.parameters(), **options)`` when the plan offloads none, or only
+        parameters living in host memory (``plan.host_params``), which it steps in place."""
+        on_host = {id(self.module.get_parameter(name)) for name in self.plan.host_optimizer
+                   if name not in self.plan.host_params}  # those in host memory themselves are stepped in place
         self._optimizer_checked = True
         if not on_host:
             return optimizer_class(self.parameters(), **options)
@@ -106,10 +108,10 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs):
         if not self._built:
             self._build(inputs)
-        elif self._plan.host_optimizer and not self._optimizer_checked:
+        elif set(self._plan.host_optimizer) - set(self._plan.host_params) and not self._optimizer_checked:
             log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer was built "
                         "by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise keeps it on the device, "
-                        "over the plan's memory", len(self._plan.host_optimizer))
+                        "over the plan's memory", len(set(self._plan.host_optimizer) - set(self._plan.host_params)))
             self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = _Step.apply(self._program, *flat)
@@ -172,11 +174,16 @@ class ParallelModule(torch.nn.Module):
         return ShardingPlan.from_json(value)
 
     def _shard_state(self, captured: Captured) -> None:
+        """Replace each parameter and buffer by this rank's piece, in host memory (pinned on
+        CUDA) for the parameters the plan keeps there."""
         for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
                 tensor = self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
                 with torch.no_grad():
-                    tensor.data = self.rank_part(kind.name, tensor.data)
+                    piece = self.rank_part(kind.name, tensor.data)
+                    if kind.name in self._plan.host_params and piece.device.type != "cpu":
+                        piece = piece.to("cpu").pin_memory()
+                    tensor.data = piece
 
     def _state(self) -> list[torch.Tensor]:
         return [
@@ -216,6 +223,8 @@ class ParallelModule(torch.nn.Module):
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The whole value of parameter, buffer or input ``name`` from every rank's piece
         ``local`` (a collective: every rank calls it)."""
+        if local.device.type != self._device_mesh.device_type:  # a parameter kept in host memory
+            local = local.to(self._device_mesh.device_type)
         return gather_whole(local, self._layouts[name], self._device_mesh)
 
     # state -------------------------------------------------------------------------------
