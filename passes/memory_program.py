@@ -54,7 +54,7 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
                    activations: tuple | None, host_mb: dict | None = None):
     """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
     is a variable at least every op's output size under its chosen strategy. ``activations``
-    (the space, kept and recomputed megabytes of :func:`keep_or_recompute`) replaces the
+    (the space, kept and recomputed megabytes of :func:`keep_recompute_or_offload`) replaces the
     activations of the forward ops; ``host_mb`` (of :func:`host_state`) takes the parameters and
     optimizer state moved to the host off."""
     coefs: dict = defaultdict(float, host_mb or {})
@@ -122,7 +122,7 @@ def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_b
     return best
 
 
-def keep_or_recompute(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
+def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
                        reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
     """The activation constraints of the module docstring, with offload when ``host`` is
     given. Returns each op's recompute and offload variables, the kept megabytes as

@@ -10,8 +10,9 @@ tensor and target layout, however many consumers share it::
                 y_v,p,q ≥ t_c,p,q        for every reader c, p ≠ q (one move serves every reader)
                 x_n,k ∈ {0, 1},  0 ≤ t, y ≤ 1
 
-The memory budget and the keep-or-recompute choice of every forward op add constraints of
-their own (:mod:`autopar.passes.memory_program`, whose docstring writes them out).
+The memory budget, the keep, recompute or offload choice of every forward op and the choice of
+keeping parameters and optimizer state in host memory add constraints of their own
+(:mod:`autopar.passes.memory_program`, whose docstring writes them out).
 
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
 ``v``, ``z_v,p`` is the sum of its producer's one-hots whose strategy gives ``v`` layout ``p``,
@@ -59,9 +60,10 @@ from dataclasses import dataclass
 from ortools.linear_solver import pywraplp
 
 from autopar.cost_model.estimate import MemoryTerms
+from autopar.cost_model.hardware import Host
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.buckets import BucketShare
-from autopar.passes.memory_program import Host, host_state, keep_or_recompute, memory_budget, priced_memory
+from autopar.passes.memory_program import host_state, keep_recompute_or_offload, memory_budget, priced_memory
 from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
@@ -168,7 +170,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
     if choosing:
-        again, away, kept_mb, recompute_mb = keep_or_recompute(solver, activations, ind, node_costs, reader_moves, shared,
+        again, away, kept_mb, recompute_mb = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves, shared,
                                                                costs, offloading)
     host_mb = None
     if memory is not None and offloading is not None:
