@@ -91,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="h100", help="h100, a100, cpu, or a profile file from `autopar calibrate` (default h100)")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=P0,P1",
                    help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)")
-    p.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB or 512MiB")
+    p.add_argument("--memory-budget", default=None,
+                   help="per-device memory, e.g. 40GB or 512MiB: met by splitting, recomputing and (with a GPU profile) "
+                        "offloading to host memory")
     p.add_argument("--share-layers", choices=("auto", "on", "off"), default="auto",
                    help="identical repeated layers share one choice: on, off, or when the program is large (default)")
     p.add_argument("--recompute", choices=("auto", "none", "layers"), default="auto",
-                   help="activations recomputed in the backward: what the memory budget needs (auto, default), "
-                        "none, or every layer of a stack from its input (layers)")
+                   help="activations recomputed in the backward or offloaded: what the memory budget needs (auto, "
+                        "default), none, or every layer of a stack recomputed from its input (layers)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 
