@@ -24,13 +24,14 @@ activations leave ``m``::
                 Q ≥ Σ_(n ∈ S) Σ_j b_n,j · (r_n,j + o_n,j)   for every segment S (one segment's
                                                  recomputed or reloaded values are alive at a time)
                 E_n ≥ (moves of n's operands) − C_n · (1 − R_n)
-                U_S ≥ Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ S) Σ_k c_n,k · x_n,k,   U_S ≥ 0
+                B_S ≥ B_(S−1) + Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ S) Σ_k c_n,k · x_n,k,   B_S ≥ 0
                 Σ_n Σ_j b_n,j · k_n,j + Q enter the memory budget,
-                Σ_n Σ_j (c_n,j · r_n,j + t_n,j · o_n,j) + E_n + Σ_S U_S the objective
+                Σ_n Σ_j (c_n,j · r_n,j + t_n,j · o_n,j) + E_n + B_last the objective
 
 ``t_n,j`` is the time of copying op n's held bytes over the host link one way. The copy back
-before the backward reads them is charged whole; the copy out runs beside the forward, and only
-what the segment's forward compute does not cover (``U_S``) is charged. With optimizer offload
+before the backward reads them is charged whole; the copies out run beside the forward, in
+segment order: ``B_S`` is what is still to copy when segment S's forward compute ends, and what
+is left when the forward ends (``B_last``) is charged. With optimizer offload
 (ZeRO-Offload), a parameter's optimizer state may live in host memory (``H_p``, binary), where
 the host steps it: its bytes leave the budget, and its gradient's copy out, its parameter's
 copy back and the host's update enter the objective. The parameter itself may live there too
@@ -156,12 +157,17 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
             _recompute_moves(solver, by_reader[name], again[name], count, costs)
-    for segment, terms in copied_out.items():
-        work = [(1 + copies[name]) * node_costs[name][k] * SCALE * var for name in own if acts.segment[name] == segment
-                for k, group in enumerate(ind[name]) for var in group]  # nanoseconds of the segment's forward compute
-        exposed = solver.NumVar(0.0, solver.infinity(), "")
-        solver.Add(exposed >= sum(terms) - sum(work))  # the copies out that the segment's forward does not cover
-        costs[exposed] += 1 / SCALE
+    if copied_out:
+        work: dict[str, list] = defaultdict(list)  # per segment: nanoseconds of its forward compute
+        for name in own:
+            work[acts.segment[name]].extend((1 + copies[name]) * node_costs[name][k] * SCALE * var
+                                            for k, group in enumerate(ind[name]) for var in group)
+        backlog = 0.0
+        for segment in dict.fromkeys(acts.segment[name] for name in own):  # in forward order
+            after = solver.NumVar(0.0, solver.infinity(), "")
+            solver.Add(after >= backlog + sum(copied_out[segment]) - sum(work[segment]))  # B_S ≥ B_(S−1) + out_S − work_S
+            backlog = after
+        costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
     for name in acts.nodes:
         k, r, o = keep[shared.get(name, name)], again[shared.get(name, name)], away[shared.get(name, name)]
         solver.Add(k + r + o >= (1 if name in acts.saved else 0))  # the backward finds it kept, recomputes or reloads it

@@ -114,8 +114,8 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
 def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None,
               compute: dict[str, float]) -> float:
     """Seconds per step that offloading costs, as the solver prices them
-    (:mod:`autopar.passes.memory_program`): each offloaded activation copied back, the copies
-    out that a segment's forward compute does not cover, for each parameter stepped on the
+    (:mod:`autopar.passes.memory_program`): each offloaded activation copied back, what of the
+    copies out is left when the forward's compute ends, for each parameter stepped on the
     host its gradient out, its piece back and the host's update, and for each parameter in
     host memory one more copy in."""
     if host is None:
@@ -127,8 +127,13 @@ def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, ho
         seconds = host.copy_s(acts.bytes[name][choice[name]])
         total += seconds
         out[acts.segment[name]] = out.get(acts.segment[name], 0.0) + seconds
-    for segment, seconds in out.items():
-        total += max(0.0, seconds - sum(compute[n] for n in acts.nodes if acts.segment[n] == segment))
+    work: dict[str, float] = {}
+    for name in acts.nodes:
+        work[acts.segment[name]] = work.get(acts.segment[name], 0.0) + compute[name]
+    backlog = 0.0
+    for segment in work:  # in forward order
+        backlog = max(0.0, backlog + out.get(segment, 0.0) - work[segment])
+    total += backlog
     for name in solution.host_optimizer:
         grad, size = memory.grads[name][choice[name]], memory.optimizer[name][choice[name]]
         total += 2 * host.copy_s(grad) + host.update_s(3 * grad + 2 * size)
