@@ -199,6 +199,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                if k is not None and k.kind == "grad" and isinstance(v, fx.Node)}
     gradients = [(n, grad_of[k.name]) for n, k in zip(captured.placeholders, captured.inputs)
                  if k.kind == "param" and k.name in grad_of]  # (parameter, its gradient) in parameter order
+
     def phases(n: fx.Node) -> tuple[bool, ...]:  # whether n runs in the backward, in the forward, or in both
         return (True,) if n in backward else (False, True) if n.name in recomputed else (False,)
 
