@@ -87,8 +87,9 @@ class MemoryEstimate:
     recomputed_bytes: int = 0
     """Recomputed or reloaded activations alive at once in the backward (one segment's)."""
     host_bytes: int = 0
-    """Bytes per device kept in host memory instead: offloaded activations and optimizer
-    state (not part of the device's peak)."""
+    """Bytes per device kept in host memory instead: offloaded activations, optimizer state
+    stepped on the host, and parameters living there with their gradients (not part of the
+    device's peak)."""
     liveness_peak_bytes: int = 0
     """The peak of the per-rank program itself, every tensor alive from the op making it to its
     last reader (:mod:`autopar.cost_model.liveness`); 0 when not measured."""

@@ -50,6 +50,14 @@ class Host:
     def copy_s(self, nbytes: float) -> float:
         return self.link.latency_s + nbytes * self.link.s_per_byte
 
+    def optimizer_s(self, grad_bytes: float, state_bytes: float) -> float | None:
+        """Seconds per step of stepping one parameter's optimizer state on the host: its
+        gradient copied out, the new piece copied back, and the update, which reads the piece,
+        its gradient and the state and writes the piece and the state (``None`` when the host's
+        update time is unknown)."""
+        update = self.update_s(3 * grad_bytes + 2 * state_bytes)
+        return None if update is None else 2 * self.copy_s(grad_bytes) + update
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HardwareProfile:

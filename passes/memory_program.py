@@ -124,7 +124,7 @@ def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_b
 
 
 def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
-                       reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
+                              reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
     """The activation constraints of the module docstring, with offload when ``host`` is
     given. Returns each op's recompute and offload variables, the kept megabytes as
     ``{variable: megabytes}``, and the recomputed-megabytes variable ``Q``."""
@@ -192,8 +192,8 @@ def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], h
     for name, sizes in memory.optimizer.items():
         if name in shared:
             continue
-        updates = [host.update_s(3 * grad + 2 * size) for grad, size in zip(memory.grads[name], sizes)]
-        if any(u is None for u in updates):
+        stepped = [host.optimizer_s(grad, size) for grad, size in zip(memory.grads[name], sizes)]
+        if any(s is None for s in stepped):
             continue
         optimizer[name], params[name] = solver.IntVar(0, 1, ""), solver.IntVar(0, 1, "")
         solver.Add(params[name] <= optimizer[name])  # a parameter on the host is stepped there
@@ -201,10 +201,9 @@ def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], h
         state_k = _per_strategy(solver, ind[name], optimizer[name])
         param_k = _per_strategy(solver, ind[name], params[name])
         for k, (state, param) in enumerate(zip(state_k, param_k)):
-            grad = memory.grads[name][k]
             saved_mb[state] = -sizes[k] * MEMORY_SCALE * count
-            costs[state] += count * (2 * host.copy_s(grad) + updates[k])  # gradient out, parameter back, host update
-            saved_mb[param] = -(memory.params[name][k] + grad) * MEMORY_SCALE * count
+            costs[state] += count * stepped[k]
+            saved_mb[param] = -(memory.params[name][k] + memory.grads[name][k]) * MEMORY_SCALE * count
             costs[param] += count * host.copy_s(memory.params[name][k])  # copied in twice a step instead of back once
     return optimizer, params, saved_mb
 

@@ -136,7 +136,7 @@ def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, ho
     total += backlog
     for name in solution.host_optimizer:
         grad, size = memory.grads[name][choice[name]], memory.optimizer[name][choice[name]]
-        total += 2 * host.copy_s(grad) + host.update_s(3 * grad + 2 * size)
+        total += host.optimizer_s(grad, size)
     for name in solution.host_params:
         total += host.copy_s(memory.params[name][choice[name]])
     return total

@@ -192,7 +192,10 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
     to_host = {aliases.get(a.name, (a.name, 0)) for n in graph.nodes if n in backward or n.name in recomputed
                for a in n.all_input_nodes}
-    to_host = {ref for ref in to_host if ref[0] in offloaded}  # the outputs of offloaded ops the backward reads
+    to_host_of: dict[str, list[ValueRef]] = {}  # per offloaded op, its outputs the backward reads
+    for ref in sorted(to_host):
+        if ref[0] in offloaded:
+            to_host_of.setdefault(ref[0], []).append(ref)
     host_params = {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name in plan.host_params}
     devices = {n.name: n.meta["val"].device for n in captured.placeholders}
     grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
@@ -284,7 +287,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         for node in graph.nodes:
             if node.op == "call_function" and node.name not in aliases:
                 run(node, env, node in backward)
-                for ref in sorted(r for r in to_host if r[0] == node.name):
+                for ref in to_host_of.get(node.name, ()):
                     t, layout = env[ref]
                     on_host[ref] = offload(t), layout
                 for b in filled_by.get(node.name, ()):

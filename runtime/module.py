@@ -98,20 +98,25 @@ class ParallelModule(torch.nn.Module):
         stepped on the host (:class:`~autopar.runtime.offload.HostOptimizer`); a plain
         ``optimizer_class(self.parameters(), **options)`` when the plan offloads none, or only
         parameters living in host memory (``plan.host_params``), which it steps in place."""
-        on_host = {id(self.module.get_parameter(name)) for name in self.plan.host_optimizer
-                   if name not in self.plan.host_params}  # those in host memory themselves are stepped in place
+        on_host = {id(self.module.get_parameter(name)) for name in self._stepped_on_host()}
         self._optimizer_checked = True
         if not on_host:
             return optimizer_class(self.parameters(), **options)
         return HostOptimizer(self.parameters(), on_host, optimizer_class, **options)
 
+    def _stepped_on_host(self) -> list[str]:
+        """Parameters whose optimizer state the plan steps on the host while they stay on the
+        device (those living in host memory are stepped in place by any optimizer)."""
+        return [name for name in self.plan.host_optimizer if name not in self.plan.host_params]
+
     def forward(self, *inputs):
         if not self._built:
             self._build(inputs)
-        elif set(self._plan.host_optimizer) - set(self._plan.host_params) and not self._optimizer_checked:
-            log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer was built "
-                        "by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise keeps it on the device, "
-                        "over the plan's memory", len(set(self._plan.host_optimizer) - set(self._plan.host_params)))
+        elif not self._optimizer_checked:
+            if self._stepped_on_host():
+                log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer was "
+                            "built by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise keeps it on "
+                            "the device, over the plan's memory", len(self._stepped_on_host()))
             self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = _Step.apply(self._program, *flat)
