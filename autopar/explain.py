@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from autopar.passes.remat import segment_of
+from autopar.passes.capture import segment_of
 from autopar.plan import ShardingPlan
 
 # Ops worth a row in the table: the ones that carry the FLOPs.
@@ -79,7 +79,7 @@ def plan_table(plan: ShardingPlan) -> str:
                      for n in heavy])
     lines += ["", "Activations by layer (kept from the forward, recomputed in the backward, or offloaded to host memory)"]
     lines += _table(["layer", "kept", "recomputed", "offloaded", "ops recomputed", "recompute time", "ops offloaded",
-                     "copy time"], activation_rows(plan))
+                     "copy time", "copied back"], activation_rows(plan))
     lines += ["", "Collectives"]
     lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
                     [[c.kind, c.axis, c.phase, format_bytes(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
@@ -93,7 +93,8 @@ def plan_table(plan: ShardingPlan) -> str:
 def activation_rows(plan: ShardingPlan) -> list[list[str]]:
     """Per layer (segment): bytes kept, recomputed and offloaded per device, how many ops are
     recomputed and what recomputing them costs (their compute and the collectives made again),
-    how many are offloaded and how long their copies to the host and back take."""
+    how many are offloaded, how long their copies to the host and back take, and when they are
+    copied back: ahead (prefetched during the backward of the layer after) or at the first read."""
     rows: dict[str, list] = {}
     segment = {n.name: segment_of(n.module) for n in plan.nodes}
     column = {"keep": 0, "recompute": 1, "offload": 2}
@@ -111,7 +112,7 @@ def activation_rows(plan: ShardingPlan) -> list[list[str]]:
         if c.phase == "recompute":
             rows.setdefault(segment.get(c.consumer, ""), [0, 0, 0, 0, 0.0, 0, 0.0])[4] += c.time_s
     return [[name or "(root)", format_bytes(kept), format_bytes(again), format_bytes(away), str(count), _time(time_s),
-             str(copies), _time(copy_s)]
+             str(copies), _time(copy_s), "-" if not copies else "ahead" if name in plan.prefetched else "at first read"]
             for name, (kept, again, away, count, time_s, copies, copy_s) in rows.items()]
 
 

@@ -8,7 +8,7 @@ from typing import Mapping
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +144,8 @@ class ShardingPlan:
     """Time per step of the work around the per-rank program (autograd, one gradient per
     parameter), as the hardware profile measured it."""
     offload_s: float = 0.0
-    """Time of offloading: activations copied back to the device (and copied out where the
-    forward does not hide it), the gradients out, parameters back and host update of
+    """Time of offloading: activations copied back to the device where a prefetch does not
+    hide it, and copied out where the forward does not, the gradients out, parameters back and host update of
     optimizer state stepped on the host, and parameters in host memory copied in for the
     forward and the backward."""
     host_optimizer: tuple[str, ...] = ()
@@ -154,6 +154,10 @@ class ShardingPlan:
     host_params: tuple[str, ...] = ()
     """Parameters (among ``host_optimizer``) whose pieces live in host memory, copied to the
     device for the forward and again for the backward; their gradients go to the host."""
+    prefetched: tuple[str, ...] = ()
+    """Segments (layers, or top-level modules) whose offloaded activations are copied back
+    ahead, while the backward of the segment after them runs; the others' are copied back when
+    the backward first reads them."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -202,6 +206,7 @@ class ShardingPlan:
             "offload_s": self.offload_s,
             "host_optimizer": list(self.host_optimizer),
             "host_params": list(self.host_params),
+            "prefetched": list(self.prefetched),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -235,12 +240,13 @@ class ShardingPlan:
             offload_s=data["offload_s"],
             host_optimizer=tuple(data["host_optimizer"]),
             host_params=tuple(data["host_params"]),
+            prefetched=tuple(data["prefetched"]),
         )
 
     def _decisions(self) -> tuple:
         return (self.mesh, self.hardware, self.links, self.graph_hash, tuple(self.placements.items()),
                 tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes, self.host_optimizer,
-                self.host_params)
+                self.host_params, self.prefetched)
 
     def __eq__(self, other) -> bool:
         """Plans are equal when they make the same decisions (solve time aside)."""

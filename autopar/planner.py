@@ -211,7 +211,7 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
                   memory=memory, minimise="memory", shared=shared, activations=activations, host=host,
                   time_limit_s=time_limit_s)
     est = memory.estimate(least.choice, (frozenset(activations.nodes),
-                                         *activation_bytes(activations, least.choice, least.recomputed, least.offloaded)),
+                                         *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched)),
                           least.host_optimizer, least.host_params)
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
              "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}

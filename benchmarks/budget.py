@@ -7,7 +7,8 @@ optimizer state at 77 GB/s per GPU), plans the model without a budget, then unde
 time (and its ratio to the unbudgeted plan's), the peak per device, and how the plan fits: bytes
 per device recomputed in the backward, activations offloaded to host memory, parameters,
 gradients and optimizer state kept in host memory (and how many parameters are stepped on the
-host, how many live there), and parameters split across the devices. Planning only: no device
+host, how many live there), how many layers have their offloaded activations copied back ahead
+(prefetched) out of those that offload, and parameters split across the devices. Planning only: no device
 runs.
 
 Writes ``benchmarks/results/budget.json``, keeping the rows of models that this run did not plan.
@@ -31,7 +32,7 @@ GIB = 2**30
 def sweep(name: str, devices: int, time_limit_s: float) -> list[dict]:
     import autopar
     from autopar.errors import InfeasiblePlanError
-    from autopar.passes.capture import capture
+    from autopar.passes.capture import capture, segment_of
     from autopar.planner import plan_captured
 
     model, batch = full_size(name, devices)
@@ -56,6 +57,8 @@ def sweep(name: str, devices: int, time_limit_s: float) -> list[dict]:
                      "recomputed_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "recompute"),
                      "offloaded_bytes": offloaded, "host_state_bytes": plan.memory.host_bytes - offloaded,
                      "host_optimizer": len(plan.host_optimizer), "host_params": len(plan.host_params),
+                     "prefetched": len(plan.prefetched),
+                     "offloading_layers": len({segment_of(n.module) for n in plan.nodes if n.activation == "offload"}),
                      "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
                      "params": len(plan.placements)})
         print(f"  {name} {fraction}: planned in {rows[-1]['plan_s']:.0f} s", flush=True)
@@ -71,7 +74,7 @@ def main() -> None:
     models = args.models.split(",")
     rows = [r for name in models for r in sweep(name, args.devices, args.time_limit)]
     header = (f"{'model':8} {'budget':>6} {'GiB':>6} {'step ms':>8} {'x free':>6} {'peak GiB':>8} {'recomp. GiB':>11} "
-              f"{'offl. GiB':>9} {'state on host GiB':>17} {'stepped / in host':>17} {'split params':>12} {'plan s':>6}")
+              f"{'offl. GiB':>9} {'ahead':>9} {'state on host GiB':>17} {'stepped / in host':>17} {'split params':>12} {'plan s':>6}")
     print(f"\npredicted step time and per-device memory against the memory budget, {args.devices} H100s\n"
           f"{header}\n{'-' * len(header)}")
     for r in rows:
@@ -82,6 +85,7 @@ def main() -> None:
             continue
         print(f"{r['model']:8} {budget:>6} {gib:>6} {r['predicted_s'] * 1e3:>8.1f} {r['slowdown']:>6.2f} "
               f"{r['peak_bytes'] / GIB:>8.1f} {r['recomputed_bytes'] / GIB:>11.2f} {r['offloaded_bytes'] / GIB:>9.2f} "
+              f"{r['prefetched']:>3} / {r['offloading_layers']:<3} "
               f"{r['host_state_bytes'] / GIB:>17.2f} {r['host_optimizer']:>8} / {r['host_params']:<6} "
               f"{r['split_params']:>5} of {r['params']:<4} {r['plan_s']:>6.0f}")
     kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in models] if RESULTS.exists() else []

@@ -24,6 +24,8 @@ import hashlib
 import inspect
 import logging
 import math
+import operator
+import re
 import time
 from dataclasses import dataclass
 
@@ -294,6 +296,35 @@ def module_paths(captured: Captured) -> dict[str, str]:
         if node.meta.get("seq_nr") in by_seq:
             paths[node.name] = by_seq[node.meta["seq_nr"]]
     return paths
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def segment_of(module: str) -> str:
+    """The segment of an op from its module path: its layer (``blocks.3``) when it is inside a
+    stack, else its top-level module."""
+    match = _LAYER.match(module)
+    return match.group(1) if match else module.split(".")[0]
+
+
+def is_layer(segment: str) -> bool:
+    return bool(_LAYER.match(segment))
+
+
+def backward_segment_starts(captured: Captured, paths: dict[str, str]) -> dict[str, str]:
+    """Per segment whose forward values the backward reads, the first backward op that reads
+    one, in the order the backward reaches the segments (``paths``: :func:`module_paths`)."""
+    graph = captured.graph.graph
+    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    starts: dict[str, str] = {}
+    for node in graph.nodes:
+        if node in backward and node.op == "call_function":
+            for arg in node.all_input_nodes:
+                producer = arg.args[0] if arg.target is operator.getitem else arg
+                if producer.op == "call_function" and producer not in backward:
+                    starts.setdefault(segment_of(paths.get(producer.name, "")), node.name)
+    return starts
 
 
 _GRADIENT_ADDITION = "Gradient addition node"

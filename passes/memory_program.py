@@ -23,15 +23,24 @@ activations leave ``m``::
                 k_n,j ≤ x_n,j,  Σ_j k_n,j = K_n   (by strategy j; likewise r_n,j and o_n,j)
                 Q ≥ Σ_(n ∈ S) Σ_j b_n,j · (r_n,j + o_n,j)   for every segment S (one segment's
                                                  recomputed or reloaded values are alive at a time)
+                Q ≥ Σ_(n ∈ S+1) Σ_j b_n,j · (r_n,j + o_n,j) + Σ_(n ∈ S) Σ_j b_n,j · o_n,j − M_S · (1 − F_S)
                 E_n ≥ (moves of n's operands) − C_n · (1 − R_n)
                 B_S ≥ B_(S−1) + Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ S) Σ_k c_n,k · x_n,k,   B_S ≥ 0
+                W_S ≥ Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ bw(S+1)) Σ_k c_n,k · x_n,k,   W_S ≥ 0
+                W_S ≥ Σ_(n ∈ S) Σ_j t_n,j · o_n,j − T_S · F_S
                 Σ_n Σ_j b_n,j · k_n,j + Q enter the memory budget,
-                Σ_n Σ_j (c_n,j · r_n,j + t_n,j · o_n,j) + E_n + B_last the objective
+                Σ_n Σ_j c_n,j · r_n,j + E_n + B_last + Σ_S W_S the objective
 
-``t_n,j`` is the time of copying op n's held bytes over the host link one way. The copy back
-before the backward reads them is charged whole; the copies out run beside the forward, in
-segment order: ``B_S`` is what is still to copy when segment S's forward compute ends, and what
-is left when the forward ends (``B_last``) is charged. With optimizer offload
+``t_n,j`` is the time of copying op n's held bytes over the host link one way. The copies out
+run beside the forward, in segment order: ``B_S`` is what is still to copy when segment S's
+forward compute ends, and what is left when the forward ends (``B_last``) is charged. The copies
+back of segment S are either made when the backward first reads them and charged whole, or
+prefetched (``F_S``, binary): issued when the backward of the segment after it starts
+(``bw(S+1)``, whose backward runs just before S's), so that they run beside it, at the price of
+holding them on the device beside that segment's recomputed and reloaded values; what they leave
+(``W_S``) is charged. ``M_S`` and ``T_S`` are the bytes and copy time of S's offload if all its
+ops were offloaded. The last segment's copies back are never prefetched. A layer standing for
+repeated layers (shared choices) is prefetched beside the backward of its own next copy. With optimizer offload
 (ZeRO-Offload), a parameter's optimizer state may live in host memory (``H_p``, binary), where
 the host steps it: its bytes leave the budget, and its gradient's copy out, its parameter's
 copy back and the host's update enter the objective. The parameter itself may live there too
@@ -126,8 +135,9 @@ def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_b
 def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
                               reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
     """The activation constraints of the module docstring, with offload when ``host`` is
-    given. Returns each op's recompute and offload variables, the kept megabytes as
-    ``{variable: megabytes}``, and the recomputed-megabytes variable ``Q``."""
+    given. Returns each op's recompute and offload variables, each segment's prefetch variable
+    ``F_S``, the kept megabytes as ``{variable: megabytes}``, and the recomputed-megabytes
+    variable ``Q``."""
     copies = _copies(shared)
     by_reader: dict[str, list] = defaultdict(list)
     for (reader, _), terms in reader_moves.items():
@@ -138,7 +148,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
     away = {name: solver.IntVar(0, 1 if host is not None and name in acts.offloadable else 0, "") for name in own}
     kept_mb: dict = defaultdict(float)
     segments: dict[str, list] = defaultdict(list)
-    copied_out: dict[str, list] = defaultdict(list)  # per segment: nanoseconds of the copies out
+    copied_out: dict[str, list] = defaultdict(list)  # per segment: (nanoseconds of a copy one way, o_n,j)
+    offloaded: dict[str, list] = defaultdict(list)  # per segment: (megabytes, o_n,j)
     for name in own:
         count = 1 + copies[name]
         kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
@@ -148,8 +159,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
                 kept_mb[kept_k[k]] += size * MEMORY_SCALE * count
                 segments[acts.segment[name]].append(size * MEMORY_SCALE * (again_k[k] + away_k[k]))
                 if away[name].ub():
-                    costs[away_k[k]] += count * host.copy_s(size)  # copied back, before the backward reads it
-                    copied_out[acts.segment[name]].append(count * host.copy_s(size) * SCALE * away_k[k])
+                    copied_out[acts.segment[name]].append((count * host.copy_s(size) * SCALE, away_k[k]))
+                    offloaded[acts.segment[name]].append((size * MEMORY_SCALE, away_k[k]))
         if name in acts.extra:
             _extra_kept(solver, acts.extra[name], ind[name], again[name],
                         [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb, count)
@@ -157,17 +168,32 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
             _recompute_moves(solver, by_reader[name], again[name], count, costs)
+    ahead: dict = {}
+    reloaded: dict[str, list] = defaultdict(list)  # per segment: megabytes copied back beside its backward
     if copied_out:
-        work: dict[str, list] = defaultdict(list)  # per segment: nanoseconds of its forward compute
-        for name in own:
-            work[acts.segment[name]].extend((1 + copies[name]) * node_costs[name][k] * SCALE * var
-                                            for k, group in enumerate(ind[name]) for var in group)
+        work = _segment_work(acts.nodes, acts.segment, set(own), ind, node_costs, copies)
         backlog = 0.0
         for segment in dict.fromkeys(acts.segment[name] for name in own):  # in forward order
             after = solver.NumVar(0.0, solver.infinity(), "")
-            solver.Add(after >= backlog + sum(copied_out[segment]) - sum(work[segment]))  # B_S ≥ B_(S−1) + out_S − work_S
+            solver.Add(after >= backlog + sum(c * o for c, o in copied_out[segment]) - sum(work[segment]))  # B_S ≥ B_(S−1) + out_S − work_S
             backlog = after
         costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
+        backward_work = _segment_work(acts.backward_segment, acts.backward_segment, set(acts.backward_segment) - set(shared),
+                                      ind, node_costs, copies)
+        for segment, during in _reloaded_during(acts, own, copies).items():
+            if not copied_out[segment]:
+                continue
+            stall = solver.NumVar(0.0, solver.infinity(), "")
+            back = sum(c * o for c, o in copied_out[segment])
+            costs[stall] += 1 / SCALE
+            if during is None:
+                solver.Add(stall >= back)
+                continue
+            ahead[segment] = solver.IntVar(0, 1, "")  # F_S
+            solver.Add(stall >= back - sum(backward_work[during]))  # W_S
+            solver.Add(stall >= back - sum(c for c, _ in copied_out[segment]) * ahead[segment])
+            mb = sum(m * o for m, o in offloaded[segment]) - sum(m for m, _ in offloaded[segment]) * (1 - ahead[segment])
+            reloaded[during].append(mb)
     for name in acts.nodes:
         k, r, o = keep[shared.get(name, name)], again[shared.get(name, name)], away[shared.get(name, name)]
         solver.Add(k + r + o >= (1 if name in acts.saved else 0))  # the backward finds it kept, recomputes or reloads it
@@ -178,9 +204,11 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
             base = acts.views[name]
             solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
     recompute_mb = solver.NumVar(0.0, solver.infinity(), "recomputed_activations")
-    for members in segments.values():
-        solver.Add(recompute_mb >= sum(members))  # one segment is recomputed at a time
-    return again, away, kept_mb, recompute_mb
+    for segment in set(segments) | set(reloaded):
+        solver.Add(recompute_mb >= sum(segments.get(segment, ())))  # one segment is recomputed or reloaded at a time
+        for mb in reloaded.get(segment, ()):
+            solver.Add(recompute_mb >= sum(segments.get(segment, ())) + mb)  # with the reloads copied back beside it
+    return again, away, ahead, kept_mb, recompute_mb
 
 
 def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict):
@@ -206,6 +234,28 @@ def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], h
             saved_mb[param] = -(memory.params[name][k] + memory.grads[name][k]) * MEMORY_SCALE * count
             costs[param] += count * host.copy_s(memory.params[name][k])  # copied in twice a step instead of back once
     return optimizer, params, saved_mb
+
+
+def _segment_work(names, segment: dict[str, str], own, ind: dict, node_costs: dict, copies: dict) -> dict[str, list]:
+    """Per segment, the nanoseconds of compute of its ops among ``names`` (those in ``own``,
+    each priced for every copy of a shared layer), as linear terms."""
+    work: dict[str, list] = defaultdict(list)
+    for name in names:
+        if name in own:
+            work[segment[name]].extend((1 + copies[name]) * node_costs[name][k] * SCALE * var
+                                       for k, group in enumerate(ind[name]) for var in group)
+    return work
+
+
+def _reloaded_during(acts: ActivationSpace, own: list[str], copies: dict) -> dict[str, str | None]:
+    """Per segment of ``own`` ops, the segment beside whose backward its copies back run
+    (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; ``None``: waited for at
+    once). A layer that stands for repeated layers (shared choices) is copied back beside the
+    backward of its next copy, so beside its own."""
+    repeated = {acts.segment[name] for name in own if copies[name]}
+    during = acts.reloaded_during()
+    order = dict.fromkeys(acts.segment[name] for name in own)
+    return {s: s if s in repeated else during.get(s) for s in order}
 
 
 def _copies(shared: dict[str, str]) -> dict[str, int]:

@@ -60,7 +60,8 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     choice, recomputed, offloaded = solution.choice, solution.recomputed, solution.offloaded
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
     modules = module_paths(captured)
-    kept_total, recomputed_total, offloaded_total = activation_bytes(activations, choice, recomputed, offloaded)
+    kept_total, recomputed_total, offloaded_total = activation_bytes(activations, choice, recomputed, offloaded,
+                                                                        solution.prefetched)
     needed = kept_ops(activations, recomputed, offloaded)
 
     host = costs.host()
@@ -108,32 +109,37 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         offload_s=offload_s(activations, solution, memory, host, {n: c[choice[n]] for n, c in compute.items()}),
         host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),
         host_params=tuple(by_name[name].target for name in sorted(solution.host_params)),
+        prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
     )
 
 
 def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None,
               compute: dict[str, float]) -> float:
     """Seconds per step that offloading costs, as the solver prices them
-    (:mod:`autopar.passes.memory_program`): each offloaded activation copied back, what of the
-    copies out is left when the forward's compute ends, for each parameter stepped on the
-    host its gradient out, its piece back and the host's update, and for each parameter in
-    host memory one more copy in."""
+    (:mod:`autopar.passes.memory_program`): what of the copies out is left when the forward's
+    compute ends, each segment's copies back (when prefetched, what of them is left when the
+    backward of the segment after it ends), for each parameter stepped on the host its gradient out, its piece back and
+    the host's update, and for each parameter in host memory one more copy in."""
     if host is None:
         return 0.0
     choice = solution.choice
     out: dict[str, float] = {}
-    total = 0.0
     for name in solution.offloaded:
-        seconds = host.copy_s(acts.bytes[name][choice[name]])
-        total += seconds
-        out[acts.segment[name]] = out.get(acts.segment[name], 0.0) + seconds
+        out[acts.segment[name]] = out.get(acts.segment[name], 0.0) + host.copy_s(acts.bytes[name][choice[name]])
     work: dict[str, float] = {}
     for name in acts.nodes:
         work[acts.segment[name]] = work.get(acts.segment[name], 0.0) + compute[name]
+    backward_work: dict[str, float] = {}
+    for name, segment in acts.backward_segment.items():
+        backward_work[segment] = backward_work.get(segment, 0.0) + compute[name]
     backlog = 0.0
     for segment in work:  # in forward order
         backlog = max(0.0, backlog + out.get(segment, 0.0) - work[segment])
-    total += backlog
+    total = backlog
+    during = acts.reloaded_during()
+    for segment, seconds in out.items():
+        beside = backward_work.get(during.get(segment), 0.0) if segment in solution.prefetched else 0.0
+        total += max(0.0, seconds - beside)
     for name in solution.host_optimizer:
         grad, size = memory.grads[name][choice[name]], memory.optimizer[name][choice[name]]
         total += host.optimizer_s(grad, size)

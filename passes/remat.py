@@ -21,13 +21,12 @@ the backward reads is always made again in the backward, from the parameter, so 
 parameter gathered for the forward is not held until the backward.
 """
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from autopar.cost_model.estimate import CostModel
-from autopar.passes.capture import Captured, module_paths
+from autopar.passes.capture import Captured, backward_segment_starts, is_layer, module_paths, segment_of
 from autopar.passes.strategy import StrategySpace
 
 RECOMPUTE_OPTIONS = ("auto", "none", "layers")
@@ -35,20 +34,6 @@ RECOMPUTE_OPTIONS = ("auto", "none", "layers")
 memory budget asks for (nothing without a budget); ``"none"`` keeps every activation;
 ``"layers"`` recomputes everything inside each layer of a stack from the layer's input, as
 activation checkpointing of every block does, and decides the rest as ``"auto"``."""
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def segment_of(module: str) -> str:
-    """The segment of an op from its module path: its layer (``blocks.3``) when it is inside a
-    stack, else its top-level module."""
-    match = _LAYER.match(module)
-    return match.group(1) if match else module.split(".")[0]
-
-
-def is_layer(segment: str) -> bool:
-    return bool(_LAYER.match(segment))
-
 
 @dataclass(frozen=True, slots=True)
 class ActivationSpace:
@@ -78,9 +63,20 @@ class ActivationSpace:
     backward, so that a parameter gathered for the forward is not held until the backward."""
     offloadable: frozenset[str] = frozenset()
     """Ops whose held outputs may go to host memory (empty without a host link)."""
+    backward_segment: dict[str, str] = field(default_factory=dict)
+    """Backward ops → the segment of the forward op they differentiate, for the backward ops
+    of segments that have forward ops."""
+    backward_order: tuple[str, ...] = ()
+    """Segments in the order the backward reaches them (first reads one of their values)."""
 
     def crosses(self, name: str, operand: str) -> bool:
         return self.segment[name] != self.segment[operand]
+
+    def reloaded_during(self) -> dict[str, str]:
+        """Per segment, the segment beside whose backward its offloaded outputs are copied back
+        when prefetched: the one the backward reaches just before it. The segment the backward
+        reaches first has none."""
+        return dict(zip(self.backward_order[1:], self.backward_order))
 
 
 def activation_space(captured: Captured, space: StrategySpace, costs: CostModel, recompute: str, *,
@@ -120,10 +116,13 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
             for n in forward}
     offloadable = {n.name for n in forward if offload and recompute != "none" and n.name not in views
                    and n.name not in never_kept and any(kept[n.name])}
+    backward_segment = {n.name: segment_of(paths[n.name]) for n in space.nodes
+                        if n.kind == "op" and n.phase == "backward" and n.name in paths}
+    backward_segment = {name: s for name, s in backward_segment.items() if s in set(segment.values())}
     return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
                            operands, kept, frozenset(never_kept),
                            {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views),
-                           frozenset(offloadable))
+                           frozenset(offloadable), backward_segment, tuple(backward_segment_starts(captured, paths)))
 
 
 def _reads(space: StrategySpace, names: set[str]) -> tuple[dict[str, set[int]], dict[str, dict[int, set[str]]]]:
@@ -209,20 +208,29 @@ def kept_ops(acts: ActivationSpace, recomputed: frozenset[str], offloaded: froze
 
 
 def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
-                     offloaded: frozenset[str] = frozenset()) -> tuple[int, int, int]:
+                     offloaded: frozenset[str] = frozenset(), prefetched: frozenset[str] = frozenset()) -> tuple[int, int, int]:
     """``(kept, recomputed, offloaded)`` bytes per device: every kept op's outputs; the largest
-    segment's recomputed and reloaded outputs (one segment's are alive at a time); and the
-    offloaded outputs, which wait in host memory."""
+    of a segment's recomputed and reloaded outputs, with those of the segment before it when
+    they are ``prefetched`` (copied back during its backward); and the offloaded outputs, which
+    wait in host memory."""
     needed = kept_ops(acts, recomputed, offloaded)
     kept = host = 0
     per_segment: dict[str, float] = {}
+    reloaded: dict[str, float] = {}
+    during = acts.reloaded_during()
     for name in acts.nodes:
+        size = acts.bytes[name][choice[name]]
         if name in recomputed or name in offloaded:
-            per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + acts.bytes[name][choice[name]]
-            host += acts.bytes[name][choice[name]] if name in offloaded else 0
-        elif name in needed:
+            per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + size
+        if name in offloaded:
+            host += size
+            if acts.segment[name] in prefetched and acts.segment[name] in during:
+                target = during[acts.segment[name]]
+                reloaded[target] = reloaded.get(target, 0.0) + size
+        elif name in needed and name not in recomputed:
             kept += kept_bytes(acts, name, choice, recomputed)
-    return int(kept), int(max(per_segment.values(), default=0.0)), int(host)
+    alive = [per_segment.get(s, 0.0) + reloaded.get(s, 0.0) for s in set(per_segment) | set(reloaded)]
+    return int(kept), int(max(alive, default=0.0)), int(host)
 
 
 def kept_bytes(acts: ActivationSpace, name: str, choice: dict[str, int], recomputed: frozenset[str]) -> int:

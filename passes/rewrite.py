@@ -14,8 +14,12 @@ embedding or cross-entropy) runs as its :class:`~autopar.passes.rules.SplitOp` s
 offset of the rank's piece and all-reduces over the axes that split the dim. Ops the plan
 recomputes run again when a backward op first reads them, on their kept operands (or operands
 recomputed the same way). The outputs of ops the plan offloads are copied to host memory as soon
-as they are made (``autopar::offload``) and copied back when a backward op or a recomputation
-first reads them (``autopar::reload``, :mod:`autopar.runtime.offload`). Parameters the plan
+as they are made (``autopar::offload``, :mod:`autopar.runtime.offload`) and copied back
+(``autopar::reload``) when a backward op or a recomputation first reads them; those of the
+segments the plan prefetches are copied back one segment ahead instead, when the backward
+starts the segment whose backward runs before theirs (its first op that reads a forward value
+of that segment), so that the copies run beside that segment's backward. The first read waits
+for the copy (``autopar::reload_wait``). Parameters the plan
 keeps in host memory come in as host tensors, are copied to the device when the forward first
 reads them and again when the backward does, and their gradients go out to the host. Backward moves,
 recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
@@ -45,11 +49,11 @@ from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
 from autopar.passes.buckets import Bucket, bucketed_step, gradient_buckets
-from autopar.passes.capture import Captured, backward_nodes
+from autopar.passes.capture import Captured, backward_nodes, backward_segment_starts, module_paths, segment_of
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
-from autopar.runtime.offload import offload, reload
+from autopar.runtime.offload import offload, reload, reload_wait
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -196,6 +200,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     for ref in sorted(to_host):
         if ref[0] in offloaded:
             to_host_of.setdefault(ref[0], []).append(ref)
+    paths = module_paths(captured)
+    prefetch_at = _prefetches(backward_segment_starts(captured, paths), {ref for refs in to_host_of.values() for ref in refs},
+                              paths, set(plan.prefetched))
     host_params = {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name in plan.host_params}
     devices = {n.name: n.meta["val"].device for n in captured.placeholders}
     grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
@@ -222,6 +229,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         on_host: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
         brought: dict[tuple[bool, ValueRef], torch.Tensor] = {}  # parameters from host memory, per phase
+        waited: set[ValueRef] = set()  # reloads the backward has waited for
         moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (in backward, value, placements)
 
         def fetch(arg: fx.Node, dst: Placements, in_backward: bool = False) -> torch.Tensor:
@@ -234,11 +242,12 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                     recompute(nodes[ref[0]])
                 t, src = again[ref]
             elif in_backward and ref in on_host:
-                if ref not in again:
-                    with fx_traceback.annotate(IN_BACKWARD):
-                        host, layout = on_host[ref]
-                        again[ref] = reload(host, env[ref][0].device), layout
+                start_reload(ref)
                 t, src = again[ref]
+                if ref not in waited:
+                    with fx_traceback.annotate(IN_BACKWARD):
+                        reload_wait(t)
+                    waited.add(ref)
             else:
                 t, src = env[ref]
                 if ref[0] in host_params:
@@ -251,10 +260,17 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                     moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
             return moved[key]
 
+        def start_reload(ref: ValueRef) -> None:
+            if ref not in again and ref in on_host:
+                with fx_traceback.annotate(IN_BACKWARD):
+                    host, layout = on_host[ref]
+                    again[ref] = reload(host, env[ref][0].device), layout
+
         def bring(host: torch.Tensor, ref: ValueRef, in_backward: bool) -> torch.Tensor:
             if (in_backward, ref) not in brought:
                 with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
                     brought[in_backward, ref] = reload(host, devices[ref[0]])
+                    reload_wait(brought[in_backward, ref])
             return brought[in_backward, ref]
 
         def run(node: fx.Node, store: dict, in_backward: bool) -> None:
@@ -285,6 +301,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             if not names:
                 reduce(buckets[b])
         for node in graph.nodes:
+            for ref in prefetch_at.get(node.name, ()):
+                start_reload(ref)
             if node.op == "call_function" and node.name not in aliases:
                 run(node, env, node in backward)
                 for ref in to_host_of.get(node.name, ()):
@@ -320,6 +338,20 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             f"{type(exc).__name__}: {exc}\nFix: plan again with fallback=True, or pin the failing tensor replicated"
         ) from exc
     return gm
+
+
+def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[str, str],
+                prefetched: set[str]) -> dict[str, list[ValueRef]]:
+    """Per backward op, the ``offloaded`` values of the ``prefetched`` segments to start copying
+    back before it runs: a segment's values when the backward starts the segment it reaches
+    just before (``starts``: :func:`~autopar.passes.capture.backward_segment_starts`)."""
+    order = list(starts)
+    at: dict[str, list[ValueRef]] = {}
+    for ref in sorted(offloaded):
+        segment = segment_of(paths.get(ref[0], ""))
+        if segment in prefetched and segment in starts and order.index(segment) > 0:
+            at.setdefault(starts[order[order.index(segment) - 1]], []).append(ref)
+    return at
 
 
 def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict[str, Strategy], aliases: dict,

@@ -89,6 +89,9 @@ class Solution:
     """Parameters whose optimizer state lives in host memory and is stepped there."""
     host_params: frozenset[str] = frozenset()
     """Parameters (a subset of ``host_optimizer``) that live in host memory themselves."""
+    prefetched: frozenset[str] = frozenset()
+    """Segments whose offloaded outputs are copied back during the backward of the segment
+    after them, ahead of their first read."""
 
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
@@ -166,12 +169,12 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         else:
             _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
     _enough_buckets(solver, costs, bucket_shares)
-    again, away, on_host, params_on_host = {}, {}, {}, {}
+    again, away, ahead, on_host, params_on_host = {}, {}, {}, {}, {}
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
     if choosing:
-        again, away, kept_mb, recompute_mb = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves, shared,
-                                                               costs, offloading)
+        again, away, ahead, kept_mb, recompute_mb = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves,
+                                                                              shared, costs, offloading)
     host_mb = None
     if memory is not None and offloading is not None:
         on_host, params_on_host, host_mb = host_state(solver, memory, ind, shared, offloading, costs)
@@ -223,8 +226,12 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     def chosen(variables: dict, names) -> frozenset[str]:
         return frozenset(name for name in names if values[variables[shared.get(name, name)].index()] > 0.5)
 
+    prefetched = frozenset()
     if choosing:
         recomputed, offloaded = chosen(again, activations.nodes), chosen(away, activations.nodes)
+        own = {name: activations.segment[shared.get(name, name)] for name in offloaded}
+        prefetched = frozenset(activations.segment[name] for name in offloaded
+                               if own[name] in ahead and values[ahead[own[name]].index()] > 0.5)
     else:
         recomputed, offloaded = activations.param_views if activations is not None else frozenset(), frozenset()
     stepped_on_host = [name for name in memory.optimizer if shared.get(name, name) in on_host] if on_host else []
@@ -240,7 +247,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     )
     log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
               info.num_constraints, elapsed, info.status)
-    return Solution(choice, info, recomputed, offloaded, host_optimizer, host_params)
+    return Solution(choice, info, recomputed, offloaded, host_optimizer, host_params, prefetched)
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:

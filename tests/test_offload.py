@@ -1,8 +1,11 @@
 """Offload to host memory chosen by the solver with recomputation, under one memory budget: in what
 order a tightening budget takes keep, recompute and offload, what the per-rank program does with
-an offloaded activation, and that a plan whose hardware has no host link never offloads."""
+an offloaded activation (copies back prefetched a layer ahead or made at the first read), that
+such a program compiled by Inductor trains as one device, and that a plan whose hardware has no
+host link never offloads."""
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -10,11 +13,14 @@ import torch
 import autopar
 from autopar import Mesh
 from autopar.cost_model.hardware import Link
+from autopar.cost_model.liveness import plan_liveness
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.rewrite import rewrite
 from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.partition import partition
+from tests.harness import run_ranks
+from tests.runtime.test_memory_budget import _model as _small_gpt, _reference
 
 ONE_DEVICE = Mesh((1,), ("x",))
 NO_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6)
@@ -56,7 +62,7 @@ def test_without_a_budget_nothing_goes_to_the_host(sweep):
 
 def test_tightening_the_budget_takes_the_cheapest_time_per_byte_first(sweep):
     free, slightly, tighter, tightest = sweep
-    assert _chosen(slightly, "recompute")["gelu"] and not _chosen(slightly, "offload") and not slightly.host_optimizer
+    assert _chosen(slightly, "recompute")["gelu"] and not slightly.host_optimizer
     assert not _chosen(tighter, "recompute") & collections.Counter({"mm": 1, "addmm": 1})  # matmuls: offloaded instead
     assert _chosen(tighter, "offload") & collections.Counter({"mm": 1, "addmm": 1})
     assert tightest.host_params and set(tightest.host_params) <= set(tightest.host_optimizer)
@@ -87,33 +93,65 @@ def test_the_plan_table_and_json_carry_the_offload(sweep):
     plan = sweep[3]
     text = str(plan)
     assert "offloaded" in text and "copy time" in text and "in host memory" in text and "optimizer state" in text
+    assert "ahead" in text
     again = autopar.ShardingPlan.from_json(plan.to_json())
     assert again == plan and again.host_optimizer == plan.host_optimizer and again.offload_s == plan.offload_s
+    assert again.prefetched == plan.prefetched
     assert again.memory.host_bytes == plan.memory.host_bytes
+
+
+def _parts(gpt, plan):
+    model, batch = gpt
+    captured = capture(model, batch)
+    joint = rewrite(captured, plan, coordinate=(0,), group_names=["offload-test"])
+    return partition(joint, [k.kind == "tangent" for k in captured.inputs],
+                     [None if k is None else k.kind == "grad" for k in captured.outputs])
+
+
+def _count(gm, op) -> int:
+    return sum(n.target is op for n in gm.graph.nodes)
 
 
 def test_offloaded_values_leave_in_the_forward_and_come_back_in_the_backward(gpt, sweep):
     """Activations go out in the forward and come back in the backward; parameters in host
     memory come in for each, and their gradients go out."""
-    model, batch = gpt
-    plan = sweep[2]
-    captured = capture(model, batch)
-    joint = rewrite(captured, plan, coordinate=(0,), group_names=["offload-test"])
-    parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
-                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    plan = sweep[3]
+    parts = _parts(gpt, plan)
     offload, reload = torch.ops.autopar.offload.default, torch.ops.autopar.reload.default
-
-    def count(gm, op):
-        return sum(n.target is op for n in gm.graph.nodes)
-
     host_params = len(plan.host_params)
-    copied_out = count(parts.forward, offload)  # the activations, as they are made
+    copied_out = _count(parts.forward, offload)  # the activations, as they are made
     assert copied_out > 0 and host_params > 0
-    assert count(parts.forward, reload) == host_params  # each parameter in host memory, in for the forward
-    assert count(parts.backward, offload) == host_params  # their gradients, out
-    assert copied_out <= count(parts.backward, reload) <= copied_out + host_params  # activations and parameters back in
+    assert _count(parts.forward, reload) == host_params  # each parameter in host memory, in for the forward
+    assert _count(parts.backward, offload) == host_params  # their gradients, out
+    assert copied_out <= _count(parts.backward, reload) <= copied_out + host_params  # activations and parameters back in
     saved = {n.name for n in parts.forward.graph.output_node().args[0] if n is not None}
     assert {n.name for n in parts.forward.graph.nodes if n.target is offload} <= saved  # the host copy is what is saved
+    for gm in (parts.forward, parts.backward):
+        assert _count(gm, torch.ops.autopar.reload_wait.default) == _count(gm, reload)  # every copy back is waited for
+
+
+def _work_before_wait(gm) -> list[int]:
+    """Per copy back, the number of other ops the program runs between issuing it and waiting
+    for it."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    position = {n: i for i, n in enumerate(nodes)}
+    return [position[w] - position[r] - 1 for r in nodes if r.target is torch.ops.autopar.reload.default
+            for w in r.users if w.target is torch.ops.autopar.reload_wait.default]
+
+
+def test_prefetched_reloads_run_beside_the_backward_of_the_layer_before(gpt, sweep):
+    """The plan prefetches the copies back of some layers: they are issued a layer ahead, with
+    that layer's backward ops between the copy and its wait, and hold more memory than copies
+    made at the first read, as the solver counted."""
+    plan = sweep[2]
+    assert plan.prefetched and plan.offload_s > 0
+    ahead, at_read = plan, dataclasses.replace(plan, prefetched=())
+    gaps_ahead, gaps_at_read = _work_before_wait(_parts(gpt, ahead).backward), _work_before_wait(_parts(gpt, at_read).backward)
+    assert len(gaps_ahead) == len(gaps_at_read) > 0
+    assert max(gaps_at_read) == 0 and max(gaps_ahead) >= 10
+    model, batch = gpt
+    captured = capture(model, batch)
+    assert plan_liveness(captured, ahead).backward_bytes > plan_liveness(captured, at_read).backward_bytes
 
 
 def test_the_host_optimizer_steps_as_the_plain_one():
@@ -134,3 +172,32 @@ def test_the_host_optimizer_steps_as_the_plain_one():
     assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
     assert host.param_groups[0]["lr"] == plain.param_groups[0]["lr"]
     assert len(host.host_params) == 1 and set(host.state) == {host.host_params[0], model.bias}
+
+
+def train_offloading_with_inductor() -> dict:
+    """On one rank, a plan that offloads with prefetched copies back and keeps parameters in
+    host memory, compiled by Inductor (the copy ops are opaque kernels to it), trained for three
+    steps against one device."""
+    model, batches = _small_gpt()
+    ref_losses, _ = _reference(model, batches)
+    unbudgeted = autopar.plan(model, ONE_DEVICE, batches[0], hardware=WITH_HOST).peak_memory_bytes
+    pmodel = autopar.compile(model, ONE_DEVICE, batches[0], hardware=WITH_HOST, memory_budget=int(unbudgeted * 0.5),
+                             backend="inductor")
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = pmodel(*batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    plan = pmodel.plan
+    return {"losses": losses, "reference": ref_losses, "prefetched": plan.prefetched, "host_params": plan.host_params,
+            "offloaded": sum(n.activation == "offload" for n in plan.nodes)}
+
+
+@pytest.mark.slow
+def test_an_offloading_plan_compiled_by_inductor_trains_as_one_device():
+    (r,) = run_ranks(1, train_offloading_with_inductor)
+    assert r["prefetched"] and r["offloaded"] > 0 and r["host_params"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["reference"])) <= 1e-5
