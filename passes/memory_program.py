@@ -179,8 +179,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
             backlog = after
         costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
         backward_work = _segment_work(acts.backward_segment, acts.backward_segment, set(acts.backward_segment) - set(shared),
-                                      ind, node_costs, copies)
-        for segment, during in _reloaded_during(acts, own, copies).items():
+                                      ind, node_costs, defaultdict(int))  # of one copy of a repeated layer
+        for segment, (during, times) in _reloaded_during(acts, own, shared, copies).items():
             if not copied_out[segment]:
                 continue
             stall = solver.NumVar(0.0, solver.infinity(), "")
@@ -190,7 +190,7 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
                 solver.Add(stall >= back)
                 continue
             ahead[segment] = solver.IntVar(0, 1, "")  # F_S
-            solver.Add(stall >= back - sum(backward_work[during]))  # W_S
+            solver.Add(stall >= back - times * sum(backward_work[during]))  # W_S
             solver.Add(stall >= back - sum(c for c, _ in copied_out[segment]) * ahead[segment])
             mb = sum(m * o for m, o in offloaded[segment]) - sum(m for m, _ in offloaded[segment]) * (1 - ahead[segment])
             reloaded[during].append(mb)
@@ -247,15 +247,24 @@ def _segment_work(names, segment: dict[str, str], own, ind: dict, node_costs: di
     return work
 
 
-def _reloaded_during(acts: ActivationSpace, own: list[str], copies: dict) -> dict[str, str | None]:
-    """Per segment of ``own`` ops, the segment beside whose backward its copies back run
-    (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; ``None``: waited for at
-    once). A layer that stands for repeated layers (shared choices) is copied back beside the
-    backward of its next copy, so beside its own."""
-    repeated = {acts.segment[name] for name in own if copies[name]}
+def _reloaded_during(acts: ActivationSpace, own: list[str], shared: dict[str, str],
+                     copies: dict) -> dict[str, tuple[str | None, int]]:
+    """Per segment of ``own`` ops, the segment of ``own`` ops beside whose backward its copies
+    back run when prefetched (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; a
+    copy of a repeated layer stands for the layer; ``None``: never prefetched), and how many
+    times that backward hides them. A layer standing for ``c`` repeated layers (shared
+    choices) is prefetched beside the backward of its own next copy, ``c`` times."""
+    times = {acts.segment[name]: 1 + copies[name] for name in own}
+    represent = {acts.segment[name]: acts.segment[first] for name, first in shared.items() if name in acts.segment}
     during = acts.reloaded_during()
-    order = dict.fromkeys(acts.segment[name] for name in own)
-    return {s: s if s in repeated else during.get(s) for s in order}
+    found = {}
+    for segment, count in times.items():
+        if count > 1:
+            found[segment] = segment, count
+        else:
+            beside = during.get(segment)
+            found[segment] = represent.get(beside, beside), 1
+    return found
 
 
 def _copies(shared: dict[str, str]) -> dict[str, int]:

@@ -20,7 +20,7 @@ from autopar.passes.rewrite import rewrite
 from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.partition import partition
 from tests.harness import run_ranks
-from tests.runtime.test_memory_budget import _model as _small_gpt, _reference
+from tests.runtime.test_memory_budget import _model as _small_gpt, _reference, _train
 
 ONE_DEVICE = Mesh((1,), ("x",))
 NO_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6)
@@ -183,14 +183,7 @@ def train_offloading_with_inductor() -> dict:
     unbudgeted = autopar.plan(model, ONE_DEVICE, batches[0], hardware=WITH_HOST).peak_memory_bytes
     pmodel = autopar.compile(model, ONE_DEVICE, batches[0], hardware=WITH_HOST, memory_budget=int(unbudgeted * 0.5),
                              backend="inductor")
-    opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = pmodel(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
+    losses, _ = _train(pmodel, pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), batches)
     plan = pmodel.plan
     return {"losses": losses, "reference": ref_losses, "prefetched": plan.prefetched, "host_params": plan.host_params,
             "offloaded": sum(n.activation == "offload" for n in plan.nodes)}
