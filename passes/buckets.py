@@ -10,6 +10,11 @@ is laid out as ``n`` rows, row ``r`` being rank ``r``'s shard, so that every ran
 whole bucket come out contiguous. Other gradient moves (several steps, as ``(P, P)`` → ``(R, R)``
 on a 2-D mesh, or an all-gather) run one by one.
 
+Parameters are gathered in buckets too, as FSDP gathers a unit's parameters at once: the
+parameters an op of one layer (segment) reads whole where they are split along one mesh axis,
+one all-gather per layer, phase, mesh axis and dtype (up to ``bucket_bytes``), made when the
+layer first reads one of them (:func:`~autopar.passes.rewrite.parameter_gathers`).
+
 One function, :func:`gradient_buckets`, makes the buckets for the rewriter and for the plan, so
 the plan lists exactly the bucket collectives the per-rank graph runs. The solver cannot know
 which gradients will share a bucket while it chooses layouts: it prices a bucketed move at its
@@ -56,16 +61,17 @@ def bucketed_step(steps: Sequence[Step]) -> Step | None:
     return None
 
 
-def gradient_buckets(moves: Sequence[tuple[Step, torch.dtype]], bucket_bytes: int) -> list[Bucket]:
-    """Pack gradient moves, each its :func:`bucketed_step` and the gradient's dtype, given in
-    parameter order, into buckets of one collective kind, mesh axis and dtype. A bucket takes
-    the next gradient of its kind while it stays within ``bucket_bytes``; otherwise that
-    gradient starts a new bucket. Buckets come in the order of their first gradient."""
+def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
+    """Pack moves, each its :func:`bucketed_step` and the tensor's dtype (and optionally a label:
+    only moves of one label share a bucket), given in order, into buckets of one collective
+    kind, mesh axis, dtype and label. A bucket takes the next move of its kind while it stays
+    within ``bucket_bytes``; otherwise that move starts a new bucket. Buckets come in the order
+    of their first move."""
     buckets: list[list[int]] = []
-    filling: dict[tuple, int] = {}  # (kind, axis, dtype) -> the index of its bucket being filled
+    filling: dict[tuple, int] = {}  # (kind, axis, dtype, label) -> the index of its bucket being filled
     size: list[int] = []
-    for i, (step, dtype) in enumerate(moves):
-        key = (step.kind, step.axis, dtype)
+    for i, (step, dtype, *label) in enumerate(moves):
+        key = (step.kind, step.axis, dtype, *label)
         b = filling.get(key)
         if b is None or size[b] + step.bytes > bucket_bytes:
             b = filling[key] = len(buckets)

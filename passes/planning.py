@@ -7,6 +7,7 @@ from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
 from autopar.passes.buckets import bucketed_step, gradient_buckets
 from autopar.passes.capture import Captured, module_paths
+from autopar.passes.rewrite import ParameterGather, parameter_gathers
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
@@ -83,7 +84,8 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
                  compute[n.name][choice[n.name]], *activation(n.name))
         for n in space.nodes if n.kind == "op"
     )
-    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh))
+    gathers = parameter_gathers(captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes)
+    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers))
     placements = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")}
     inputs = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind == "input"}
     return ShardingPlan(
@@ -152,13 +154,18 @@ def _fmt(strategy: Strategy) -> tuple[str, ...]:
     return tuple(format_placement(p) for p in strategy.outputs[0])
 
 
-def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh):
+def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh,
+                 gathers: list[ParameterGather]):
     """The collectives of every planned move, then the all-reduces ops make themselves
     (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
     per bucket of the gradient moves that are bucketed
-    (:func:`~autopar.passes.buckets.gradient_buckets`), as the rewriter runs them."""
+    (:func:`~autopar.passes.buckets.gradient_buckets`) and one per bucket of parameters
+    gathered together (``gathers``), as the rewriter runs them."""
     gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order
+    in_gathers = {key for g in gathers for key in g.keys}
     for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
+        if (phase != "forward", ref, dst) in in_gathers:
+            continue
         steps = costs.steps(ref, src, dst)
         bucketed = bucketed_step(steps) if consumer.kind == "param" else None
         if bucketed is not None:
@@ -184,6 +191,14 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
             kind=bucket.step.kind, axis=mesh.axis_names[bucket.step.axis], bytes=bucket.step.bytes, phase="backward",
             time_s=costs.step_s(bucket.step), tensor=f"bucket of {len(members)} gradients", consumer="gradients",
             src=" | ".join(dict.fromkeys(m[2] for m in members)), dst=" | ".join(dict.fromkeys(m[3] for m in members)),
+        )
+    for g in gathers:
+        yield Collective(
+            kind="all_gather", axis=mesh.axis_names[g.bucket.step.axis], bytes=g.bucket.step.bytes, phase=g.phase,
+            time_s=costs.step_s(g.bucket.step), tensor=f"bucket of {len(g.keys)} parameters",
+            consumer=f"parameters of {g.segment or '(root)'}",
+            src=" | ".join(dict.fromkeys(format_placements(chosen[k[1][0]].outputs[0]) for k in g.keys)),
+            dst=" | ".join(dict.fromkeys(format_placements(k[2]) for k in g.keys)),
         )
 
 

@@ -25,14 +25,17 @@ reads them and again when the backward does, and their gradients go out to the h
 recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
 partitioner puts them in the backward.
 
-Each parameter's gradient moves into the parameter's placements; the moves that are one
-all-reduce or reduce-scatter run in buckets, one collective per bucket
+The parameters a layer reads whole where they are split along one mesh axis are gathered
+together, one all-gather per layer and phase, when the layer first reads one of them
+(:func:`parameter_gathers`). Each parameter's gradient moves into the parameter's placements;
+the moves that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
 (:mod:`autopar.passes.buckets`), each as soon as the backward has made all of its gradients (so
 that a split parameter's whole gradient is not held until the step's end), the others at the
 step's end, one by one.
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import contextlib
 
@@ -142,8 +145,16 @@ class _Rank:
         return _Split(*piece_of(whole, axes, self.mesh, self.coordinate), [self.group_names[a] for a in axes])
 
     def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step) -> list[torch.Tensor]:
-        """Reduce ``pieces``, whose moves are ``steps``, with the bucket's one collective ``step``."""
+        """Move ``pieces``, whose moves are ``steps``, with the bucket's one collective ``step``."""
         n, group = self._n_group(step)
+        if step.kind == "all_gather":  # each rank's pieces, concatenated: row r of the result is rank r's
+            flat = torch.cat([p.reshape(-1) for p in pieces])
+            rows = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, n, group)).view(n, -1)
+            whole = []
+            for p, s, piece in zip(pieces, steps, rows.split([p.numel() for p in pieces], 1)):
+                stacked = piece.reshape(n, *p.shape).movedim(0, s.dim)  # the n pieces side by side at dim s.dim
+                whole.append(stacked.reshape(*p.shape[:s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1:]))
+            return whole
         if step.kind == "all_reduce":
             flat = torch.cat([p.reshape(-1) for p in pieces])
             reduced = c10d.wait_tensor(c10d.all_reduce(flat, "sum", group))
@@ -217,6 +228,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                for n in graph.nodes if n.op == "call_function" and n.name not in aliases for in_backward in phases(n)
                for a, p in zip(tensor_args(n), strategies[n.name].inputs)}  # the moves ops make for themselves
     bucket_keys, bucket_steps, buckets = _gradient_buckets(gradients, strategies, aliases, backward, fetched, plan)
+    gathers = parameter_gathers(captured, strategies, recomputed, host_params, mesh, plan.links, plan.bucket_bytes)
+    gathered_by = {key: g for g in gathers for key in g.keys}
     inputs = {n.name for n in captured.placeholders}
     producers = [{bucket_keys[i][1][0] for i in b.members} - inputs for b in buckets]
     filled_by: dict[str, list[int]] = {}
@@ -257,7 +270,12 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             key = (in_backward, ref, dst)
             if key not in moved:
                 with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
-                    moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
+                    if key in gathered_by:
+                        gather = gathered_by[key]
+                        pieces = rank.bucket([env[k[1]][0] for k in gather.keys], list(gather.steps), gather.bucket.step)
+                        moved.update(zip(gather.keys, pieces))
+                    else:
+                        moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
             return moved[key]
 
         def start_reload(ref: ValueRef) -> None:
@@ -352,6 +370,58 @@ def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[st
         if segment in prefetched and segment in starts and order.index(segment) > 0:
             at.setdefault(starts[order[order.index(segment) - 1]], []).append(ref)
     return at
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterGather:
+    """Parameters gathered by one all-gather, the first time a layer reads one of them in a
+    phase."""
+
+    bucket: Bucket
+    keys: tuple[tuple[bool, ValueRef, Placements], ...]
+    """Each parameter's move: ``(in backward, parameter, placements it is gathered into)``."""
+    steps: tuple[Step, ...]
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"recompute"``: the phase of the op first reading one."""
+    segment: str
+
+
+def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recomputed: set[str] | frozenset[str],
+                      host_params: set[str], mesh: Mesh, links: tuple[Link, ...], bucket_bytes: int) -> list[ParameterGather]:
+    """The parameters' all-gathers that run in buckets, for the rewriter and for the plan: every
+    move of a parameter (not one in host memory, ``host_params`` by placeholder name) that is one
+    all-gather, grouped by the phase and segment (layer) of the op that first reads it, by mesh
+    axis and dtype, up to ``bucket_bytes`` (:func:`~autopar.passes.buckets.gradient_buckets`),
+    in the order the ops first read them. A bucket of one parameter is left to its own move."""
+    graph = captured.graph.graph
+    aliases = getitem_aliases(graph)
+    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    params = {n.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
+    paths = module_paths(captured)
+    seen: set = set()
+    moves: list[tuple] = []  # (key, step, dtype, (phase, segment))
+    for n in graph.nodes:
+        if n.op != "call_function" or n.name in aliases:
+            continue
+        runs = (("backward", True),) if n in backward else (("forward", False), ("recompute", True)) if n.name in recomputed else (("forward", False),)
+        for phase, in_backward in runs:
+            for a, dst in zip(tensor_args(n), strategies[n.name].inputs):
+                ref = aliases.get(a.name, (a.name, 0))
+                key = (in_backward, ref, dst)
+                if ref[0] not in params or ref[0] in host_params or key in seen:
+                    continue
+                seen.add(key)
+                val = _value(params[ref[0]])
+                src = strategies[ref[0]].outputs[0]
+                steps = transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, mesh, links) if src != dst else []
+                if len(steps) == 1 and steps[0].kind == "all_gather":
+                    moves.append((key, steps[0], val.dtype, (phase, segment_of(paths.get(n.name, "")))))
+    found = []
+    for bucket in gradient_buckets([m[1:] for m in moves], bucket_bytes):
+        if len(bucket.members) > 1:
+            members = [moves[i] for i in bucket.members]
+            found.append(ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3]))
+    return found
 
 
 def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict[str, Strategy], aliases: dict,

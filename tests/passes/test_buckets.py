@@ -1,14 +1,17 @@
-"""Gradient buckets: how gradients are packed, how the solver prices them, and that the per-rank
-graph runs one collective per bucket, exactly as the plan lists them."""
+"""Gradient and parameter buckets: how gradients are packed, how the solver prices them, that a
+layer's parameters are gathered together, and that the per-rank graph runs one collective per
+bucket, exactly as the plan lists them."""
 
 import collections
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import autopar
 from autopar.cost_model.estimate import CostModel
+from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.passes.buckets import BucketShare, gradient_buckets
 from autopar.passes.capture import capture
@@ -97,6 +100,35 @@ def test_fully_sharded_rank_graph_reduce_scatters_buckets(fake_world):
     assert [c.tensor for c in plan.collectives if c.kind == "reduce_scatter"] == ["bucket of 6 gradients"] * 2
 
 
+def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world):
+    """FSDP layout of a GPT: the parameters each layer reads whole are gathered together, once
+    in the forward and once in the backward, as the plan lists them; the same bytes move as
+    when each is gathered alone."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, dim=32, num_heads=4, num_layers=2))
+    captured = capture(model, (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))))
+    mesh = autopar.Mesh((4,), ("dp",))
+    pins = {"idx": "S(0)", "targets": "S(0)", **{name: "S(0)" for name, _ in model.named_parameters()}}
+    groups = [device_mesh(mesh, "cpu").get_group(0).group_name]
+    plan = plan_captured(captured, mesh, hardware=COMPUTE_DEAR, pins=pins, bucket_bytes=2**20)
+
+    def gathered(plan) -> list[int]:
+        graph = rewrite(captured, plan, coordinate=(0,), group_names=groups)
+        ran = graph_collectives(graph, groups)
+        if plan.bucket_bytes > 1:
+            assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == \
+                collections.Counter((kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in ran)
+        return [nbytes for kind, _, nbytes in ran if kind == "all_gather"]
+
+    buckets = [c for c in plan.collectives if c.tensor.endswith("parameters")]
+    assert {c.consumer for c in buckets} >= {"parameters of blocks.0", "parameters of blocks.1"}
+    assert {c.phase for c in buckets} >= {"forward", "backward"}
+    assert len(set((c.phase, c.consumer) for c in buckets)) == len(buckets)  # one per layer and phase
+    together, alone = gathered(plan), gathered(dataclasses.replace(plan, bucket_bytes=1))  # 1 byte: each alone
+    assert len(together) <= len(alone) - len(buckets) and sum(together) == sum(alone)
+
+
 def test_gradient_moves_of_several_steps_are_not_bucketed(fake_world):
     mesh = autopar.Mesh((2, 2), ("a", "b"))
     pins = _data_pins(MLP(32, 32, num_layers=6), (("S(0)", "S(0)"), ("R", "R")))
@@ -121,13 +153,16 @@ def reduce_scattered_gradients() -> dict:
     pmodel(*(pmodel.rank_part(name, x) for name, x in zip(("x", "target"), batch))).backward()
     grads = {name: pmodel.gather(name, p.grad) for name, p in model.named_parameters()}
     return {"matches": {name: torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-6) for name, p in reference.named_parameters()},
-            "buckets": [(c.kind, c.dst) for c in pmodel.plan.collectives if c.tensor.startswith("bucket")]}
+            "buckets": [(c.kind, c.dst) for c in pmodel.plan.collectives if c.tensor.endswith("gradients")],
+            "gathered": {c.src for c in pmodel.plan.collectives if c.tensor.endswith("parameters")}}
 
 
 @pytest.mark.slow
 def test_reduce_scattered_bucket_gives_each_rank_its_shards():
     # one reduce-scatter for gradients scattered on dim 0 and on dim 1: every rank's shards of
-    # the bucket must come out contiguous and in place
+    # the bucket must come out contiguous and in place; a layer's weight and bias, split on dim
+    # 1 and dim 0, gathered by one all-gather, each whole
     for result in run_ranks(4, reduce_scattered_gradients):
         assert result["buckets"] == [("reduce_scatter", "(S(0)) | (S(1))")]
+        assert "(S(1)) | (S(0))" in result["gathered"]
         assert all(result["matches"].values()), result["matches"]
