@@ -313,17 +313,17 @@ def is_layer(segment: str) -> bool:
 
 
 def backward_segment_starts(captured: Captured, paths: dict[str, str]) -> dict[str, str]:
-    """Per segment whose forward values the backward reads, the first backward op that reads
-    one, in the order the backward reaches the segments (``paths``: :func:`module_paths`)."""
+    """Per segment of forward ops, its first backward op (an op of the backward whose module,
+    :func:`module_paths` ``paths``, is in the segment), in the order the backward reaches the
+    segments."""
     graph = captured.graph.graph
     backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    forward = {segment_of(paths.get(n.name, "")) for n in ops if n not in backward}
     starts: dict[str, str] = {}
-    for node in graph.nodes:
-        if node in backward and node.op == "call_function":
-            for arg in node.all_input_nodes:
-                producer = arg.args[0] if arg.target is operator.getitem else arg
-                if producer.op == "call_function" and producer not in backward:
-                    starts.setdefault(segment_of(paths.get(producer.name, "")), node.name)
+    for node in ops:
+        if node in backward and node.name in paths and segment_of(paths[node.name]) in forward:
+            starts.setdefault(segment_of(paths[node.name]), node.name)
     return starts
 
 

@@ -39,8 +39,10 @@ prefetched (``F_S``, binary): issued when the backward of the segment after it s
 (``bw(S+1)``, whose backward runs just before S's), so that they run beside it, at the price of
 holding them on the device beside that segment's recomputed and reloaded values; what they leave
 (``W_S``) is charged. ``M_S`` and ``T_S`` are the bytes and copy time of S's offload if all its
-ops were offloaded. The last segment's copies back are never prefetched. A layer standing for
-repeated layers (shared choices) is prefetched beside the backward of its own next copy. With optimizer offload
+ops were offloaded. The copies back of the segment the backward reaches first are never
+prefetched. A layer standing for ``c`` repeated layers (shared choices) has ``c − 1`` of its
+copies prefetched beside the backward of their next copy, and the one the backward reaches first
+beside the segment before it, each part with its own ``W``. With optimizer offload
 (ZeRO-Offload), a parameter's optimizer state may live in host memory (``H_p``, binary), where
 the host steps it: its bytes leave the budget, and its gradient's copy out, its parameter's
 copy back and the host's update enter the objective. The parameter itself may live there too
@@ -180,20 +182,23 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
         backward_work = _segment_work(acts.backward_segment, acts.backward_segment, set(acts.backward_segment) - set(shared),
                                       ind, node_costs, defaultdict(int))  # of one copy of a repeated layer
-        for segment, (during, times) in _reloaded_during(acts, own, shared, copies).items():
+        for segment, beside in _reloaded_during(acts, own, shared, copies).items():
             if not copied_out[segment]:
                 continue
-            stall = solver.NumVar(0.0, solver.infinity(), "")
             back = sum(c * o for c, o in copied_out[segment])
-            costs[stall] += 1 / SCALE
-            if during is None:
-                solver.Add(stall >= back)
-                continue
-            ahead[segment] = solver.IntVar(0, 1, "")  # F_S
-            solver.Add(stall >= back - times * sum(backward_work[during]))  # W_S
-            solver.Add(stall >= back - sum(c for c, _ in copied_out[segment]) * ahead[segment])
-            mb = sum(m * o for m, o in offloaded[segment]) - sum(m for m, _ in offloaded[segment]) * (1 - ahead[segment])
-            reloaded[during].append(mb)
+            bound = sum(c for c, _ in copied_out[segment])
+            mb = sum(m * o for m, o in offloaded[segment])
+            if any(during is not None for during, _, _ in beside):
+                ahead[segment] = solver.IntVar(0, 1, "")  # F_S
+            for during, part, times in beside:
+                stall = solver.NumVar(0.0, solver.infinity(), "")  # W_S, for the part of S's copies beside one segment
+                costs[stall] += 1 / SCALE
+                if during is None:
+                    solver.Add(stall >= part * back)
+                    continue
+                solver.Add(stall >= part * back - times * sum(backward_work[during]))
+                solver.Add(stall >= part * (back - bound * ahead[segment]))
+                reloaded[during].append(mb - sum(m for m, _ in offloaded[segment]) * (1 - ahead[segment]))
     for name in acts.nodes:
         k, r, o = keep[shared.get(name, name)], again[shared.get(name, name)], away[shared.get(name, name)]
         solver.Add(k + r + o >= (1 if name in acts.saved else 0))  # the backward finds it kept, recomputes or reloads it
@@ -248,22 +253,25 @@ def _segment_work(names, segment: dict[str, str], own, ind: dict, node_costs: di
 
 
 def _reloaded_during(acts: ActivationSpace, own: list[str], shared: dict[str, str],
-                     copies: dict) -> dict[str, tuple[str | None, int]]:
-    """Per segment of ``own`` ops, the segment of ``own`` ops beside whose backward its copies
-    back run when prefetched (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; a
-    copy of a repeated layer stands for the layer; ``None``: never prefetched), and how many
-    times that backward hides them. A layer standing for ``c`` repeated layers (shared
-    choices) is prefetched beside the backward of its own next copy, ``c`` times."""
+                     copies: dict) -> dict[str, list[tuple[str | None, float, int]]]:
+    """Per segment of ``own`` ops, beside whose backward its copies back run when prefetched:
+    ``(segment of own ops or None, part of its copies, how many copies of that backward hide
+    them)`` (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; a copy of a repeated
+    layer stands for the layer; ``None``: never prefetched). A layer standing for ``c`` repeated
+    layers (shared choices) has ``c − 1`` of its copies prefetched beside the backward of their
+    next copy, and the copy the backward reaches first beside the segment before it."""
     times = {acts.segment[name]: 1 + copies[name] for name in own}
     represent = {acts.segment[name]: acts.segment[first] for name, first in shared.items() if name in acts.segment}
     during = acts.reloaded_during()
     found = {}
     for segment, count in times.items():
-        if count > 1:
-            found[segment] = segment, count
-        else:
+        if count == 1:
             beside = during.get(segment)
-            found[segment] = represent.get(beside, beside), 1
+            found[segment] = [(represent.get(beside, beside), 1.0, 1)]
+            continue
+        layers = [s for s in acts.backward_order if represent.get(s, s) == segment]
+        beside = during.get(layers[0]) if layers else None
+        found[segment] = [(segment, (count - 1) / count, count - 1), (represent.get(beside, beside), 1 / count, 1)]
     return found
 
 

@@ -67,7 +67,7 @@ class ActivationSpace:
     """Backward ops → the segment of the forward op they differentiate, for the backward ops
     of segments that have forward ops."""
     backward_order: tuple[str, ...] = ()
-    """Segments in the order the backward reaches them (first reads one of their values)."""
+    """Segments in the order the backward reaches them (runs its first op of the segment)."""
 
     def crosses(self, name: str, operand: str) -> bool:
         return self.segment[name] != self.segment[operand]

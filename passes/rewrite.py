@@ -17,9 +17,9 @@ recomputed the same way). The outputs of ops the plan offloads are copied to hos
 as they are made (``autopar::offload``, :mod:`autopar.runtime.offload`) and copied back
 (``autopar::reload``) when a backward op or a recomputation first reads them; those of the
 segments the plan prefetches are copied back one segment ahead instead, when the backward
-starts the segment whose backward runs before theirs (its first op that reads a forward value
-of that segment), so that the copies run beside that segment's backward. The first read waits
-for the copy (``autopar::reload_wait``). Parameters the plan
+starts the segment whose backward runs before theirs (its first backward op), so that the
+copies run beside that segment's backward. The first read waits for the copy
+(``autopar::reload_wait``). Parameters the plan
 keeps in host memory come in as host tensors, are copied to the device when the forward first
 reads them and again when the backward does, and their gradients go out to the host. Backward moves,
 recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
@@ -362,7 +362,8 @@ def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[st
                 prefetched: set[str]) -> dict[str, list[ValueRef]]:
     """Per backward op, the ``offloaded`` values of the ``prefetched`` segments to start copying
     back before it runs: a segment's values when the backward starts the segment it reaches
-    just before (``starts``: :func:`~autopar.passes.capture.backward_segment_starts`)."""
+    just before (``starts``: :func:`~autopar.passes.capture.backward_segment_starts`). A value
+    the backward reads before that is copied back at its first read."""
     order = list(starts)
     at: dict[str, list[ValueRef]] = {}
     for ref in sorted(offloaded):
