@@ -13,7 +13,7 @@ on a 2-D mesh, or an all-gather) run one by one.
 Parameters are gathered in buckets too, as FSDP gathers a unit's parameters at once: the
 parameters an op of one layer (segment) reads whole where they are split along one mesh axis,
 one all-gather per layer, phase, mesh axis and dtype (up to ``bucket_bytes``), made when the
-layer first reads one of them (:func:`~autopar.passes.rewrite.parameter_gathers`).
+layer first reads one of them (:func:`parameter_gathers`).
 
 One function, :func:`gradient_buckets`, makes the buckets for the rewriter and for the plan, so
 the plan lists exactly the bucket collectives the per-rank graph runs. The solver cannot know
@@ -31,7 +31,11 @@ import torch
 
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
-from autopar.passes.redistribute import Step, step_s
+from autopar.passes.capture import Captured, backward_nodes, module_paths, segment_of
+from autopar.passes.redistribute import Step, step_s, transition
+from autopar.passes.rules import tensor_args
+from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
+from autopar.placement import Placements
 
 BUCKET_BYTES = 25 * 2**20
 """Default bucket capacity per rank, torch DDP's ``bucket_cap_mb=25``: large enough that a
@@ -99,3 +103,55 @@ def latency_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
     """The α of a collective step: its modelled time less its bandwidth term (0 on an axis of
     one rank, where no time is modelled)."""
     return step_s(dataclasses.replace(step, bytes=0), mesh, links)
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterGather:
+    """Parameters gathered by one all-gather, the first time a layer reads one of them in a
+    phase."""
+
+    bucket: Bucket
+    keys: tuple[tuple[bool, ValueRef, Placements], ...]
+    """Each parameter's move: ``(in backward, parameter, placements it is gathered into)``."""
+    steps: tuple[Step, ...]
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"recompute"``: the phase of the op first reading one."""
+    segment: str
+
+
+def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recomputed: set[str] | frozenset[str],
+                      host_params: set[str], mesh: Mesh, links: tuple[Link, ...], bucket_bytes: int) -> list[ParameterGather]:
+    """The parameters' all-gathers that run in buckets, for the rewriter and for the plan: every
+    move of a parameter (not one in host memory, ``host_params`` by placeholder name) that is one
+    all-gather, grouped by the phase and segment (layer) of the op that first reads it, by mesh
+    axis and dtype, up to ``bucket_bytes`` (:func:`gradient_buckets`),
+    in the order the ops first read them. A bucket of one parameter is left to its own move."""
+    graph = captured.graph.graph
+    aliases = getitem_aliases(graph)
+    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    params = {n.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
+    paths = module_paths(captured)
+    seen: set = set()
+    moves: list[tuple] = []  # (key, step, dtype, (phase, segment))
+    for n in graph.nodes:
+        if n.op != "call_function" or n.name in aliases:
+            continue
+        runs = (("backward", True),) if n in backward else (("forward", False), ("recompute", True)) if n.name in recomputed else (("forward", False),)
+        for phase, in_backward in runs:
+            for a, dst in zip(tensor_args(n), strategies[n.name].inputs):
+                ref = aliases.get(a.name, (a.name, 0))
+                key = (in_backward, ref, dst)
+                if ref[0] not in params or ref[0] in host_params or key in seen:
+                    continue
+                seen.add(key)
+                val = params[ref[0]].meta["val"]
+                src = strategies[ref[0]].outputs[0]
+                steps = transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, mesh, links) if src != dst else []
+                if len(steps) == 1 and steps[0].kind == "all_gather":
+                    moves.append((key, steps[0], val.dtype, (phase, segment_of(paths.get(n.name, "")))))
+    found = []
+    for bucket in gradient_buckets([m[1:] for m in moves], bucket_bytes):
+        if len(bucket.members) > 1:
+            members = [moves[i] for i in bucket.members]
+            found.append(ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3]))
+    return found

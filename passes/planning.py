@@ -5,9 +5,8 @@ from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
-from autopar.passes.buckets import bucketed_step, gradient_buckets
+from autopar.passes.buckets import ParameterGather, bucketed_step, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, module_paths
-from autopar.passes.rewrite import ParameterGather, parameter_gathers
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef

@@ -116,9 +116,10 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
             for n in forward}
     offloadable = {n.name for n in forward if offload and recompute != "none" and n.name not in views
                    and n.name not in never_kept and any(kept[n.name])}
+    segments = set(segment.values())
     backward_segment = {n.name: segment_of(paths[n.name]) for n in space.nodes
                         if n.kind == "op" and n.phase == "backward" and n.name in paths}
-    backward_segment = {name: s for name, s in backward_segment.items() if s in set(segment.values())}
+    backward_segment = {name: s for name, s in backward_segment.items() if s in segments}
     return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
                            operands, kept, frozenset(never_kept),
                            {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views),

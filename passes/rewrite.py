@@ -27,7 +27,7 @@ partitioner puts them in the backward.
 
 The parameters a layer reads whole where they are split along one mesh axis are gathered
 together, one all-gather per layer and phase, when the layer first reads one of them
-(:func:`parameter_gathers`). Each parameter's gradient moves into the parameter's placements;
+(:func:`~autopar.passes.buckets.parameter_gathers`). Each parameter's gradient moves into the parameter's placements;
 the moves that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
 (:mod:`autopar.passes.buckets`), each as soon as the backward has made all of its gradients (so
 that a split parameter's whole gradient is not held until the step's end), the others at the
@@ -35,7 +35,6 @@ step's end, one by one.
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import contextlib
 
@@ -51,7 +50,7 @@ from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
-from autopar.passes.buckets import Bucket, bucketed_step, gradient_buckets
+from autopar.passes.buckets import Bucket, bucketed_step, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, backward_nodes, backward_segment_starts, module_paths, segment_of
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
@@ -371,58 +370,6 @@ def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[st
         if segment in prefetched and segment in starts and order.index(segment) > 0:
             at.setdefault(starts[order[order.index(segment) - 1]], []).append(ref)
     return at
-
-
-@dataclass(frozen=True, slots=True)
-class ParameterGather:
-    """Parameters gathered by one all-gather, the first time a layer reads one of them in a
-    phase."""
-
-    bucket: Bucket
-    keys: tuple[tuple[bool, ValueRef, Placements], ...]
-    """Each parameter's move: ``(in backward, parameter, placements it is gathered into)``."""
-    steps: tuple[Step, ...]
-    phase: str
-    """``"forward"``, ``"backward"`` or ``"recompute"``: the phase of the op first reading one."""
-    segment: str
-
-
-def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recomputed: set[str] | frozenset[str],
-                      host_params: set[str], mesh: Mesh, links: tuple[Link, ...], bucket_bytes: int) -> list[ParameterGather]:
-    """The parameters' all-gathers that run in buckets, for the rewriter and for the plan: every
-    move of a parameter (not one in host memory, ``host_params`` by placeholder name) that is one
-    all-gather, grouped by the phase and segment (layer) of the op that first reads it, by mesh
-    axis and dtype, up to ``bucket_bytes`` (:func:`~autopar.passes.buckets.gradient_buckets`),
-    in the order the ops first read them. A bucket of one parameter is left to its own move."""
-    graph = captured.graph.graph
-    aliases = getitem_aliases(graph)
-    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
-    params = {n.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
-    paths = module_paths(captured)
-    seen: set = set()
-    moves: list[tuple] = []  # (key, step, dtype, (phase, segment))
-    for n in graph.nodes:
-        if n.op != "call_function" or n.name in aliases:
-            continue
-        runs = (("backward", True),) if n in backward else (("forward", False), ("recompute", True)) if n.name in recomputed else (("forward", False),)
-        for phase, in_backward in runs:
-            for a, dst in zip(tensor_args(n), strategies[n.name].inputs):
-                ref = aliases.get(a.name, (a.name, 0))
-                key = (in_backward, ref, dst)
-                if ref[0] not in params or ref[0] in host_params or key in seen:
-                    continue
-                seen.add(key)
-                val = _value(params[ref[0]])
-                src = strategies[ref[0]].outputs[0]
-                steps = transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, mesh, links) if src != dst else []
-                if len(steps) == 1 and steps[0].kind == "all_gather":
-                    moves.append((key, steps[0], val.dtype, (phase, segment_of(paths.get(n.name, "")))))
-    found = []
-    for bucket in gradient_buckets([m[1:] for m in moves], bucket_bytes):
-        if len(bucket.members) > 1:
-            members = [moves[i] for i in bucket.members]
-            found.append(ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3]))
-    return found
 
 
 def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict[str, Strategy], aliases: dict,
