@@ -15,7 +15,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
 from autopar.passes.rewrite import graph_collectives, placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
-from autopar.runtime.offload import HostOptimizer
+from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer
 from autopar.runtime.partition import Partitioned, partition
 from autopar.runtime.state import gather_whole, local_piece
 
@@ -33,10 +33,24 @@ class _Program:
         self.updated_buffers = updated_buffers
         """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
         if backend == "inductor":
-            self.forward = torch.compile(parts.forward, backend="inductor", fullgraph=True, dynamic=False)
-            self.backward = torch.compile(parts.backward, backend="inductor", fullgraph=True, dynamic=False)
+            self.forward = torch.compile(parts.forward, backend="inductor", fullgraph=True, dynamic=False,
+                                         options=_offload_safe(parts.forward))
+            self.backward = torch.compile(parts.backward, backend="inductor", fullgraph=True, dynamic=False,
+                                          options=_offload_safe(parts.backward))
         else:
             self.forward, self.backward = parts.forward, parts.backward
+
+
+def _offload_safe(graph: torch.fx.GraphModule) -> dict:
+    """Inductor options for a graph: where it copies values to the host (activations in the
+    forward, gradients of parameters kept on the host in the backward), Inductor must not write
+    a later kernel's output into a copied value's buffer (its buffer reuse and in-place kernels
+    bypass the caching allocator), since on CUDA the copy may still be reading it on the side
+    stream. Freed buffers then go back to the caching allocator, which reuses them only once
+    the copy is done."""
+    if any(n.target in OFFLOAD_OPS for n in graph.graph.nodes):
+        return {"allow_buffer_reuse": False, "inplace_buffers": False}
+    return {}
 
 
 class _Step(torch.autograd.Function):

@@ -6,9 +6,11 @@ host link never offloads."""
 
 import collections
 import dataclasses
+import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import autopar
 from autopar import Mesh
@@ -184,20 +186,43 @@ def train_offloading_with_inductor() -> dict:
     pmodel = autopar.compile(model, ONE_DEVICE, batches[0], hardware=WITH_HOST, memory_budget=int(unbudgeted * 0.4),
                              backend="inductor")
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    losses = []
-    for batch in batches:  # no memory tracking here: its dispatch mode would stop torch.compile
+
+    def step(batch) -> float:
         opt.zero_grad()
         loss = pmodel(*batch)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        return float(loss)
+
+    first, codes = run_and_get_code(step, batches[0])  # no memory tracking: its dispatch mode would stop torch.compile
+    losses = [first] + [step(batch) for batch in batches[1:]]
     plan = pmodel.plan
     return {"losses": losses, "reference": ref_losses, "prefetched": plan.prefetched, "host_params": plan.host_params,
-            "offloaded": sum(n.activation == "offload" for n in plan.nodes)}
+            "offloaded": sum(n.activation == "offload" for n in plan.nodes), "graphs": len(codes),
+            "copies": sum(len(_copied_buffers(code)) for code in codes),
+            "overwritten": [line for code in codes for line in _overwrites_of_copied_buffers(code)]}
+
+
+def _copied_buffers(code: str) -> list[str]:
+    return re.findall(r"torch\.ops\.autopar\.offload\.default\((\w+)\)", code)
+
+
+def _overwrites_of_copied_buffers(code: str) -> list[str]:
+    """Lines of Inductor's generated code that write into a buffer after it was passed to
+    ``autopar::offload``: a reuse of its memory for another buffer, or an in-place kernel."""
+    lines = code.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        for buf in _copied_buffers(line):
+            found += [later.strip() for later in lines[i + 1:]
+                      if re.search(rf"\b{buf}\b.*# reuse|in_out_ptr.*\b{buf}\b", later)]
+    return found
 
 
 @pytest.mark.slow
 def test_an_offloading_plan_compiled_by_inductor_trains_as_one_device():
     (r,) = run_ranks(1, train_offloading_with_inductor)
     assert r["prefetched"] and r["offloaded"] > 0 and r["host_params"]
+    assert r["graphs"] == 2 and r["copies"] >= r["offloaded"]
+    assert r["overwritten"] == [], "Inductor writes into a buffer that a copy to the host may still read on CUDA"
     assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["reference"])) <= 1e-5
