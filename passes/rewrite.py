@@ -67,6 +67,12 @@ _AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.defaul
 IN_BACKWARD = {"autopar": "backward"}
 """The ``node.meta["custom"]`` of per-rank nodes that move or recompute forward values for the
 backward."""
+RECOMPUTED = {**IN_BACKWARD, "autopar_recompute": True}
+"""The ``node.meta["custom"]`` of per-rank nodes that recompute forward values for the backward."""
+PART = "autopar_part"
+"""The key in ``node.meta["custom"]`` of a per-rank node's part of the step: 0 up to the first
+backward op of the first layer the backward reaches, then one more at each layer's first
+backward op, so that the backward can run layer by layer."""
 
 
 def _parse(text: str | None) -> Placements | None:
@@ -211,8 +217,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         if ref[0] in offloaded:
             to_host_of.setdefault(ref[0], []).append(ref)
     paths = module_paths(captured)
-    prefetch_at = _prefetches(backward_segment_starts(captured, paths), {ref for refs in to_host_of.values() for ref in refs},
-                              paths, set(plan.prefetched))
+    starts = backward_segment_starts(captured, paths)
+    prefetch_at = _prefetches(starts, {ref for refs in to_host_of.values() for ref in refs}, paths, set(plan.prefetched))
+    part_of = {name: i + 1 for i, name in enumerate(starts.values())}
     host_params = {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name in plan.host_params}
     devices = {n.name: n.meta["val"].device for n in captured.placeholders}
     grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
@@ -299,7 +306,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 store[node.name, i] = value, layout
 
         def recompute(node: fx.Node) -> None:
-            with fx_traceback.annotate(IN_BACKWARD):
+            with fx_traceback.annotate(RECOMPUTED):
                 run(node, again, True)
 
         def reduce(bucket: Bucket) -> None:
@@ -317,18 +324,21 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         for b, names in enumerate(left):
             if not names:
                 reduce(buckets[b])
+        part = 0
         for node in graph.nodes:
-            for ref in prefetch_at.get(node.name, ()):
-                start_reload(ref)
-            if node.op == "call_function" and node.name not in aliases:
-                run(node, env, node in backward)
-                for ref in to_host_of.get(node.name, ()):
-                    t, layout = env[ref]
-                    on_host[ref] = offload(t), layout
-                for b in filled_by.get(node.name, ()):
-                    left[b].discard(node.name)
-                    if not left[b]:
-                        reduce(buckets[b])
+            part = part_of.get(node.name, part)
+            with fx_traceback.annotate({PART: part}):
+                for ref in prefetch_at.get(node.name, ()):
+                    start_reload(ref)
+                if node.op == "call_function" and node.name not in aliases:
+                    run(node, env, node in backward)
+                    for ref in to_host_of.get(node.name, ()):
+                        t, layout = env[ref]
+                        on_host[ref] = offload(t), layout
+                    for b in filled_by.get(node.name, ()):
+                        left[b].discard(node.name)
+                        if not left[b]:
+                            reduce(buckets[b])
         outputs = []
         for kind, value in zip(captured.outputs, graph.output_node().args[0]):
             if kind is None or not isinstance(value, fx.Node):

@@ -15,8 +15,8 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
 from autopar.passes.rewrite import graph_collectives, placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
-from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer
-from autopar.runtime.partition import Partitioned, partition
+from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
+from autopar.runtime.partition import Partitioned, layer_by_layer, partition
 from autopar.runtime.state import gather_whole, local_piece
 
 log = logging.getLogger("autopar")
@@ -32,13 +32,22 @@ class _Program:
         self.grad_slots = grad_slots
         self.updated_buffers = updated_buffers
         """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
+        self.grads_to_host = any(n.target in OFFLOAD_OPS for n in parts.backward.graph.nodes)
         if backend == "inductor":
-            self.forward = torch.compile(parts.forward, backend="inductor", fullgraph=True, dynamic=False,
-                                         options=_offload_safe(parts.forward))
-            self.backward = torch.compile(parts.backward, backend="inductor", fullgraph=True, dynamic=False,
-                                          options=_offload_safe(parts.backward))
+            self.forward = _inductor(parts.forward)
+            layers = layer_by_layer(parts.backward)
+            if layers is None:
+                self.backward = _inductor(parts.backward)
+            else:
+                for name, layer in list(layers.named_children()):
+                    setattr(layers, name, _inductor(layer))
+                self.backward = layers
         else:
             self.forward, self.backward = parts.forward, parts.backward
+
+
+def _inductor(graph: torch.fx.GraphModule):
+    return torch.compile(graph, backend="inductor", fullgraph=True, dynamic=False, options=_offload_safe(graph))
 
 
 def _offload_safe(graph: torch.fx.GraphModule) -> dict:
@@ -67,7 +76,10 @@ class _Step(torch.autograd.Function):
     def backward(ctx, *tangents):
         program = ctx.program
         tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
-        grads = iter(program.backward(*ctx.saved_tensors, *(t.contiguous() for t in tangents)))
+        grads = program.backward(*ctx.saved_tensors, *(t.contiguous() for t in tangents))
+        if program.grads_to_host:
+            host_copies_done()
+        grads = iter(grads)
         return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
 
 

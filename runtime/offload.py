@@ -68,8 +68,17 @@ def reload_wait(x: torch.Tensor) -> None:
         x.record_stream(compute)
 
 
+def host_copies_done() -> None:
+    """Block until every copy to host memory issued so far is done, before the host reads what
+    a graph returned copied out (gradients of parameters kept in host memory, which the host's
+    optimizer steps)."""
+    for stream in _SIDE_STREAMS.values():
+        stream.synchronize()
+
+
 OFFLOAD_OPS = (torch.ops.autopar.offload.default,)
 """Ops whose results live in host memory, not on the device."""
+RELOAD_OP = torch.ops.autopar.reload.default
 
 
 class HostOptimizer(torch.optim.Optimizer):

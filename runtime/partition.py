@@ -9,9 +9,11 @@ backward graph as inputs, as AOT autograd does.
 from dataclasses import dataclass
 
 from torch import fx
+from torch.fx.passes.split_module import split_module
 
 from autopar.passes.capture import backward_nodes
-from autopar.passes.rewrite import IN_BACKWARD
+from autopar.passes.rewrite import IN_BACKWARD, PART
+from autopar.runtime.offload import RELOAD_OP
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,7 @@ def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: lis
     forward result (False), a gradient (True) or unused (None)."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     tangents = {n for n, t in zip(placeholders, is_tangent) if t}
-    marked = {n for n in joint.graph.nodes if n.meta.get("custom") == IN_BACKWARD}
+    marked = {n for n in joint.graph.nodes if n.meta.get("custom", {}).get("autopar") == IN_BACKWARD["autopar"]}
     backward = backward_nodes(joint.graph, tangents | marked)
     outputs = list(joint.graph.output_node().args[0])
     fwd_outputs = [o for o, g in zip(outputs, output_is_grad) if g is False]
@@ -66,3 +68,24 @@ def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: lis
         gm.graph.lint()
         gm.recompile()
     return Partitioned(forward, backward_gm, len(fwd_outputs), len(saved))
+
+
+def layer_by_layer(backward: fx.GraphModule) -> fx.GraphModule | None:
+    """``backward`` split into one graph per layer, in the order the backward reaches the
+    layers (each node's ``PART``), called in turn by the graph returned; ``None`` where the
+    backward neither recomputes nor copies back from the host, or has one layer.
+
+    A compiler free to order a whole backward graph (Inductor fuses and reorders across it)
+    may run a layer's recomputation or its copy back long before the layer's backward, holding
+    the values all the while; split this way, each layer's values are made in its own graph,
+    as the plan's memory counts them."""
+    nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
+    refilled = any(n.meta.get("custom", {}).get("autopar_recompute") or n.target is RELOAD_OP for n in nodes)
+    parts, part = {}, 0
+    for n in nodes:
+        part = max(part, n.meta.get("custom", {}).get(PART, part))
+        parts[n] = part
+    if not refilled or len(set(parts.values())) < 2:
+        return None
+    first = min(parts.values())
+    return split_module(backward, backward, lambda n: parts.get(n, first), keep_original_order=True)
