@@ -1,12 +1,14 @@
 """Running the plan's integer program (:mod:`autopar.passes.solver`,
 :mod:`autopar.passes.memory_program`): the units of its coefficients, and the solver in a
-forked child that is given up at a deadline."""
+child process that is given up at a deadline."""
 
-import array
-import multiprocessing as mp
 import os
+import pickle
+import struct
+import subprocess
+import sys
 
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2
 
 from autopar.errors import InfeasiblePlanError
 
@@ -15,39 +17,30 @@ MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
 
 
 def solve_before_deadline(solver, params, deadline_s: float):
-    """Run the solver in a forked child and give up at ``deadline_s``: MIP solvers honour their
-    own time limit only between steps, not inside a long root relaxation. Returns ``(status,
-    variable values, objective, bound)``, or ``None`` when the deadline passed."""
-    if "fork" not in mp.get_all_start_methods():
-        status = solver.Solve(params)
-        return status, [v.solution_value() for v in solver.variables()], solver.Objective().Value(), solver.Objective().BestBound()
-    ctx = mp.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_solve_child, args=(solver, params, send), daemon=True)
-    child.start()
-    send.close()
+    """Solve in a process of its own (:mod:`autopar.passes.highs_child`) and give up at
+    ``deadline_s``: MIP solvers honour their own time limit only between steps, not inside a
+    long root relaxation. Returns ``(status, variable values, objective, bound)``, or ``None``
+    when the deadline passed.
+
+    The process is a fresh interpreter given the program as a protocol buffer, not a fork of
+    the planning process: that process runs the threads of torch, of a process group or of
+    CUDA, and a fork can deadlock on a lock one of them held, then give no answer by any
+    deadline."""
+    model = linear_solver_pb2.MPModelProto()
+    solver.ExportModelToProto(model)
+    payload = struct.pack("dd", params.GetDoubleParam(params.RELATIVE_MIP_GAP), deadline_s) + model.SerializeToString()
+    child = subprocess.Popen([sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
     try:
-        if not receive.poll(deadline_s):
-            return None
-        return receive.recv()
-    except EOFError:
-        raise InfeasiblePlanError(f"the MIP solver stopped without an answer (exit code {child.exitcode})") from None
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
-        receive.close()
+        out, err = child.communicate(payload, timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return None
+    if child.returncode != 0 or not out:
+        raise InfeasiblePlanError(f"the MIP solver stopped without an answer (exit code {child.returncode}): "
+                                  f"{err.decode(errors='replace').strip()[-500:]}")
+    return pickle.loads(out)
 
 
-def _solve_child(solver, params, send) -> None:
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
-    status = solver.Solve(params)
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        send.send((status, None, None, None))
-        send.close()
-        return
-    objective = solver.Objective()
-    values = array.array("d", (v.solution_value() for v in solver.variables()))
-    send.send((status, values, objective.Value(), objective.BestBound()))
-    send.close()
+CHILD = os.path.join(os.path.dirname(__file__), "highs_child.py")
