@@ -19,7 +19,8 @@ Megatron layouts apply to the transformers and the MLP; the ConvNet gets DDP and
 
 Prints the predicted step time and per-device peak memory of each plan, whether it fits in the
 device's memory, and the ratio of the best hand-written plan that fits to autopar's; writes
-``benchmarks/results/plan_quality.json``, keeping the rows of models that this run did not plan.
+``benchmarks/results/plan_quality.json``, keeping the rows of model and mesh pairs that this run did
+not plan.
 
     python -m benchmarks.plan_quality [--models gpt,bert,llama,mlp,moe,convnet] [--meshes 8,2x4,8x8,16x16]
 """
@@ -188,8 +189,8 @@ def main() -> None:
                 verdict = "autopar at least as fast" if auto <= best_hand * (1 + 1e-9) else "HAND-WRITTEN FASTER"
                 print(f"{name:6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
             rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
-    planned = set(args.models.split(","))
-    kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in planned] if RESULTS.exists() else []
+    planned = {(r["model"], r["mesh"]) for r in rows}
+    kept = [r for r in json.loads(RESULTS.read_text())["rows"] if (r["model"], r["mesh"]) not in planned] if RESULTS.exists() else []
     write_results(RESULTS, hardware_profile="h100", device_memory_bytes=device_bytes, rows=kept + rows)
 
 
