@@ -14,6 +14,7 @@ from autopar.errors import InfeasiblePlanError
 
 SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
 MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
+CHILD = os.path.join(os.path.dirname(__file__), "highs_child.py")
 
 
 def solve_before_deadline(solver, params, deadline_s: float):
@@ -42,5 +43,3 @@ def solve_before_deadline(solver, params, deadline_s: float):
                                   f"{err.decode(errors='replace').strip()[-500:]}")
     return pickle.loads(out)
 
-
-CHILD = os.path.join(os.path.dirname(__file__), "highs_child.py")

@@ -12,7 +12,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from autopar.passes.capture import backward_nodes
-from autopar.passes.rewrite import IN_BACKWARD, PART
+from autopar.passes.rewrite import IN_BACKWARD, PART, RECOMPUTED
 from autopar.runtime.offload import RELOAD_OP
 
 
@@ -80,7 +80,7 @@ def layer_by_layer(backward: fx.GraphModule) -> fx.GraphModule | None:
     the values all the while; split this way, each layer's values are made in its own graph,
     as the plan's memory counts them."""
     nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
-    refilled = any(n.meta.get("custom", {}).get("autopar_recompute") or n.target is RELOAD_OP for n in nodes)
+    refilled = any(RECOMPUTED.items() <= n.meta.get("custom", {}).items() or n.target is RELOAD_OP for n in nodes)
     parts, part = {}, 0
     for n in nodes:
         part = max(part, n.meta.get("custom", {}).get(PART, part))
