@@ -23,7 +23,7 @@ from autopar.passes.layers import repeated_layers
 from autopar.passes.planning import build_plan
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
-from autopar.passes.solver import program_size, solve
+from autopar.passes.solver import Solution, program_size, solve
 
 log = logging.getLogger("autopar")
 
@@ -101,21 +101,24 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
              sum(len(n.strategies) for n in space.nodes), mesh)
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
 
-    def attempt(solver_budget: float | None):
+    sharded = _sharded_parameters(space, memory) if budget is not None else None
+
+    def attempt(solver_budget: float | None, start: Solution | None):
         started = time.perf_counter()
         solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
                          one_step_moves=costs.one_step_moves, memory=memory if budget else None,
                          budget_bytes=solver_budget, shared=shared, activations=activations,
-                         choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s)
+                         choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s,
+                         start=start or sharded)
         solved = time.perf_counter()
         plan = build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
                           pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
         planned = time.perf_counter()
         live = plan_liveness(captured, plan)
-        return plan, live, {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}
+        return plan, live, {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}, solution
 
     try:
-        result, live, times = _within_budget(attempt, budget, mesh)
+        result, live, times, _ = _within_budget(attempt, budget, mesh)
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
                                                budget, mesh, shared, host, solver_time_limit_s)) from None
@@ -129,6 +132,14 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     return result
 
 
+def _sharded_parameters(space, memory) -> dict[str, int]:
+    """A start for the search under a budget: every parameter in its layout with the fewest
+    bytes per device (split over every axis it can be, as FSDP or ZeRO-3 would), the rest left
+    for the solver to complete. HiGHS can take long to find any plan under a budget alone."""
+    return {n.name: min(range(len(n.strategies)), key=memory.params[n.name].__getitem__)
+            for n in space.nodes if n.kind == "param"}
+
+
 LIVENESS_TRIES = 5
 """Solves under a budget, at most, to find a plan whose program fits it (see
 :func:`_within_budget`)."""
@@ -139,21 +150,21 @@ class _NoPlanUnderBudget(Exception):
 
 
 def _within_budget(attempt, budget: int | None, mesh: Mesh):
-    """``attempt(solver_budget) -> (plan, liveness, stage times)`` under the budget by the
-    program's liveness peak. The solver budgets a sum of parts, which a program may exceed: a
+    """``attempt(solver_budget, start) -> (plan, liveness, stage times, solution)`` under the
+    budget by the program's liveness peak. The solver budgets a sum of parts, which a program may exceed: a
     plan over the budget is solved again with the sum asked for 1.5 times the excess less than
     that plan's sum (or, once asking for less has found no plan at all, for halfway between
     that ask and the last plan over the budget), and once one fits, the solver budget is
     bisected between the last that fit and the last that did not, for the fastest plan that
-    fits in ``LIVENESS_TRIES`` solves."""
+    fits in ``LIVENESS_TRIES`` solves. Each solve starts from the fastest plan that fit so far."""
     if budget is None:
-        return attempt(None)
+        return attempt(None, None)
     best = last = None
     fits = over = infeasible = None  # the solver budgets that fit, gave a program over the budget, gave no plan
     solver_budget = float(budget)
     for _ in range(LIVENESS_TRIES):
         try:
-            plan, live, times = attempt(solver_budget)
+            plan, live, times, solution = attempt(solver_budget, best[3] if best else None)
         except InfeasiblePlanError as exc:
             if "time limit" in str(exc):
                 raise
@@ -164,7 +175,7 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             last = live
             if live.peak_bytes <= budget:
                 if best is None or plan.predicted_step_s < best[0].predicted_step_s:
-                    best = plan, live, times
+                    best = plan, live, times, solution
                 if solver_budget >= budget:
                     break  # the solver's own optimum fits
                 fits = solver_budget

@@ -91,12 +91,14 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
     return coefs, peak, row
 
 
-def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float):
+def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float,
+                  hint: list[tuple] = ()):
     """A plan under the budget when the solver finds none in time: the budget row is dropped and
     memory priced in the objective at λ nanoseconds per megabyte, λ raised tenfold until the
     fastest plan at that price fits, then bisected (geometrically) towards the smallest price
     that fits. Each of these programs solves like one without a budget. Returns the fitting
-    outcome with the least time (status ``FEASIBLE``, bound 0), or ``None``."""
+    outcome with the least time (status ``FEASIBLE``, bound 0), or ``None``. Each search starts
+    from ``hint`` (see :func:`~autopar.passes.mip.solve_before_deadline`)."""
     objective = solver.Objective()
     time_coefs = {var.index(): (var, objective.GetCoefficient(var)) for var in solver.variables()}
     budget_row.SetUb(solver.infinity())
@@ -105,7 +107,7 @@ def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_b
     def attempt(price: float):
         for var, coef in memory_vars:
             objective.SetCoefficient(var, time_coefs[var.index()][1] + price * coef)
-        outcome = solve_before_deadline(solver, params, max(deadline - time.perf_counter(), 1.0))
+        outcome = solve_before_deadline(solver, params, max(deadline - time.perf_counter(), 1.0), hint)
         if outcome is None or outcome[1] is None:
             return None, float("inf")
         values = outcome[1]

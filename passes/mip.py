@@ -7,6 +7,7 @@ import pickle
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from ortools.linear_solver import linear_solver_pb2
 
@@ -15,13 +16,17 @@ from autopar.errors import InfeasiblePlanError
 SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
 MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
 CHILD = os.path.join(os.path.dirname(__file__), "highs_child.py")
+DEADLINE_FACTOR, DEADLINE_GRACE_S = 1.1, 5.0
 
 
-def solve_before_deadline(solver, params, deadline_s: float):
-    """Solve in a process of its own (:mod:`autopar.passes.highs_child`) and give up at
-    ``deadline_s``: MIP solvers honour their own time limit only between steps, not inside a
-    long root relaxation. Returns ``(status, variable values, objective, bound)``, or ``None``
-    when the deadline passed.
+def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tuple] = ()):
+    """Solve in a process of its own (:mod:`autopar.passes.highs_child`) with HiGHS's time limit
+    at ``time_limit_s``, and give up on it at ``DEADLINE_FACTOR`` times that plus
+    ``DEADLINE_GRACE_S``: MIP solvers honour their own time limit only between steps, not
+    inside a long root relaxation. ``hint`` holds ``(variable, value)`` pairs of a solution to
+    start from, whole or in part. Returns ``(status, variable values, objective, bound)``
+    (``FEASIBLE`` with the best plan found when the time limit stopped the search), or
+    ``None`` when the deadline passed.
 
     The process is a fresh interpreter given the program as a protocol buffer, not a fork of
     the planning process: that process runs the threads of torch, of a process group or of
@@ -29,11 +34,14 @@ def solve_before_deadline(solver, params, deadline_s: float):
     deadline."""
     model = linear_solver_pb2.MPModelProto()
     solver.ExportModelToProto(model)
-    payload = struct.pack("dd", params.GetDoubleParam(params.RELATIVE_MIP_GAP), deadline_s) + model.SerializeToString()
+    for var, value in hint:
+        model.solution_hint.var_index.append(var.index())
+        model.solution_hint.var_value.append(value)
+    payload = struct.pack("dd", params.GetDoubleParam(params.RELATIVE_MIP_GAP), time_limit_s) + model.SerializeToString()
     child = subprocess.Popen([sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     try:
-        out, err = child.communicate(payload, timeout=deadline_s)
+        out, err = child.communicate(payload, timeout=time_limit_s * DEADLINE_FACTOR + DEADLINE_GRACE_S)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
@@ -42,4 +50,3 @@ def solve_before_deadline(solver, params, deadline_s: float):
         raise InfeasiblePlanError(f"the MIP solver stopped without an answer (exit code {child.returncode}): "
                                   f"{err.decode(errors='replace').strip()[-500:]}")
     return pickle.loads(out)
-

@@ -54,7 +54,7 @@ are priced once per copy.
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
@@ -103,7 +103,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
           *, gradient_s: GradientCost | None = None, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
           one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
           activations: ActivationSpace | None = None, choose_recompute: bool = True, host: Host | None = None,
-          minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3) -> Solution:
+          minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3,
+          start: "Solution | Mapping[str, int] | None" = None) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
     ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
     reads: the seconds of the move without bucket latency, and its share of a bucket when it
@@ -129,17 +130,24 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     (:func:`~autopar.passes.memory_program.memory_budget`); ``minimise="memory"`` looks for
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
-    (status ``FEASIBLE``; the bound is reported). Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
+    (status ``FEASIBLE``; the bound is reported). Under a budget, the first fifth of the time
+    (20 s at most) looks for any plan that fits: one found, the search goes on from it for the
+    rest of the time; none, :func:`~autopar.passes.memory_program.priced_memory` looks instead. Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
+
+    ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
+    another budget, say), or strategy indices of some nodes, which the solver completes. A start
+    that satisfies the program makes the result at least as fast as the start; one that does not
+    is dropped.
     """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("HIGHS")
     solver.SuppressOutput()
-    solver.SetTimeLimit(int(time_limit_s * 1000))
     shared = dict(shared or {})
     first_layers = set(shared.values())
     by_name = space.index()
     followed: set[tuple[str, ValueRef]] = set()
     ind: dict[str, list[list]] = {}
+    own: set[str] = set()  # nodes with one-hot variables of their own
     for n in space.nodes:
         if n.name in shared:
             continue
@@ -148,6 +156,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
             follow = _follow_operand(n, by_name, ind)
         if follow is not None:
             followed.add((n.name, n.args[0]))
+        else:
+            own.add(n.name)
         ind[n.name] = follow if follow is not None else _one_strategy_per_node(solver, n)
     for n in space.nodes:
         if n.name in shared:
@@ -198,12 +208,21 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     priced = budget_bytes is not None and minimise == "time"
-    outcome = solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) + 5.0 if priced else time_limit_s * 1.1 + 5.0)
+    hint = _hint(start, ind, own, shared, ((again, "recomputed"), (away, "offloaded"), (ahead, "prefetched"),
+                                           (on_host, "host_optimizer"), (params_on_host, "host_params")))
+    outcome = solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) if priced else time_limit_s, hint)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
-    if priced and status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
+    left = started + time_limit_s - time.perf_counter()
+    if priced and status == pywraplp.Solver.FEASIBLE and left > 1.0:
+        log.info("a plan under the memory budget found; searching for a faster one for %.0f s more", left)
+        found = outcome[1]
+        better = solve_before_deadline(solver, params, left, [(var, found[var.index()]) for var in solver.variables()])
+        if better is not None and better[1] is not None and better[2] <= outcome[2]:
+            outcome, status = better, better[0]
+    elif priced and status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
         outcome = priced_memory(solver, params, memory_coefs, peak, budget_row, budget_bytes,
-                                 started + time_limit_s * 1.1 + 5.0)
+                                 started + time_limit_s, hint)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
@@ -248,6 +267,25 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
               info.num_constraints, elapsed, info.status)
     return Solution(choice, info, recomputed, offloaded, host_optimizer, host_params, prefetched)
+
+
+def _hint(start: "Solution | Mapping[str, int] | None", ind: dict, own: set[str], shared: dict[str, str],
+          families: tuple) -> list[tuple]:
+    """``(variable, value)`` pairs setting the one-hots of the nodes ``start`` chooses for
+    and, when it is a :class:`Solution`, the activation and host-memory choices: each family is
+    the variables by name and the field of the solution naming those chosen."""
+    if start is None:
+        return []
+    choice = start.choice if isinstance(start, Solution) else start
+    hint = []
+    for name, k in choice.items():
+        if name in own:
+            hint.extend((terms[0], float(j == k)) for j, terms in enumerate(ind[name]))
+    if isinstance(start, Solution):
+        for variables, field in families:
+            chosen = {shared.get(name, name) for name in getattr(start, field)}
+            hint.extend((var, float(name in chosen)) for name, var in variables.items())
+    return hint
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:

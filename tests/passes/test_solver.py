@@ -92,6 +92,21 @@ def test_repeated_solves_choose_the_same_plan():
     assert solve(space, costs, transition).choice == solve(space, costs, transition).choice
 
 
+def test_a_search_stopped_early_keeps_the_plan_it_started_from():
+    """A program that takes seconds to solve, stopped after 0.3 s: started from a random plan,
+    the solver returns a plan no slower than it (without the start, HiGHS has none by then on a
+    2-core host), and started from the optimum, the optimum."""
+    space, costs, transition = _random_space(3000, 1, chain=False)
+    rng = random.Random(0)
+    start = {n.name: rng.randrange(len(n.strategies)) for n in space.nodes}
+    started = solve(space, costs, transition, time_limit_s=0.3, start=start)
+    assert started.info.status in ("FEASIBLE", "OPTIMAL")
+    assert _plan_cost(space, costs, transition, started.choice) <= _plan_cost(space, costs, transition, start) + 1e-6
+    best = solve(space, costs, transition)
+    again = solve(space, costs, transition, time_limit_s=0.3, start=best)
+    assert again.info.objective_s <= best.info.objective_s + 1e-6
+
+
 @pytest.mark.slow
 def test_a_program_too_big_to_solve_stops_at_the_deadline_with_a_clear_error():
     import time
