@@ -167,6 +167,8 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             plan, live, times, solution = attempt(solver_budget, best[3] if best else None)
         except InfeasiblePlanError as exc:
             if "time limit" in str(exc):
+                if best is not None:
+                    break  # keep the plan that fits
                 raise
             if last is None:
                 raise _NoPlanUnderBudget() from exc

@@ -71,3 +71,46 @@ def test_tied_weights_are_one_parameter_whose_gradient_sums_every_use():
     assert [k.name for k in captured.inputs if k.kind == "param"].count("tok.weight") == 1
     assert "head.weight" not in {k.name for k in captured.inputs} | {k.name for k in captured.outputs if k is not None}
     # the gradient that sums both uses is checked against one device by the graph-diff GPT runs
+
+
+def test_solves_under_a_budget_start_from_the_fastest_plan_that_fit():
+    """The liveness retries of a budget (``_within_budget``): the first solve starts from
+    nothing, a solve after a plan that fits starts from that plan, and the fastest fitting plan
+    is the result."""
+    from types import SimpleNamespace
+
+    from autopar.planner import _within_budget
+
+    budget = 100
+    outcomes = iter([(120, 1.0), (95, 2.0), (99, 1.5), (105, 1.2), (98, 1.8)])  # (liveness peak, step time)
+    starts = []
+
+    def attempt(solver_budget, start):
+        peak, step_s = next(outcomes)
+        starts.append(start)
+        plan = SimpleNamespace(predicted_step_s=step_s, memory=SimpleNamespace(summed_bytes=solver_budget))
+        live = SimpleNamespace(peak_bytes=peak, forward_bytes=peak, backward_bytes=peak, optimizer_bytes=peak)
+        return plan, live, {}, f"solution of the plan taking {step_s} s"
+
+    plan, live, _, solution = _within_budget(attempt, budget, Mesh((2,)))
+    assert starts[:3] == [None, None, "solution of the plan taking 2.0 s"]
+    assert starts[3:] == ["solution of the plan taking 1.5 s"] * len(starts[3:])
+    assert (plan.predicted_step_s, live.peak_bytes, solution) == (1.5, 99, "solution of the plan taking 1.5 s")
+
+
+def test_a_retry_under_a_budget_that_runs_out_of_time_keeps_the_plan_that_fit():
+    from types import SimpleNamespace
+
+    from autopar.errors import InfeasiblePlanError
+    from autopar.planner import _within_budget
+
+    peaks = iter([120, 90])  # over the budget of 100, then under it
+
+    def attempt(solver_budget, start):
+        if start is not None:
+            raise InfeasiblePlanError("the solver found no plan for 9 nodes within its time limit (1 s)")
+        plan = SimpleNamespace(predicted_step_s=1.0, memory=SimpleNamespace(summed_bytes=solver_budget))
+        peak = next(peaks)
+        return plan, SimpleNamespace(peak_bytes=peak), {}, f"peak {peak}"
+
+    assert _within_budget(attempt, 100, Mesh((2,)))[3] == "peak 90"
