@@ -132,7 +132,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the first fifth of the time
     (20 s at most) looks for any plan that fits: one found, the search goes on from it for the
-    rest of the time; none, :func:`~autopar.passes.memory_program.priced_memory` looks instead. Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
+    rest of the time; none, :func:`~autopar.passes.memory_program.priced_memory` looks instead.
+    Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
 
     ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
     another budget, say), or strategy indices of some nodes, which the solver completes. A start
@@ -141,7 +142,6 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("HIGHS")
-    solver.SuppressOutput()
     shared = dict(shared or {})
     first_layers = set(shared.values())
     by_name = space.index()
