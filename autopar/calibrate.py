@@ -9,8 +9,9 @@ time, so the figures include the ranks' contention for cores and memory:
 - the fraction of that roofline that ops of training-graph shapes reach (skinny and square
   matmuls, small and large elementwise ops; the median), the profile's efficiency,
 - α and β of each collective over the N ranks (the functional collectives the per-rank graph
-  uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes, with ``k`` the ring
-  factor of :func:`autopar.passes.redistribute.step_s`.
+  uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes (on the relative
+  error, so that small messages weigh as much as large ones), with ``k`` the ring factor of
+  :func:`autopar.passes.redistribute.step_s`.
 
 The profile also says that it describes the host that will run the plan, so that plans made
 with it time each op on this host (:mod:`autopar.cost_model.op_timing`) instead of using the
@@ -77,13 +78,23 @@ def _collective(kind: str, nbytes: int, world: int):
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``t = α + x·β`` through ``(x, t)`` points, both clamped at zero."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    mt = sum(t for _, t in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    beta = max(sum((x - mx) * (t - mt) for x, t in points) / var, 0.0) if var else 0.0
-    return max(mt - beta * mx, 0.0), beta
+    """``t = α + x·β`` through ``(x, t)`` points, both clamped at zero, by least squares on the
+    relative error: every message size counts alike, so the small messages that dominate
+    training graphs set α instead of being swamped by the largest ones."""
+    weights = [1 / t**2 for _, t in points]
+    w = sum(weights)
+    wx = sum(k * x for k, (x, _) in zip(weights, points))
+    wt = sum(k * t for k, (_, t) in zip(weights, points))
+    wxx = sum(k * x * x for k, (x, _) in zip(weights, points))
+    wxt = sum(k * x * t for k, (x, t) in zip(weights, points))
+    det = w * wxx - wx * wx
+    beta = (w * wxt - wx * wt) / det if det > 0 else 0.0
+    if beta <= 0:
+        return wt / w, 0.0
+    alpha = (wt - beta * wx) / w
+    if alpha < 0:
+        return 0.0, wxt / wxx
+    return alpha, beta
 
 
 def measure(world: int) -> tuple[HardwareProfile, dict]:
@@ -105,7 +116,7 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
         for size in _SIZES:
             fn, nbytes = _collective(kind, size, world)
             rounds = 2 if kind == "all_reduce" else 1
-            points.append((rounds * (world - 1) / world * nbytes, _median_s(fn)))
+            points.append((rounds * (world - 1) / world * nbytes, _median_s(fn, repeats=30)))
         alpha, beta = _fit(points)
         collectives.append((kind, alpha, beta))
         raw[kind] = points
