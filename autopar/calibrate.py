@@ -22,9 +22,9 @@ roofline. Two more figures serve those timings:
   it with the sum of its ops timed one by one; the difference per node is what a program adds,
 - the contention: how many more matmuls rank 0 runs in 0.1 s alone (the other ranks asleep)
   than while every rank runs them (ranks sharing cores),
-- the step overhead: rank 0 alone runs stacks of 2 and 16 linear layers through autopar's
+- the step overhead: rank 0 alone runs stacks of 1 to 16 linear layers through autopar's
   autograd step and compares each with its forward and backward programs run directly; a line
-  through the two gives a fixed time per step and a time per parameter.
+  through them gives a fixed time per step and a time per parameter.
 
 Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
@@ -222,6 +222,9 @@ def _node_overhead() -> tuple[float, dict]:
     return max(0.0, (program - ops_s) / count), {"program_s": program, "ops_timed_s": ops_s, "nodes": int(count)}
 
 
+_STACKS = (1, 2, 4, 8, 16)
+
+
 class _LinearStack(torch.nn.Module):
     def __init__(self, num_layers: int, dim: int = 64):
         super().__init__()
@@ -235,19 +238,20 @@ class _LinearStack(torch.nn.Module):
 
 def _step_overhead() -> tuple[float, float, list]:
     """``(seconds per step, seconds per parameter and step)`` that autopar's autograd step adds
-    to running its forward and backward programs (rank 0 alone; broadcast to every rank)."""
+    to running its forward and backward programs (rank 0 alone, stacks of 1 to 16 linear
+    layers, a line through them; broadcast to every rank)."""
     import torch.distributed as dist
 
-    figures = torch.zeros(4, dtype=torch.float64)
+    figures = torch.zeros(len(_STACKS), 2, dtype=torch.float64)
     dist.barrier()
     if dist.get_rank() == 0:
         torch.manual_seed(0)
-        figures = torch.tensor([v for layers in (2, 16) for v in _runtime_overhead(_LinearStack(layers))],
-                               dtype=torch.float64)
+        figures = torch.tensor([_runtime_overhead(_LinearStack(layers)) for layers in _STACKS], dtype=torch.float64)
     dist.broadcast(figures, 0)
-    (p1, o1), (p2, o2) = figures.view(2, 2).tolist()
-    per_param = max(0.0, (o2 - o1) / (p2 - p1))
-    return max(0.0, o1 - p1 * per_param), per_param, [[p1, o1], [p2, o2]]
+    points = [tuple(p) for p in figures.tolist()]
+    fixed, per_param = _fit([(n, max(s, 1e-7)) for n, s in points])
+    return fixed, per_param, [list(p) for p in points]
+
 
 
 def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
@@ -275,9 +279,9 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
     with torch.no_grad():
         results = program.forward(*flat)
         saved, tangents = results[program.num_outputs:], [torch.ones_like(r) for r in results[:program.num_outputs]]
-        programs = (_median_s(lambda: program.forward(*flat), 20, 3, together=False)
-                    + _median_s(lambda: program.backward(*saved, *tangents), 20, 3, together=False))
-    return len(state), max(0.0, _median_s(step, 20, 3, together=False) - programs)
+        programs = (_median_s(lambda: program.forward(*flat), 50, 5, together=False)
+                    + _median_s(lambda: program.backward(*saved, *tangents), 50, 5, together=False))
+    return len(state), max(0.0, _median_s(step, 50, 5, together=False) - programs)
 
 
 # Ops of the shapes training graphs are made of: skinny and square matmuls, elementwise ops

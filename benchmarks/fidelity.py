@@ -4,15 +4,16 @@ Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, unless t
 profiles are already in ``benchmarks/results/``), then on those ranks plans every example model with the calibrated profile, under
 autopar's own plan and hand-written layouts (pins), and measures:
 
-- the step time the plan models: forward and backward of the per-rank program (median of the
-  timed steps; the optimizer step is not part of the plan's prediction and is left out);
+- the step time the plan models: forward and backward of the per-rank program (the median of
+  ``ROUNDS`` rounds of ``--steps`` steps, the plans of a model taking turns round by round; the
+  optimizer step is not part of the plan's prediction and is left out);
 - the per-rank peak memory of a whole training step with AdamW (its state already built), by
   ``torch.distributed._tools.mem_tracker.MemTracker``, against the plan's predicted peak.
 
 Prints one row per model, plan and rank count, and per model whether the predicted order of the
 plans matches the measured one. Writes ``benchmarks/results/fidelity.json``.
 
-    python -m benchmarks.fidelity [--ranks 2,4] [--steps 10] [--recalibrate]
+    python -m benchmarks.fidelity [--ranks 2,4] [--steps 4] [--recalibrate]
 """
 
 import argparse
@@ -32,6 +33,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results" / "fidelity.json"
 WARMUP = 3
+ROUNDS = 5
 MODELS = ("mlp", "gpt", "bert", "llama")
 
 
@@ -55,21 +57,16 @@ def _layouts(model_name: str) -> tuple[str, ...]:
     return ("auto", "ddp", "fsdp", "megatron") if model_name in ("mlp", "gpt") else ("auto", "ddp", "fsdp")
 
 
-def _measure(pmodel, batch, steps: int) -> tuple[float, int]:
+def _step_s(pmodel, opt, batch) -> float:
     import torch.distributed as dist
 
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
-    times = []
-    for i in range(WARMUP + steps):
-        opt.zero_grad()
-        dist.barrier()
-        started = time.perf_counter()
-        pmodel(*batch).backward()
-        elapsed = time.perf_counter() - started
-        opt.step()
-        if i >= WARMUP:
-            times.append(elapsed)
-    return statistics.median(times), step_peak_bytes(pmodel, opt, batch)
+    opt.zero_grad()
+    dist.barrier()
+    started = time.perf_counter()
+    pmodel(*batch).backward()
+    elapsed = time.perf_counter() - started
+    opt.step()
+    return elapsed
 
 
 def worker(profile: str, steps: int, out: str) -> None:
@@ -83,6 +80,7 @@ def worker(profile: str, steps: int, out: str) -> None:
     mesh = autopar.Mesh((world,), ("ranks",))
     rows = []
     for name in MODELS:
+        runs = []
         for layout in _layouts(name):
             torch.manual_seed(0)
             model, batch = make_example(name)
@@ -90,13 +88,26 @@ def worker(profile: str, steps: int, out: str) -> None:
             pins = _pins(layout, name, model, input_names, world)
             pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
             local = [pmodel.rank_part(k, x) if pmodel.passes_own_part(k) else x for k, x in zip(input_names, batch)]
-            step_s, peak = _measure(pmodel, local, steps)
+            opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
+            for _ in range(WARMUP):
+                _step_s(pmodel, opt, local)
+            runs.append((layout, pmodel, opt, local, []))
+        for _ in range(ROUNDS):  # the plans take turns, so that a slow spell of the host hits them alike
+            for _, pmodel, opt, local, times in runs:
+                times += [_step_s(pmodel, opt, local) for _ in range(steps)]
+        for layout, pmodel, opt, local, times in runs:
+            quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan
+            parts = {"compute": plan.compute_s + plan.recompute_s, "communication": plan.communication_s,
+                     "overhead": plan.overhead_s}
             rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
-                         "measured_s": step_s, "predicted_peak_bytes": plan.peak_memory_bytes,
-                         "measured_peak_bytes": peak})
-            if rank == 0:
-                print(f"  {name} {layout} on {world} ranks done", file=sys.stderr, flush=True)
+                         "predicted_parts_s": parts, "collectives": len(plan.collectives),
+                         "measured_s": statistics.median(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
+                         "predicted_peak_bytes": plan.peak_memory_bytes,
+                         "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
+        if rank == 0:
+            print(f"  {name} on {world} ranks done", file=sys.stderr, flush=True)
+        del runs
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -123,7 +134,7 @@ def _order_matches(rows: list[dict], margin: float = 0.05) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round")
     parser.add_argument("--recalibrate", action="store_true", help="measure the profiles again")
     parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,15 +155,15 @@ def main() -> None:
             if torchrun(world, ["-m", "benchmarks.fidelity", "--steps", str(args.steps), "--worker", str(profile), out]):
                 raise SystemExit(f"the benchmark failed on {world} ranks")
             rows += json.loads(Path(out).read_text())
-    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
+    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'quartiles ms':>13} {'error':>7} "
               f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
-    print(f"\nforward+backward step time (median of {args.steps}) and peak memory of a training step, gloo on this machine"
-          f"\n{header}\n{'-' * len(header)}")
+    print(f"\nforward+backward step time (median of {ROUNDS} rounds of {args.steps} steps, with its quartiles) and peak "
+          f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
         r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
         r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
         print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} "
-              f"{r['time_error']:>+7.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
+              f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
               f"{r['memory_error']:>+7.0%}")
     orders = {}
     for r in rows:
@@ -163,7 +174,7 @@ def main() -> None:
               f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)")
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30%")
-    write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=rows,
+    write_results(RESULTS, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows,
                   order_matches={f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()})
 
 
