@@ -26,7 +26,7 @@ class Collective:
     op), or ``output``: making a result whole for the caller (the loss of a batch-split step),
     which nothing else in the step waits for."""
     time_s: float
-    """Modelled time."""
+    """Modelled time, with the local ops that pack and unpack its tensors."""
     tensor: str
     """The graph value moved, ``node`` or ``node[i]``, or ``bucket of N gradients``."""
     consumer: str

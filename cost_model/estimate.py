@@ -9,7 +9,7 @@ from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer
 from autopar.mesh import Mesh
-from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucketed_step, latency_s
+from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, bucketed_step, piece_s
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
@@ -99,16 +99,17 @@ class CostModel:
 
     def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
-        bucket (:func:`~autopar.passes.buckets.bucketed_step`) costs its bandwidth term here and
-        its share of the bucket's latency, returned beside it; any other move costs what
+        bucket (:func:`~autopar.passes.buckets.bucketed_step`) costs its bandwidth term and local
+        ops here (:func:`~autopar.passes.buckets.piece_s`) and its share of the bucket's fixed
+        cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
         steps = self.steps(ref, src, dst)
         step = bucketed_step(steps)
         if step is None:
             return sum(self.step_s(s) for s in steps), None
-        latency = latency_s(step, self.mesh, self.links)
-        share = BucketShare((step.kind, step.axis, self.value(ref).dtype), min(1.0, step.bytes / self.bucket_bytes), latency)
-        return self.step_s(step) - latency, share
+        fixed = bucket_fixed_s(step, self.mesh, self.links)
+        share = BucketShare((step.kind, step.axis, self.value(ref).dtype), min(1.0, step.bytes / self.bucket_bytes), fixed)
+        return piece_s(step, self.mesh, self.links), share
 
     def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
         """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""

@@ -5,6 +5,7 @@ and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and second
 ``beta`` of the link under a mesh axis (:meth:`link`).
 """
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -25,11 +26,18 @@ class Link:
     per_kind: tuple[tuple[str, float, float], ...] = ()
     """Measured ``(collective kind, α, β)`` that replace the two above for that kind (a
     calibrated profile has one per collective)."""
+    local_op_s: float = 0.0
+    """Time of one local op that the per-rank program runs around a collective on this link
+    (packing a bucket, putting gathered pieces side by side); :func:`mesh_links` sets it from
+    the device's profile."""
+    local_s_per_byte: float = 0.0
+    """Seconds per byte such an op copies (read and written once each)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "Link":
         """The inverse of ``dataclasses.asdict``, as plans and profile files store links."""
-        return cls(data["latency_s"], data["s_per_byte"], tuple(tuple(k) for k in data["per_kind"]))
+        return cls(data["latency_s"], data["s_per_byte"], tuple(tuple(k) for k in data["per_kind"]),
+                   data.get("local_op_s", 0.0), data.get("local_s_per_byte", 0.0))
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         for name, alpha, beta in self.per_kind:
@@ -219,8 +227,15 @@ def resolve_profile(hardware: "str | os.PathLike | Profile") -> Profile:
 
 
 def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
-    """The α-β link of each axis of ``mesh``."""
-    return tuple(hardware.link(mesh, axis) for axis in range(mesh.ndim))
+    """The α-β link of each axis of ``mesh``, with the cost of the local ops around its
+    collectives on this device: an op's fixed time (and a program node's, for a profile that
+    times ops), and the time per byte of a copy, both under the ranks' contention."""
+    fixed = hardware.compute_s(0, 0)
+    contention = getattr(hardware, "contention", 1.0)
+    op_s = (fixed + getattr(hardware, "node_overhead_s", 0.0)) * contention
+    per_byte = (hardware.compute_s(0, 2 * 2**20) - fixed) / 2**20 * contention  # each byte read and written
+    return tuple(dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte)
+                 for axis in range(mesh.ndim))
 
 
 def save_profile(profile: HardwareProfile, path: "str | os.PathLike", **measured) -> None:

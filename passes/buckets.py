@@ -18,12 +18,12 @@ layer first reads one of them (:func:`parameter_gathers`).
 One function, :func:`gradient_buckets`, makes the buckets for the rewriter and for the plan, so
 the plan lists exactly the bucket collectives the per-rank graph runs. The solver cannot know
 which gradients will share a bucket while it chooses layouts: it prices a bucketed move at its
-bandwidth term, and counts the buckets of each kind, mesh axis and dtype as the sum of the
-moves' shares of a bucket, ``min(1, bytes / bucket_bytes)``, and at least one as soon as a
-gradient joins, each bucket paying one α (:class:`BucketShare`, :mod:`autopar.passes.solver`).
+bandwidth term and its local ops (:func:`piece_s`), and counts the buckets of each kind, mesh
+axis and dtype as the sum of the moves' shares of a bucket, ``min(1, bytes / bucket_bytes)``,
+and at least one as soon as a gradient joins, each bucket paying one α and its fixed local ops
+(:class:`BucketShare`, :func:`bucket_fixed_s`, :mod:`autopar.passes.solver`).
 """
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +32,7 @@ import torch
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, backward_nodes, module_paths, segment_of
-from autopar.passes.redistribute import Step, step_s, transition
+from autopar.passes.redistribute import Step, bandwidth_s, transition
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 from autopar.placement import Placements
@@ -96,13 +96,47 @@ class BucketShare:
     fraction: float
     """``min(1, bytes / bucket_bytes)``: a gradient of a bucket's size or more fills one."""
     latency_s: float
-    """α of the group's collective, which each bucket pays once."""
+    """What each bucket of the group pays once (:func:`bucket_fixed_s`)."""
 
 
-def latency_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
-    """The α of a collective step: its modelled time less its bandwidth term (0 on an axis of
-    one rank, where no time is modelled)."""
-    return step_s(dataclasses.replace(step, bytes=0), mesh, links)
+_BUCKET_OPS = {"all_reduce": (2, 2), "reduce_scatter": (3, 4), "all_gather": (3, 4)}
+"""Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.rewrite._Rank.bucket`),
+per bucket and per tensor in it: an all-reduce flattens each tensor, concatenates them, splits
+the result and views each piece back; a reduce-scatter also chunks and stacks each gradient
+into rows; an all-gather also views the result as rows and moves each piece's rows into its
+dim."""
+
+
+def bucket_fixed_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """What a bucket's collective ``step`` costs once, whatever it holds: α and its fixed local
+    ops (0 on an axis of one rank, where no time is modelled)."""
+    if mesh.shape[step.axis] == 1:
+        return 0.0
+    link = links[step.axis]
+    return link.alpha_beta(step.kind)[0] + _BUCKET_OPS[step.kind][0] * link.local_op_s
+
+
+def piece_s(piece: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """What one tensor adds to the bucket it joins, ``piece`` being its own move: its bandwidth
+    term, its local ops and their copies (its bytes into the flat buffer; for a reduce-scatter
+    also into rows; for an all-gather its own piece in, and the gathered tensor out when it is
+    gathered along a dim other than 0)."""
+    n = mesh.shape[piece.axis]
+    if n == 1:
+        return 0.0
+    link = links[piece.axis]
+    if piece.kind == "all_gather":
+        copied = piece.bytes // n + (piece.bytes if piece.dim else 0)
+    else:
+        copied = piece.bytes * (2 if piece.kind == "reduce_scatter" else 1)
+    return (bandwidth_s(piece, mesh, links) + _BUCKET_OPS[piece.kind][1] * link.local_op_s
+            + copied * link.local_s_per_byte)
+
+
+def bucket_s(step: Step, pieces: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """Modelled time of a bucket's collective ``step`` on tensors whose own moves are
+    ``pieces``, with the local ops that pack and unpack them."""
+    return bucket_fixed_s(step, mesh, links) + sum(piece_s(p, mesh, links) for p in pieces)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
-from autopar.passes.buckets import ParameterGather, bucketed_step, gradient_buckets, parameter_gathers
+from autopar.passes.buckets import ParameterGather, bucket_s, bucketed_step, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, module_paths
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
@@ -159,7 +159,8 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
     (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
     per bucket of the gradient moves that are bucketed
     (:func:`~autopar.passes.buckets.gradient_buckets`) and one per bucket of parameters
-    gathered together (``gathers``), as the rewriter runs them."""
+    gathered together (``gathers``), as the rewriter runs them, each with the local ops the
+    rewriter runs around it."""
     gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order
     in_gathers = {key for g in gathers for key in g.keys}
     for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
@@ -188,13 +189,14 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
         members = [gradients[i] for i in bucket.members]
         yield Collective(
             kind=bucket.step.kind, axis=mesh.axis_names[bucket.step.axis], bytes=bucket.step.bytes, phase="backward",
-            time_s=costs.step_s(bucket.step), tensor=f"bucket of {len(members)} gradients", consumer="gradients",
+            time_s=bucket_s(bucket.step, [m[0] for m in members], mesh, costs.links),
+            tensor=f"bucket of {len(members)} gradients", consumer="gradients",
             src=" | ".join(dict.fromkeys(m[2] for m in members)), dst=" | ".join(dict.fromkeys(m[3] for m in members)),
         )
     for g in gathers:
         yield Collective(
             kind="all_gather", axis=mesh.axis_names[g.bucket.step.axis], bytes=g.bucket.step.bytes, phase=g.phase,
-            time_s=costs.step_s(g.bucket.step), tensor=f"bucket of {len(g.keys)} parameters",
+            time_s=bucket_s(g.bucket.step, g.steps, mesh, costs.links), tensor=f"bucket of {len(g.keys)} parameters",
             consumer=f"parameters of {g.segment or '(root)'}",
             src=" | ".join(dict.fromkeys(format_placements(chosen[k[1][0]].outputs[0]) for k in g.keys)),
             dst=" | ".join(dict.fromkeys(format_placements(k[2]) for k in g.keys)),

@@ -120,7 +120,8 @@ def one_axis_step(cur: Placements, nxt: Placements, axis: int, shape: tuple[int,
 
 
 def step_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
-    """Modelled time of one step under the α-β ``links`` (one per mesh axis); local steps are free.
+    """Modelled time of one step under the α-β ``links`` (one per mesh axis), with the local
+    ops the per-rank program runs around it (:func:`local_work`); local steps are free.
 
     With ``n`` ranks on the axis and ``B`` bytes as in :attr:`Step.bytes`, bandwidth terms follow
     the ring algorithms: all-reduce ``α + 2(n-1)/n·B·β``; all-gather, reduce-scatter, all-to-all
@@ -129,9 +130,29 @@ def step_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
     n = mesh.shape[step.axis]
     if not step.is_collective or n == 1:
         return 0.0
-    alpha, beta = links[step.axis].alpha_beta(step.kind)
+    link = links[step.axis]
+    ops, copied = local_work(step)
+    return link.alpha_beta(step.kind)[0] + bandwidth_s(step, mesh, links) + ops * link.local_op_s + copied * link.local_s_per_byte
+
+
+def bandwidth_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """The bandwidth term of a collective step's time (see :func:`step_s`)."""
+    n = mesh.shape[step.axis]
     rounds = 2 if step.kind == "all_reduce" else 1
-    return alpha + rounds * (n - 1) / n * step.bytes * beta
+    return rounds * (n - 1) / n * step.bytes * links[step.axis].alpha_beta(step.kind)[1]
+
+
+def local_work(step: Step) -> tuple[int, int]:
+    """``(ops, bytes copied)`` of the local ops the per-rank program
+    (:class:`autopar.passes.rewrite._Rank`) runs around a collective step on one tensor: an
+    all-gather or reduce-scatter along a dim other than 0 splits the tensor into chunks and
+    concatenates them along dim 0 or back (one copy); an all-to-all does that before and
+    after."""
+    if step.kind in ("all_gather", "reduce_scatter") and step.dim not in (None, 0):
+        return 2, step.bytes
+    if step.kind == "all_to_all":
+        return 4, 2 * step.bytes
+    return 0, 0
 
 
 def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, partial: bool,

@@ -15,7 +15,7 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.passes.buckets import BucketShare, gradient_buckets
 from autopar.passes.capture import capture
-from autopar.passes.redistribute import Step
+from autopar.passes.redistribute import Step, step_s
 from autopar.passes.rewrite import graph_collectives, rewrite
 from autopar.placement import P, R, S
 from autopar.planner import plan_captured
@@ -166,3 +166,43 @@ def test_reduce_scattered_bucket_gives_each_rank_its_shards():
         assert result["buckets"] == [("reduce_scatter", "(S(0)) | (S(1))")]
         assert "(S(1)) | (S(0))" in result["gathered"]
         assert all(result["matches"].values()), result["matches"]
+
+
+# compute dear, as COMPUTE_DEAR; a program node costs 10 us and a copy 0.2 ns per byte
+PACKING = autopar.HardwareProfile(name="packing", flops_per_s=1e8, memory_bytes_per_s=1e10, efficiency=1.0,
+                                  memory_bytes=2**34, devices_per_host=8, intra_host=autopar.Link(1e-5, 1e-9),
+                                  inter_host=autopar.Link(1e-5, 1e-9), node_overhead_s=1e-5)
+
+
+def test_plan_prices_the_local_ops_that_pack_and_unpack_each_bucket(fake_world):
+    mesh = autopar.Mesh((4,), ("dp",))
+    fake_world(mesh.size)
+    model = MLP(32, 32, num_layers=6)
+    captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))
+    weight, bias = 32 * 32 * 4, 32 * 4
+    plan = plan_captured(captured, mesh, hardware=PACKING, pins=_data_pins(model, ("S(0)", "R")),
+                         bucket_bytes=2 * (weight + bias))
+    nbytes = 2 * (weight + bias)
+    flatten_cat_split_view = 2 * 4 + 2  # per bucket of 4 gradients
+    expected = 1e-5 + 2 * 3 / 4 * nbytes * 1e-9 + flatten_cat_split_view * 1e-5 + nbytes * 2 / 1e10
+    buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
+    assert [c.time_s for c in buckets] == pytest.approx([expected] * 3)
+    assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver priced the same ops
+
+    groups = [device_mesh(mesh, "cpu").get_group(axis).group_name for axis in range(mesh.ndim)]
+    graph = rewrite(captured, plan, coordinate=(0,), group_names=groups)
+    packing = (torch.ops.aten.view.default, torch.ops.aten.cat.default, torch.ops.aten.split_with_sizes.default)
+
+    def count(gm):
+        return sum(n.op == "call_function" and n.target in packing for n in gm.graph.nodes)
+
+    assert count(graph) - count(captured.graph) == 3 * flatten_cat_split_view
+
+
+def test_gathers_and_scatters_along_other_dims_price_their_chunks_and_copy():
+    mesh = autopar.Mesh((4,), ("x",))
+    link = autopar.Link(1e-5, 1e-9, local_op_s=2e-6, local_s_per_byte=1e-10)
+    base = {"all_gather": 1e-5 + 0.75 * 1000 * 1e-9, "all_to_all": 1e-5 + 0.75 * 1000 * 1e-9}
+    assert step_s(Step("all_gather", 0, 0, bytes=1000), mesh, (link,)) == pytest.approx(base["all_gather"])
+    assert step_s(Step("all_gather", 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(base["all_gather"] + 2 * 2e-6 + 1000 * 1e-10)
+    assert step_s(Step("all_to_all", 0, 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(base["all_to_all"] + 4 * 2e-6 + 2000 * 1e-10)
