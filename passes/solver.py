@@ -131,8 +131,11 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the first fifth of the time
-    (20 s at most) looks for any plan that fits: one found, the search goes on from it for the
-    rest of the time; none, :func:`~autopar.passes.memory_program.priced_memory` looks instead.
+    (20 s at most) looks for any plan that fits, without ``start``: one found, the search goes on
+    from it for the rest of the time; none, the search starts from ``start`` for the rest of
+    the time, and if that finds none either,
+    :func:`~autopar.passes.memory_program.priced_memory` looks instead. (A start can lead HiGHS
+    away from the optimum, so it is used only where the search alone finds nothing.)
     Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
 
     ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
@@ -210,16 +213,22 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     priced = budget_bytes is not None and minimise == "time"
     hint = _hint(start, ind, own, shared, ((again, "recomputed"), (away, "offloaded"), (ahead, "prefetched"),
                                            (on_host, "host_optimizer"), (params_on_host, "host_params")))
-    outcome = solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) if priced else time_limit_s, hint)
+    outcome = solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) if priced else time_limit_s,
+                                    () if priced else hint)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     left = started + time_limit_s - time.perf_counter()
-    if priced and status == pywraplp.Solver.FEASIBLE and left > 1.0:
+    answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
+    if priced and status not in answered and hint and left > 1.0:
+        log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
+        outcome = solve_before_deadline(solver, params, left, hint)
+        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    elif priced and status == pywraplp.Solver.FEASIBLE and left > 1.0:
         log.info("a plan under the memory budget found; searching for a faster one for %.0f s more", left)
         found = outcome[1]
         better = solve_before_deadline(solver, params, left, [(var, found[var.index()]) for var in solver.variables()])
         if better is not None and better[1] is not None and better[2] <= outcome[2]:
             outcome, status = better, better[0]
-    elif priced and status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
+    if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
         outcome = priced_memory(solver, params, memory_coefs, peak, budget_row, budget_bytes,
                                  started + time_limit_s, hint)
