@@ -248,10 +248,9 @@ def _step_overhead() -> tuple[float, float, list]:
         torch.manual_seed(0)
         figures = torch.tensor([_runtime_overhead(_LinearStack(layers)) for layers in _STACKS], dtype=torch.float64)
     dist.broadcast(figures, 0)
-    points = [tuple(p) for p in figures.tolist()]
+    points = figures.tolist()
     fixed, per_param = _fit([(n, max(s, 1e-7)) for n, s in points])
-    return fixed, per_param, [list(p) for p in points]
-
+    return fixed, per_param, points
 
 
 def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:

@@ -107,7 +107,6 @@ def worker(profile: str, steps: int, out: str) -> None:
                          "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
         if rank == 0:
             print(f"  {name} on {world} ranks done", file=sys.stderr, flush=True)
-        del runs
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
