@@ -18,8 +18,8 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
 
     Yields ``(ref, src, dst, consumer, phase)``. A tensor moved to the same placements for
     several consumers is moved once in the forward and once in the backward: the backward
-    moves what its ops and its recomputations read itself. Parameters and buffers read their
-    gradients and new values last, after every op, as the rewriter fetches them at the step's end.
+    moves what its ops and its recomputations read itself. Parameters' and buffers' reads of
+    their gradients and new values come last.
     """
     by_name = space.index()
     seen: set = set()

@@ -21,7 +21,7 @@ starts the segment whose backward runs before theirs (its first backward op), so
 copies run beside that segment's backward. The first read waits for the copy
 (``autopar::reload_wait``). Parameters the plan
 keeps in host memory come in as host tensors, are copied to the device when the forward first
-reads them and again when the backward does, and their gradients go out to the host. Backward moves,
+reads them and again when the backward does, and their gradients go out to the host (below). Backward moves,
 recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
 partitioner puts them in the backward.
 
@@ -29,9 +29,10 @@ The parameters a layer reads whole where they are split along one mesh axis are 
 together, one all-gather per layer and phase, when the layer first reads one of them
 (:func:`~autopar.passes.buckets.parameter_gathers`). Each parameter's gradient moves into the parameter's placements;
 the moves that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
-(:mod:`autopar.passes.buckets`), each as soon as the backward has made all of its gradients (so
-that a split parameter's whole gradient is not held until the step's end), the others at the
-step's end, one by one.
+(:mod:`autopar.passes.buckets`), each as soon as the backward has made all of its gradients, the
+others one by one as soon as the backward has made the gradient, so that a split parameter's
+whole gradient is not held until the step's end; the gradient of a parameter in host memory is
+copied there as soon as it is in its placements.
 """
 
 from collections.abc import Callable, Sequence
@@ -242,6 +243,19 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     for b, names in enumerate(producers):
         for name in names:
             filled_by.setdefault(name, []).append(b)
+    states = {k.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer")}
+    in_bucket = set(bucket_keys)
+    made_by: dict[str, list[int]] = {}  # per backward op, the gradients it makes that move on their own
+    reduced_with: dict[tuple, list[int]] = {}  # per bucketed move, the gradients it makes
+    for i, value in enumerate(graph.output_node().args[0]):
+        kind = captured.outputs[i]
+        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node) and value in backward:
+            ref = aliases.get(value.name, (value.name, 0))
+            key = (True, ref, strategies[states[kind.name].name].outputs[0])
+            if key in in_bucket:
+                reduced_with.setdefault(key, []).append(i)
+            else:
+                made_by.setdefault(ref[0], []).append(i)
 
     def per_rank(*local_inputs):
         env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
@@ -317,7 +331,19 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                                       [bucket_steps[i] for i in bucket.members], bucket.step)
             for i, piece in zip(bucket.members, reduced):
                 moved[bucket_keys[i]] = piece
+            for i in bucket.members:
+                for j in reduced_with.get(bucket_keys[i], ()):
+                    outputs[j] = state_output(j)
 
+        def state_output(i: int) -> torch.Tensor:
+            """Output ``i``, a parameter's gradient or an updated buffer's new value, in that
+            parameter's or buffer's placements; the gradient of a parameter in host memory goes there."""
+            kind, value = captured.outputs[i], graph.output_node().args[0][i]
+            state = states[kind.name]
+            result = fetch(value, strategies[state.name].outputs[0], value in backward)
+            return offload(result) if kind.kind == "grad" and state.name in host_params else result
+
+        outputs: dict[int, torch.Tensor | None] = {}
         left = [set(p) for p in producers]  # per bucket, the ops still to make one of its gradients
         for i, node in enumerate(captured.placeholders):
             env[node.name, 0] = local_inputs[i], layouts[i]
@@ -339,17 +365,18 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                         left[b].discard(node.name)
                         if not left[b]:
                             reduce(buckets[b])
-        outputs = []
-        for kind, value in zip(captured.outputs, graph.output_node().args[0]):
+                    for i in made_by.get(node.name, ()):
+                        outputs[i] = state_output(i)
+        for i, (kind, value) in enumerate(zip(captured.outputs, graph.output_node().args[0])):
+            if i in outputs:
+                continue
             if kind is None or not isinstance(value, fx.Node):
-                outputs.append(None)
+                outputs[i] = None
             elif kind.kind == "output":
-                outputs.append(fetch(value, (R,) * mesh.ndim))
-            else:  # a parameter's gradient or an updated buffer's new value, in that parameter's or buffer's placements
-                state = next(n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer") and k.name == kind.name)
-                result = fetch(value, strategies[state.name].outputs[0], value in backward)
-                outputs.append(offload(result) if kind.kind == "grad" and state.name in host_params else result)
-        return outputs
+                outputs[i] = fetch(value, (R,) * mesh.ndim)
+            else:
+                outputs[i] = state_output(i)
+        return [outputs[i] for i in range(len(captured.outputs))]
 
     fake_mode = FakeTensorMode()
     with fake_mode:

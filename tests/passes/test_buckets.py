@@ -69,7 +69,7 @@ def _plan_and_rank_graph(make_world, mesh, pins, bucket_bytes):
     groups = [device_mesh(mesh, "cpu").get_group(axis).group_name for axis in range(mesh.ndim)]
     graph = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=groups)
     ran = collections.Counter((kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(graph, groups))
-    return plan, ran
+    return plan, ran, graph
 
 
 def _data_pins(model, layout):
@@ -80,7 +80,7 @@ def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
     mesh = autopar.Mesh((4,), ("dp",))
     weight, bias = 32 * 32 * 4, 32 * 4
     pins = _data_pins(MLP(32, 32, num_layers=6), ("S(0)", "R"))
-    plan, ran = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2 * (weight + bias))
+    plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2 * (weight + bias))
     bucket = ("all_reduce", "dp", 2 * (weight + bias))  # two layers' weights and biases
     assert ran == {bucket: 3, ("all_reduce", "dp", 4): 1}  # and the loss
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
@@ -94,7 +94,7 @@ def test_fully_sharded_rank_graph_reduce_scatters_buckets(fake_world):
     mesh = autopar.Mesh((4,), ("dp",))
     three_layers = 3 * (32 * 32 * 4 + 32 * 4)
     pins = _data_pins(MLP(32, 32, num_layers=6), ("S(0)", "S(0)"))
-    plan, ran = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=three_layers)
+    plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=three_layers)
     assert {k: n for k, n in ran.items() if k[0] == "reduce_scatter"} == {("reduce_scatter", "dp", three_layers): 2}
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     assert [c.tensor for c in plan.collectives if c.kind == "reduce_scatter"] == ["bucket of 6 gradients"] * 2
@@ -129,14 +129,20 @@ def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world
     assert len(together) <= len(alone) - len(buckets) and sum(together) == sum(alone)
 
 
-def test_gradient_moves_of_several_steps_are_not_bucketed(fake_world):
+def test_gradient_moves_of_several_steps_are_not_bucketed_and_run_as_soon_as_the_gradient_is_made(fake_world):
     mesh = autopar.Mesh((2, 2), ("a", "b"))
     pins = _data_pins(MLP(32, 32, num_layers=6), (("S(0)", "S(0)"), ("R", "R")))
-    plan, ran = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2**20)
+    plan, ran, graph = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2**20)
     weights = [c for c in plan.collectives if c.phase == "backward" and c.bytes == 32 * 32 * 4]
     assert sorted(c.axis for c in weights) == ["a"] * 6 + ["b"] * 6  # (P, P) -> (R, R): an all-reduce per axis each
     assert not any(c.tensor.startswith("bucket") for c in weights)
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
+    nodes = list(graph.graph.nodes)
+    reduced = [i for i, n in enumerate(nodes) if n.target == torch.ops._c10d_functional.all_reduce.default
+               and n.args[0].meta["val"].shape == (32, 32)]
+    matmuls = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    # the last layer's weight gradient is reduced before the backward of the five layers before it
+    assert sum(i > reduced[0] for i in matmuls) >= 5
 
 
 def reduce_scattered_gradients() -> dict:
