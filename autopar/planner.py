@@ -18,7 +18,7 @@ from autopar.mesh import Mesh
 from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.buckets import BUCKET_BYTES
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import Captured, capture, module_paths, segment_of
 from autopar.passes.layers import repeated_layers
 from autopar.passes.planning import build_plan
 from autopar.passes.propagate import propagate
@@ -102,10 +102,11 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
 
     sharded = _sharded_parameters(space, memory) if budget is not None else None
+    segments = {name: segment_of(path) for name, path in module_paths(captured).items()}
 
     def attempt(solver_budget: float | None, start: Solution | None):
         started = time.perf_counter()
-        solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s,
+        solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, gather_s=costs.gather_s, segments=segments,
                          one_step_moves=costs.one_step_moves, memory=memory if budget else None,
                          budget_bytes=solver_budget, shared=shared, activations=activations,
                          choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s,
@@ -121,7 +122,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
         result, live, times, _ = _within_budget(attempt, budget, mesh)
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
-                                               budget, mesh, shared, host, solver_time_limit_s)) from None
+                                               budget, mesh, shared, host, solver_time_limit_s, segments)) from None
     result = dataclasses.replace(
         result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
         stage_s={**stages, **times})
@@ -217,10 +218,11 @@ def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: 
 
 
 def _over_budget(space, node_costs, costs, memory, activations, budget: int, mesh: Mesh, shared, host,
-                 time_limit_s: float) -> str:
+                 time_limit_s: float, segments: dict[str, str]) -> str:
     """Why no plan fits: the least memory any plan reaches (offloading all it can), by part,
     and what would fit."""
-    least = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, one_step_moves=costs.one_step_moves,
+    least = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, gather_s=costs.gather_s,
+                  segments=segments, one_step_moves=costs.one_step_moves,
                   memory=memory, minimise="memory", shared=shared, activations=activations, host=host,
                   time_limit_s=time_limit_s)
     est = memory.estimate(least.choice, (frozenset(activations.nodes),

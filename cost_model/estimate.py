@@ -104,7 +104,17 @@ class CostModel:
         cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
         steps = self.steps(ref, src, dst)
-        step = bucketed_step(steps)
+        return self._bucketed(ref, steps, bucketed_step(steps))
+
+    def gather_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
+        """Moving parameter ``ref`` into placements an op reads it in, as :meth:`gradient_s` does
+        for gradients: a move that is one all-gather joins the bucket of its layer and phase
+        (:func:`~autopar.passes.buckets.parameter_gathers`) and costs its bandwidth term and local
+        ops here, its share of the bucket's fixed cost beside it."""
+        steps = self.steps(ref, src, dst)
+        return self._bucketed(ref, steps, steps[0] if len(steps) == 1 and steps[0].kind == "all_gather" else None)
+
+    def _bucketed(self, ref: ValueRef, steps: tuple[Step, ...], step: Step | None) -> tuple[float, BucketShare | None]:
         if step is None:
             return sum(self.step_s(s) for s in steps), None
         fixed = bucket_fixed_s(step, self.mesh, self.links)

@@ -24,7 +24,7 @@ for the backward's: the backward makes its own moves). Grouping strategies by la
 variables per tensor to the distinct layouts instead of the strategies.
 
 Gradient buckets (:mod:`autopar.passes.buckets`). A parameter's node reads the parameter's
-gradient, which moves into the parameter's placements at the step's end; a move that is one
+gradient, which moves into the parameter's placements once made; a move that is one
 all-reduce or reduce-scatter joins a bucket, and a bucket pays one collective latency α for all
 its gradients. Such a move's ``r_v(p, q)`` is its bandwidth term only, and the buckets of each
 group ``g`` (collective kind, mesh axis, dtype) are counted and priced α_g each::
@@ -41,6 +41,12 @@ pays it. ``N_g`` needs no integrality: with integral one-hots it is ``max(1, Σ 
 gradient joins. A gradient that only its parameter reads moves by the reader's transport ``t``,
 not by the flow over one-axis moves below, whose paths could chain bucketed steps that the
 rewriter would run one by one.
+
+Parameters are gathered in buckets too, one per layer and phase
+(:func:`~autopar.passes.buckets.parameter_gathers`): a parameter's move for its readers that is
+one all-gather is priced likewise, with groups ``g`` of kind, mesh axis, dtype, phase and the
+readers' layer; a parameter standing for ``c`` copies of a repeated layer joins with ``c · y``
+(each copy gathers on its own), and such moves use transports, not flows.
 
 Three reductions keep the program small without changing its optimum. A tensor with one reader
 needs no ``y``: its transport carries the cost, or, when fewer, it moves as a unit of flow over
@@ -100,7 +106,8 @@ OneStepMoves = Callable[[ValueRef], Sequence[tuple[Placements, Placements, float
 
 
 def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
-          *, gradient_s: GradientCost | None = None, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
+          *, gradient_s: GradientCost | None = None, gather_s: GradientCost | None = None,
+          segments: Mapping[str, str] | None = None, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
           one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
           activations: ActivationSpace | None = None, choose_recompute: bool = True, host: Host | None = None,
           minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3,
@@ -109,7 +116,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
     reads: the seconds of the move without bucket latency, and its share of a bucket when it
     joins one (:meth:`~autopar.cost_model.estimate.CostModel.gradient_s`); without it gradients
-    are moved one by one.
+    are moved one by one. ``gather_s`` likewise prices moving a parameter for the ops that read
+    it (:meth:`~autopar.cost_model.estimate.CostModel.gather_s`): the moves that are one
+    all-gather join the buckets of their phase and of the layer of their readers, ``segments``
+    giving each node's layer (:func:`~autopar.passes.capture.segment_of`).
 
     ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
     given, a tensor with one reader moves along them (:func:`_layout_flow`), which takes fewer
@@ -179,6 +189,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     for (ref, readers), count in _tensor_classes(space, shared, followed, backward_reads).items():
         if gradient_s is not None and _gradient(readers, by_name):
             _gradient_transport(solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares)
+        elif gather_s is not None and by_name[ref[0]].kind == "param":
+            price, joined = _gathered(gather_s, ref, readers, count, by_name, segments or {}, bucket_shares)
+            _layout_available(solver, costs, ref, by_name, readers, count, ind, price, None, reader_moves, joined)
         else:
             _layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
     _enough_buckets(solver, costs, bucket_shares)
@@ -376,10 +389,11 @@ def _gradient(readers: frozenset, by_name: dict[str, NodeSpace]) -> bool:
 
 def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], readers: frozenset,
                       count: int, ind: dict, transition_s: TransitionCost, one_step_moves: OneStepMoves | None,
-                      reader_moves: dict) -> None:
+                      reader_moves: dict, joined: Callable | None = None) -> None:
     """Tie every reader's needed layout to the producer's, and price each move ``count`` times.
     ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
-    ``(variable or None, seconds)`` terms."""
+    ``(variable or None, seconds)`` terms. ``joined(p, q, made)``, when given, is told of every
+    move and the variable (or 1) saying whether it is made (:func:`_gathered`)."""
     producer = by_name[ref[0]]
     src = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
     moves: dict[tuple, object] = {}
@@ -390,7 +404,7 @@ def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Nod
             (p,), (q,) = src, dst
             reader_moves.setdefault((name, j), [(None, transition_s(ref, p, q))] if p != q else [])
             if p != q:
-                _move(solver, costs, moves, ref, p, q, count, transition_s, None)
+                _move(solver, costs, moves, ref, p, q, count, transition_s, None, joined)
             continue
         if len(readers) == 1 and one_step_moves is not None:
             arcs = one_step_moves(ref)
@@ -403,8 +417,10 @@ def _layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Nod
         for (p, q), var in t.items():
             if p != q and len(readers) == 1:
                 costs[var] += count * transition_s(ref, p, q)  # the only reader: its transport is the move
+                if joined is not None:
+                    joined(p, q, var)
             elif p != q:
-                _move(solver, costs, moves, ref, p, q, count, transition_s, var)
+                _move(solver, costs, moves, ref, p, q, count, transition_s, var, joined)
 
 
 def _transport(solver, src: dict, dst: dict) -> dict:
@@ -437,10 +453,28 @@ def _gradient_transport(solver, costs: dict, ref: ValueRef, by_name: dict[str, N
         bucket_shares[key].append((sum(var for var, _ in moves), sum(fraction * var for var, fraction in moves)))
 
 
+def _gathered(gather_s: GradientCost, ref: ValueRef, readers: frozenset, count: int, by_name: dict[str, NodeSpace],
+              segments: Mapping[str, str], bucket_shares: dict) -> tuple[TransitionCost, Callable]:
+    """How parameter ``ref`` moves for ``readers``, ``count`` copies of it: each move priced by
+    ``gather_s``, and a function that enters a move that joins a bucket, once made, in
+    ``bucket_shares`` (see :func:`_enough_buckets`) under its phase and its readers' layer: each
+    copy of a repeated layer gathers in buckets of its own."""
+    phase = "backward" if any(by_name[name].phase == "backward" for name, _ in readers) else "forward"
+    segment = segments.get(min(readers)[0], "")
+
+    def joined(p, q, made) -> None:
+        share = gather_s(ref, p, q)[1]
+        if share is not None:
+            bucket_shares[(share.group, phase, segment), share.latency_s].append((count * made, count * share.fraction * made))
+
+    return (lambda r, p, q: gather_s(r, p, q)[0]), joined
+
+
 def _enough_buckets(solver, costs: dict, bucket_shares: dict) -> None:
     """The bucket counts ``N_g`` of the module docstring, each bucket priced at its group's α.
-    ``bucket_shares[group, α]`` holds, per gradient, whether it joins a bucket of the group and
-    its share of one, as expressions in its transport."""
+    ``bucket_shares[group, α]`` holds, per gradient or parameter, how many buckets of the group
+    it joins at least (whether it joins one, for a gradient) and its share of them, as
+    expressions in its moves."""
     for (_, latency), gradients in bucket_shares.items():
         buckets = solver.NumVar(0.0, solver.infinity(), "")
         solver.Add(buckets >= sum(share for _, share in gradients))  # enough buckets for the bytes
@@ -471,12 +505,15 @@ def _layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) ->
     return priced
 
 
-def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, count: int, transition_s: TransitionCost, need) -> None:
+def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, count: int, transition_s: TransitionCost, need,
+          joined: Callable | None = None) -> None:
     """Price moving ``ref`` from ``p`` to ``q`` once per tensor of its class, whichever readers
     need it (``need`` is a reader's transport variable, or ``None`` when the move is certain)."""
     if (p, q) not in moves:
         moves[p, q] = solver.NumVar(0.0, 1.0, "")
         costs[moves[p, q]] += count * transition_s(ref, p, q)
+        if joined is not None:
+            joined(p, q, moves[p, q])
     solver.Add(moves[p, q] >= (1 if need is None else need))  # one copy serves every reader
 
 
