@@ -9,7 +9,7 @@ from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer
 from autopar.mesh import Mesh
-from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, bucketed_step, piece_s
+from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, bucketed_steps, piece_s
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
@@ -99,12 +99,12 @@ class CostModel:
 
     def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
-        bucket (:func:`~autopar.passes.buckets.bucketed_step`) costs its bandwidth term and local
+        bucket (:func:`~autopar.passes.buckets.bucketed_steps`) costs its bandwidth terms and local
         ops here (:func:`~autopar.passes.buckets.piece_s`) and its share of the bucket's fixed
         cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
         steps = self.steps(ref, src, dst)
-        return self._bucketed(ref, steps, bucketed_step(steps))
+        return self._bucketed(ref, steps, bucketed_steps(steps))
 
     def gather_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter ``ref`` into placements an op reads it in, as :meth:`gradient_s` does
@@ -112,14 +112,15 @@ class CostModel:
         (:func:`~autopar.passes.buckets.parameter_gathers`) and costs its bandwidth term and local
         ops here, its share of the bucket's fixed cost beside it."""
         steps = self.steps(ref, src, dst)
-        return self._bucketed(ref, steps, steps[0] if len(steps) == 1 and steps[0].kind == "all_gather" else None)
+        return self._bucketed(ref, steps, steps if len(steps) == 1 and steps[0].kind == "all_gather" else None)
 
-    def _bucketed(self, ref: ValueRef, steps: tuple[Step, ...], step: Step | None) -> tuple[float, BucketShare | None]:
-        if step is None:
+    def _bucketed(self, ref: ValueRef, steps: tuple[Step, ...], chain: tuple[Step, ...] | None) -> tuple[float, BucketShare | None]:
+        if chain is None:
             return sum(self.step_s(s) for s in steps), None
-        fixed = bucket_fixed_s(step, self.mesh, self.links)
-        share = BucketShare((step.kind, step.axis, self.value(ref).dtype), min(1.0, step.bytes / self.bucket_bytes), fixed)
-        return piece_s(step, self.mesh, self.links), share
+        fixed = bucket_fixed_s(chain, self.mesh, self.links)
+        group = (tuple((s.kind, s.axis) for s in chain), self.value(ref).dtype)
+        share = BucketShare(group, min(1.0, chain[0].bytes / self.bucket_bytes), fixed)
+        return piece_s(chain, self.mesh, self.links), share
 
     def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
         """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""

@@ -2,13 +2,14 @@
 
 As torch DDP does, the per-rank program does not reduce each parameter's gradient with a
 collective of its own. A gradient whose move into its parameter's placements is a single
-all-reduce (``P`` → ``R`` on one mesh axis) or a single reduce-scatter (``P`` → ``S(d)``) joins a
-bucket of gradients of the same collective kind, mesh axis and dtype, in parameter order, up to
-``bucket_bytes`` per bucket (a gradient larger than that has a bucket to itself). Each bucket is
-one collective on the gradients flattened and concatenated; for a reduce-scatter each gradient
-is laid out as ``n`` rows, row ``r`` being rank ``r``'s shard, so that every rank's shards of the
-whole bucket come out contiguous. Other gradient moves (several steps, as ``(P, P)`` → ``(R, R)``
-on a 2-D mesh, or an all-gather) run one by one.
+all-reduce (``P`` → ``R`` on one mesh axis), a single reduce-scatter (``P`` → ``S(d)``) or
+all-reduces over several mesh axes (``(P, P)`` → ``(R, R)``, data parallelism over a 2-D mesh)
+joins a bucket of gradients of the same collectives (kinds and mesh axes) and dtype, in
+parameter order, up to ``bucket_bytes`` per bucket (a gradient larger than that has a bucket to
+itself). Each bucket is one collective per mesh axis on the gradients flattened and
+concatenated; for a reduce-scatter each gradient is laid out as ``n`` rows, row ``r`` being rank
+``r``'s shard, so that every rank's shards of the whole bucket come out contiguous. Other
+gradient moves (a reduce-scatter with another step, an all-gather) run one by one.
 
 Parameters are gathered in buckets too, as FSDP gathers a unit's parameters at once: the
 parameters an op of one layer (segment) reads whole where they are split along one mesh axis,
@@ -26,8 +27,6 @@ and at least one as soon as a gradient joins, each bucket paying one α and its 
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
@@ -54,36 +53,46 @@ class Bucket:
     gradients')."""
     members: tuple[int, ...]
     """Positions of its gradients among the moves given to :func:`gradient_buckets`."""
+    then: tuple[Step, ...] = ()
+    """The all-reduces over further mesh axes that follow ``step`` on the same buffer."""
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        return (self.step, *self.then)
 
 
-def bucketed_step(steps: Sequence[Step]) -> Step | None:
-    """The collective by which a gradient joins a bucket, if its move (the steps of
-    :func:`~autopar.passes.redistribute.transition`) is one all-reduce or reduce-scatter;
-    ``None`` for any other move."""
+def bucketed_steps(steps: Sequence[Step]) -> tuple[Step, ...] | None:
+    """The collectives by which a gradient joins a bucket, if its move (the steps of
+    :func:`~autopar.passes.redistribute.transition`) is one all-reduce or reduce-scatter, or
+    all-reduces over distinct mesh axes; ``None`` for any other move."""
     if len(steps) == 1 and steps[0].kind in BUCKETED_KINDS:
-        return steps[0]
+        return tuple(steps)
+    if len(steps) > 1 and all(s.kind == "all_reduce" for s in steps) and len({s.axis for s in steps}) == len(steps):
+        return tuple(steps)
     return None
 
 
 def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
-    """Pack moves, each its :func:`bucketed_step` and the tensor's dtype (and optionally a label:
-    only moves of one label share a bucket), given in order, into buckets of one collective
-    kind, mesh axis, dtype and label. A bucket takes the next move of its kind while it stays
-    within ``bucket_bytes``; otherwise that move starts a new bucket. Buckets come in the order
-    of their first move."""
+    """Pack moves, each its :func:`bucketed_steps` (or one step) and the tensor's dtype (and
+    optionally a label: only moves of one label share a bucket), given in order, into buckets of
+    the same collective kinds and mesh axes, dtype and label. A bucket takes the next move of
+    its kind while it stays within ``bucket_bytes``; otherwise that move starts a new bucket.
+    Buckets come in the order of their first move."""
     buckets: list[list[int]] = []
-    filling: dict[tuple, int] = {}  # (kind, axis, dtype, label) -> the index of its bucket being filled
+    filling: dict[tuple, int] = {}  # (collectives, dtype, label) -> the index of its bucket being filled
     size: list[int] = []
-    for i, (step, dtype, *label) in enumerate(moves):
-        key = (step.kind, step.axis, dtype, *label)
+    chains = [move if isinstance(move, tuple) else (move,) for move, *_ in moves]
+    for i, (chain, (_, dtype, *label)) in enumerate(zip(chains, moves)):
+        key = (tuple((s.kind, s.axis) for s in chain), dtype, *label)
         b = filling.get(key)
-        if b is None or size[b] + step.bytes > bucket_bytes:
+        if b is None or size[b] + chain[0].bytes > bucket_bytes:
             b = filling[key] = len(buckets)
             buckets.append([])
             size.append(0)
         buckets[b].append(i)
-        size[b] += step.bytes
-    return [Bucket(Step(moves[m[0]][0].kind, moves[m[0]][0].axis, bytes=total), tuple(m))
+        size[b] += chain[0].bytes
+    return [Bucket(*(Step(s.kind, s.axis, bytes=total) for s in chains[m[0]][:1]), tuple(m),
+                   tuple(Step(s.kind, s.axis, bytes=total) for s in chains[m[0]][1:]))
             for m, total in zip(buckets, size)]
 
 
@@ -91,8 +100,8 @@ def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
 class BucketShare:
     """What one bucketed gradient move takes of its buckets, for the solver."""
 
-    group: tuple[str, int, torch.dtype]
-    """Collective kind, mesh axis and dtype: gradients of one group share buckets."""
+    group: tuple
+    """``((kind, mesh axis) of each collective, dtype)``: gradients of one group share buckets."""
     fraction: float
     """``min(1, bytes / bucket_bytes)``: a gradient of a bucket's size or more fills one."""
     latency_s: float
@@ -107,36 +116,38 @@ into rows; an all-gather also views the result as rows and moves each piece's ro
 dim."""
 
 
-def bucket_fixed_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
-    """What a bucket's collective ``step`` costs once, whatever it holds: α and its fixed local
-    ops (0 on an axis of one rank, where no time is modelled)."""
-    if mesh.shape[step.axis] == 1:
+def bucket_fixed_s(steps: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """What a bucket's collectives ``steps`` (one per mesh axis, on one buffer) cost once,
+    whatever it holds: α of each and the fixed local ops that pack and unpack the buffer (0 on
+    axes of one rank, where no time is modelled)."""
+    real = [s for s in steps if mesh.shape[s.axis] > 1]
+    if not real:
         return 0.0
-    link = links[step.axis]
-    return link.alpha_beta(step.kind)[0] + _BUCKET_OPS[step.kind][0] * link.local_op_s
+    return (sum(links[s.axis].alpha_beta(s.kind)[0] for s in real)
+            + _BUCKET_OPS[steps[0].kind][0] * links[real[0].axis].local_op_s)
 
 
-def piece_s(piece: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
-    """What one tensor adds to the bucket it joins, ``piece`` being its own move: its bandwidth
-    term, its local ops and their copies (its bytes into the flat buffer; for a reduce-scatter
-    also into rows; for an all-gather its own piece in, and the gathered tensor out when it is
-    gathered along a dim other than 0)."""
-    n = mesh.shape[piece.axis]
-    if n == 1:
+def piece_s(piece: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """What one tensor adds to the bucket it joins, ``piece`` being its own move (one
+    collective per mesh axis): its bandwidth terms, its local ops and their copies (its bytes
+    into the flat buffer; for a reduce-scatter also into rows; for an all-gather its own piece
+    in, and the gathered tensor out when it is gathered along a dim other than 0)."""
+    real = [s for s in piece if mesh.shape[s.axis] > 1]
+    if not real:
         return 0.0
-    link = links[piece.axis]
-    if piece.kind == "all_gather":
-        copied = piece.bytes // n + (piece.bytes if piece.dim else 0)
+    first, link = piece[0], links[real[0].axis]
+    if first.kind == "all_gather":
+        copied = first.bytes // mesh.shape[first.axis] + (first.bytes if first.dim else 0)
     else:
-        copied = piece.bytes * (2 if piece.kind == "reduce_scatter" else 1)
-    return (bandwidth_s(piece, mesh, links) + _BUCKET_OPS[piece.kind][1] * link.local_op_s
+        copied = first.bytes * (2 if first.kind == "reduce_scatter" else 1)
+    return (sum(bandwidth_s(s, mesh, links) for s in real) + _BUCKET_OPS[first.kind][1] * link.local_op_s
             + copied * link.local_s_per_byte)
 
 
-def bucket_s(step: Step, pieces: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -> float:
-    """Modelled time of a bucket's collective ``step`` on tensors whose own moves are
+def bucket_s(steps: Sequence[Step], pieces: Sequence[Sequence[Step]], mesh: Mesh, links: tuple[Link, ...]) -> float:
+    """Modelled time of a bucket's collectives ``steps`` on tensors whose own moves are
     ``pieces``, with the local ops that pack and unpack them."""
-    return bucket_fixed_s(step, mesh, links) + sum(piece_s(p, mesh, links) for p in pieces)
+    return bucket_fixed_s(steps, mesh, links) + sum(piece_s(p, mesh, links) for p in pieces)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
-from autopar.passes.buckets import ParameterGather, bucket_s, bucketed_step, gradient_buckets, parameter_gathers
+from autopar.passes.buckets import ParameterGather, bucket_s, bucketed_steps, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, module_paths
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
@@ -167,7 +167,7 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
         if (phase != "forward", ref, dst) in in_gathers:
             continue
         steps = costs.steps(ref, src, dst)
-        bucketed = bucketed_step(steps) if consumer.kind == "param" else None
+        bucketed = bucketed_steps(steps) if consumer.kind == "param" else None
         if bucketed is not None:
             gradients.append((bucketed, costs.value(ref).dtype, format_placements(src), format_placements(dst)))
             continue
@@ -187,16 +187,17 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
                                  time_s=costs.step_s(step), tensor=n.name, consumer=n.name, src=layout, dst=layout)
     for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
-        yield Collective(
-            kind=bucket.step.kind, axis=mesh.axis_names[bucket.step.axis], bytes=bucket.step.bytes, phase="backward",
-            time_s=bucket_s(bucket.step, [m[0] for m in members], mesh, costs.links),
-            tensor=f"bucket of {len(members)} gradients", consumer="gradients",
-            src=" | ".join(dict.fromkeys(m[2] for m in members)), dst=" | ".join(dict.fromkeys(m[3] for m in members)),
-        )
+        for k, step in enumerate(bucket.steps):  # the packing and the pieces' copies go with the first
+            yield Collective(
+                kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase="backward",
+                time_s=bucket_s((step,), [m[0][:1] for m in members], mesh, costs.links) if k == 0 else costs.step_s(step),
+                tensor=f"bucket of {len(members)} gradients", consumer="gradients",
+                src=" | ".join(dict.fromkeys(m[2] for m in members)), dst=" | ".join(dict.fromkeys(m[3] for m in members)),
+            )
     for g in gathers:
         yield Collective(
             kind="all_gather", axis=mesh.axis_names[g.bucket.step.axis], bytes=g.bucket.step.bytes, phase=g.phase,
-            time_s=bucket_s(g.bucket.step, g.steps, mesh, costs.links), tensor=f"bucket of {len(g.keys)} parameters",
+            time_s=bucket_s((g.bucket.step,), [(s,) for s in g.steps], mesh, costs.links), tensor=f"bucket of {len(g.keys)} parameters",
             consumer=f"parameters of {g.segment or '(root)'}",
             src=" | ".join(dict.fromkeys(format_placements(chosen[k[1][0]].outputs[0]) for k in g.keys)),
             dst=" | ".join(dict.fromkeys(format_placements(k[2]) for k in g.keys)),

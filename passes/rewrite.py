@@ -51,7 +51,7 @@ from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
-from autopar.passes.buckets import Bucket, bucketed_step, gradient_buckets, parameter_gathers
+from autopar.passes.buckets import Bucket, bucketed_steps, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, backward_nodes, backward_segment_starts, module_paths, segment_of
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
@@ -150,8 +150,9 @@ class _Rank:
         """The rank's piece of a dim of length ``whole`` split by mesh ``axes`` (outer first)."""
         return _Split(*piece_of(whole, axes, self.mesh, self.coordinate), [self.group_names[a] for a in axes])
 
-    def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step) -> list[torch.Tensor]:
-        """Move ``pieces``, whose moves are ``steps``, with the bucket's one collective ``step``."""
+    def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step, then: Sequence[Step] = ()) -> list[torch.Tensor]:
+        """Move ``pieces``, whose moves start with ``steps``, with the bucket's collective
+        ``step`` and the all-reduces ``then`` over further mesh axes."""
         n, group = self._n_group(step)
         if step.kind == "all_gather":  # each rank's pieces, concatenated: row r of the result is rank r's
             flat = torch.cat([p.reshape(-1) for p in pieces])
@@ -164,6 +165,8 @@ class _Rank:
         if step.kind == "all_reduce":
             flat = torch.cat([p.reshape(-1) for p in pieces])
             reduced = c10d.wait_tensor(c10d.all_reduce(flat, "sum", group))
+            for further in then:
+                reduced = c10d.wait_tensor(c10d.all_reduce(reduced, "sum", self._n_group(further)[1]))
             return [r.view(p.shape) for r, p in zip(reduced.split([p.numel() for p in pieces]), pieces)]
         shards = [torch.chunk(p, n, s.dim) for p, s in zip(pieces, steps)]
         rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
@@ -328,7 +331,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             outputs then find their moves made."""
             with fx_traceback.annotate(IN_BACKWARD):
                 reduced = rank.bucket([env[bucket_keys[i][1]][0] for i in bucket.members],
-                                      [bucket_steps[i] for i in bucket.members], bucket.step)
+                                      [bucket_steps[i] for i in bucket.members], bucket.step, bucket.then)
             for i, piece in zip(bucket.members, reduced):
                 moved[bucket_keys[i]] = piece
             for i in bucket.members:
@@ -412,11 +415,12 @@ def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[st
 def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict[str, Strategy], aliases: dict,
                       backward: set, fetched: set, plan: ShardingPlan) -> tuple[list, list[Step], list[Bucket]]:
     """The gradient moves that go into buckets, in parameter order: each move's key
-    ``(in backward, gradient, parameter's placements)`` and collective step, and the buckets
-    (:func:`~autopar.passes.buckets.gradient_buckets`, as the plan lists them). A move that an
-    op makes for itself (``fetched``, a key of the same form) is left to that op. The rewriter
-    makes each bucket's collective as soon as the backward has made all of its gradients."""
-    pending: dict[tuple[bool, ValueRef, Placements], tuple[Step, torch.dtype]] = {}
+    ``(in backward, gradient, parameter's placements)`` and first collective step, and the
+    buckets (:func:`~autopar.passes.buckets.gradient_buckets`, as the plan lists them). A move
+    that an op makes for itself (``fetched``, a key of the same form) is left to that op. The
+    rewriter makes each bucket's collectives as soon as the backward has made all of its
+    gradients."""
+    pending: dict[tuple[bool, ValueRef, Placements], tuple[tuple[Step, ...], torch.dtype]] = {}
     for param, value in gradients:
         ref = aliases.get(value.name, (value.name, 0))
         src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
@@ -424,11 +428,11 @@ def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict
         val = _value(value)
         if src == dst or key in pending or key in fetched:
             continue
-        step = bucketed_step(transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
-                                        plan.mesh, plan.links))
-        if step is not None:
-            pending[key] = step, val.dtype
-    return list(pending), [step for step, _ in pending.values()], gradient_buckets(list(pending.values()), plan.bucket_bytes)
+        chain = bucketed_steps(transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
+                                          plan.mesh, plan.links))
+        if chain is not None:
+            pending[key] = chain, val.dtype
+    return list(pending), [chain[0] for chain, _ in pending.values()], gradient_buckets(list(pending.values()), plan.bucket_bytes)
 
 
 _GRAPH_COLLECTIVES = {

@@ -25,9 +25,10 @@ variables per tensor to the distinct layouts instead of the strategies.
 
 Gradient buckets (:mod:`autopar.passes.buckets`). A parameter's node reads the parameter's
 gradient, which moves into the parameter's placements once made; a move that is one
-all-reduce or reduce-scatter joins a bucket, and a bucket pays one collective latency α for all
-its gradients. Such a move's ``r_v(p, q)`` is its bandwidth term only, and the buckets of each
-group ``g`` (collective kind, mesh axis, dtype) are counted and priced α_g each::
+all-reduce or reduce-scatter, or all-reduces over several mesh axes, joins a bucket, and a
+bucket pays one collective latency α per mesh axis for all its gradients. Such a move's
+``r_v(p, q)`` is its bandwidth terms only, and the buckets of each group ``g`` (collective kinds
+and mesh axes, dtype) are counted and priced α_g each::
 
                 N_g ≥ Σ_v Σ_(p,q) s_v,p,q · t_v,p,q      (enough buckets for the bytes)
                 N_g ≥ Σ_(p,q) t_v,p,q    for every gradient v   (one as soon as a gradient joins)

@@ -56,8 +56,8 @@ def test_bucketed_gradient_move_costs_its_bandwidth_and_a_share_of_a_bucket():
     alpha, beta = FLOP_EQ_BYTE.latency_s, FLOP_EQ_BYTE.s_per_byte
     seconds, share = costs.gradient_s(ref, (P,), (R,))
     assert seconds == pytest.approx(2 * 3 / 4 * 4096 * beta)  # the ring all-reduce's bandwidth term
-    assert share == BucketShare(("all_reduce", 0, torch.float32), 0.25, pytest.approx(alpha))
-    assert costs.gradient_s(ref, (P,), (S(1),))[1].group == ("reduce_scatter", 0, torch.float32)
+    assert share == BucketShare(((("all_reduce", 0),), torch.float32), 0.25, pytest.approx(alpha))
+    assert costs.gradient_s(ref, (P,), (S(1),))[1].group == ((("reduce_scatter", 0),), torch.float32)
     assert costs.gradient_s(ref, (S(0),), (R,)) == (costs.transition_s(ref, (S(0),), (R,)), None)  # no bucket
 
 
@@ -144,16 +144,29 @@ def test_the_solver_prices_a_layers_parameters_gathered_together():
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s, rel=1e-6)
 
 
-def test_gradient_moves_of_several_steps_are_not_bucketed_and_run_as_soon_as_the_gradient_is_made(fake_world):
+def test_gradients_reduced_over_both_axes_of_a_2d_mesh_share_buckets(fake_world):
     mesh = autopar.Mesh((2, 2), ("a", "b"))
+    weight, bias = 32 * 32 * 4, 32 * 4
     pins = _data_pins(MLP(32, 32, num_layers=6), (("S(0)", "S(0)"), ("R", "R")))
+    plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=3 * (weight + bias))
+    buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
+    # (P, P) -> (R, R): each bucket of three layers is all-reduced over a, then over b
+    assert [(c.kind, c.axis, c.bytes) for c in buckets] == [("all_reduce", axis, 3 * (weight + bias)) for _ in range(2) for axis in "ab"]
+    assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
+    assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver counted 2 buckets' latencies
+
+
+def test_gradient_moves_of_other_several_steps_are_not_bucketed_and_run_as_soon_as_the_gradient_is_made(fake_world):
+    mesh = autopar.Mesh((2, 2), ("a", "b"))
+    pins = _data_pins(MLP(32, 32, num_layers=6), (("S(0)", "S(0)"), ("S(0)", "R")))
     plan, ran, graph = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2**20)
-    weights = [c for c in plan.collectives if c.phase == "backward" and c.bytes == 32 * 32 * 4]
-    assert sorted(c.axis for c in weights) == ["a"] * 6 + ["b"] * 6  # (P, P) -> (R, R): an all-reduce per axis each
-    assert not any(c.tensor.startswith("bucket") for c in weights)
+    weights = [(c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "backward" and c.tensor.startswith("t_")]
+    # (P, P) -> (S(0), R): a reduce-scatter over a, then an all-reduce of the shard over b, each
+    assert sorted(weights) == [("all_reduce", "b", 32 * 16 * 4)] * 6 + [("reduce_scatter", "a", 32 * 32 * 4)] * 6
+    assert not any(c.consumer == "gradients" for c in plan.collectives)
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     nodes = list(graph.graph.nodes)
-    reduced = [i for i, n in enumerate(nodes) if n.target == torch.ops._c10d_functional.all_reduce.default
+    reduced = [i for i, n in enumerate(nodes) if n.target == torch.ops._c10d_functional.reduce_scatter_tensor.default
                and n.args[0].meta["val"].shape == (32, 32)]
     matmuls = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
     # the last layer's weight gradient is reduced before the backward of the five layers before it

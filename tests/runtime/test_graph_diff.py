@@ -142,6 +142,8 @@ def test_pins_are_kept_in_the_plan(results):
     assert len(params) > 10 and all(fsdp_2d.placements[n] == ("S(0)", "S(0)") for n in params)  # one dim cut by both axes
     ddp_2d = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-dp"][0]["plan"])
     assert ddp_2d.inputs["idx"] == ("S(0)", "S(0)")
+    reduced = [(c.kind, c.axis) for c in ddp_2d.collectives if c.consumer == "gradients"]
+    assert set(reduced) == {("all_reduce", "dp"), ("all_reduce", "tp")}  # buckets reduced over both axes, as it ran
 
 
 @pytest.mark.slow
