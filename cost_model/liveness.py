@@ -4,8 +4,8 @@ The solver budgets memory with a sum (parameters, gradients, optimizer state, ke
 recomputed activations, the largest temporary). The program a rank runs is known exactly once a
 plan exists: this module walks its forward and backward graphs (traced on fake tensors) as the
 runtime runs them, a tensor alive from the op that makes it to the last op that reads it or
-any view of it, forward results and saved tensors until the backward is done, gradients until
-the optimizer has stepped. Storages are counted once however many views look into them; copies
+any view of it (a collective's input until the collective is waited for), forward results and
+saved tensors until the backward is done, gradients until the optimizer has stepped. Storages are counted once however many views look into them; copies
 offloaded to host memory are not device memory, nor is optimizer state stepped on the host.
 """
 
@@ -82,7 +82,10 @@ def _run(gm: fx.GraphModule) -> tuple[int, int]:
     last: dict = {}
     size: dict = {}
     for i, node in enumerate(nodes):
-        for reader in node.all_input_nodes:
+        read = node.all_input_nodes
+        if node.op == "call_function" and node.target in _ALIASES:  # a collective holds its input until waited for
+            read = [*read, *(a for r in read for a in r.all_input_nodes)]
+        for reader in read:
             for key, _ in storage.get(reader, []):
                 last[key] = i
         for key, nbytes in storage.get(node, []):

@@ -153,25 +153,42 @@ class _Rank:
     def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step, then: Sequence[Step] = ()) -> list[torch.Tensor]:
         """Move ``pieces``, whose moves start with ``steps``, with the bucket's collective
         ``step`` and the all-reduces ``then`` over further mesh axes."""
+        return self.start_bucket(pieces, steps, step, then)()
+
+    def start_bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step,
+                     then: Sequence[Step] = ()) -> Callable[[], list[torch.Tensor]]:
+        """Launch :meth:`bucket`'s collectives (waiting only between one mesh axis and the
+        next); the function returned waits for the last and unpacks the pieces."""
         n, group = self._n_group(step)
         if step.kind == "all_gather":  # each rank's pieces, concatenated: row r of the result is rank r's
             flat = torch.cat([p.reshape(-1) for p in pieces])
-            rows = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, n, group)).view(n, -1)
-            whole = []
-            for p, s, piece in zip(pieces, steps, rows.split([p.numel() for p in pieces], 1)):
-                stacked = piece.reshape(n, *p.shape).movedim(0, s.dim)  # the n pieces side by side at dim s.dim
-                whole.append(stacked.reshape(*p.shape[:s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1:]))
-            return whole
+            launched = c10d.all_gather_into_tensor(flat, n, group)
+
+            def gathered() -> list[torch.Tensor]:
+                rows = c10d.wait_tensor(launched).view(n, -1)
+                whole = []
+                for p, s, piece in zip(pieces, steps, rows.split([p.numel() for p in pieces], 1)):
+                    stacked = piece.reshape(n, *p.shape).movedim(0, s.dim)  # the n pieces side by side at dim s.dim
+                    whole.append(stacked.reshape(*p.shape[:s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1:]))
+                return whole
+            return gathered
         if step.kind == "all_reduce":
-            flat = torch.cat([p.reshape(-1) for p in pieces])
-            reduced = c10d.wait_tensor(c10d.all_reduce(flat, "sum", group))
+            launched = c10d.all_reduce(torch.cat([p.reshape(-1) for p in pieces]), "sum", group)
             for further in then:
-                reduced = c10d.wait_tensor(c10d.all_reduce(reduced, "sum", self._n_group(further)[1]))
-            return [r.view(p.shape) for r, p in zip(reduced.split([p.numel() for p in pieces]), pieces)]
+                launched = c10d.all_reduce(c10d.wait_tensor(launched), "sum", self._n_group(further)[1])
+
+            def reduced() -> list[torch.Tensor]:
+                flat = c10d.wait_tensor(launched)
+                return [r.view(p.shape) for r, p in zip(flat.split([p.numel() for p in pieces]), pieces)]
+            return reduced
         shards = [torch.chunk(p, n, s.dim) for p, s in zip(pieces, steps)]
         rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
-        mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group))
-        return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+        launched = c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group)
+
+        def scattered() -> list[torch.Tensor]:
+            mine = c10d.wait_tensor(launched)
+            return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+        return scattered
 
 
 def piece_of(whole: int, axes: Sequence[int], mesh: Mesh, coordinate: Sequence[int]) -> tuple[int, int]:
@@ -326,17 +343,28 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             with fx_traceback.annotate(RECOMPUTED):
                 run(node, again, True)
 
+        in_flight: list[tuple[Bucket, Callable]] = []  # the bucket launched last, not yet waited for
+
         def reduce(bucket: Bucket) -> None:
-            """One bucket's collective, on its gradients as this rank made them; the
-            outputs then find their moves made."""
+            """Launch one bucket's collectives on its gradients as this rank made them, after
+            waiting for the bucket launched before it, so that each runs beside the backward
+            until the next is launched."""
+            finish_reduce()
             with fx_traceback.annotate(IN_BACKWARD):
-                reduced = rank.bucket([env[bucket_keys[i][1]][0] for i in bucket.members],
-                                      [bucket_steps[i] for i in bucket.members], bucket.step, bucket.then)
-            for i, piece in zip(bucket.members, reduced):
-                moved[bucket_keys[i]] = piece
-            for i in bucket.members:
-                for j in reduced_with.get(bucket_keys[i], ()):
-                    outputs[j] = state_output(j)
+                in_flight.append((bucket, rank.start_bucket([env[bucket_keys[i][1]][0] for i in bucket.members],
+                                                            [bucket_steps[i] for i in bucket.members], bucket.step, bucket.then)))
+
+        def finish_reduce() -> None:
+            """Wait for the bucket in flight; its gradients then find their moves made."""
+            while in_flight:
+                bucket, finish = in_flight.pop()
+                with fx_traceback.annotate(IN_BACKWARD):
+                    reduced = finish()
+                for i, piece in zip(bucket.members, reduced):
+                    moved[bucket_keys[i]] = piece
+                for i in bucket.members:
+                    for j in reduced_with.get(bucket_keys[i], ()):
+                        outputs[j] = state_output(j)
 
         def state_output(i: int) -> torch.Tensor:
             """Output ``i``, a parameter's gradient or an updated buffer's new value, in that
@@ -370,6 +398,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                             reduce(buckets[b])
                     for i in made_by.get(node.name, ()):
                         outputs[i] = state_output(i)
+        finish_reduce()
         for i, (kind, value) in enumerate(zip(captured.outputs, graph.output_node().args[0])):
             if i in outputs:
                 continue

@@ -80,9 +80,16 @@ def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
     mesh = autopar.Mesh((4,), ("dp",))
     weight, bias = 32 * 32 * 4, 32 * 4
     pins = _data_pins(MLP(32, 32, num_layers=6), ("S(0)", "R"))
-    plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2 * (weight + bias))
+    plan, ran, graph = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2 * (weight + bias))
     bucket = ("all_reduce", "dp", 2 * (weight + bias))  # two layers' weights and biases
     assert ran == {bucket: 3, ("all_reduce", "dp", 4): 1}  # and the loss
+    nodes = list(graph.graph.nodes)
+    launched = [n for n in nodes if n.target == torch.ops._c10d_functional.all_reduce.default
+                and n.meta["val"].numel() * 4 == bucket[2]]
+    waited = [next(u for u in n.users if u.target == torch.ops._c10d_functional.wait_tensor.default) for n in launched]
+    between = [sum(m.target == torch.ops.aten.mm.default for m in nodes[nodes.index(a):nodes.index(w)])
+               for a, w in zip(launched, waited)]
+    assert between[0] >= 2 and between[1] >= 2 and between[2] == 0  # each runs beside the backward until the next is launched
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver counted 3 buckets' latency
     buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
