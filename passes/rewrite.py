@@ -28,10 +28,12 @@ partitioner puts them in the backward.
 The parameters a layer reads whole where they are split along one mesh axis are gathered
 together, one all-gather per layer and phase, when the layer first reads one of them
 (:func:`~autopar.passes.buckets.parameter_gathers`). Each parameter's gradient moves into the parameter's placements;
-the moves that are one all-reduce or reduce-scatter run in buckets, one collective per bucket
-(:mod:`autopar.passes.buckets`), each as soon as the backward has made all of its gradients, the
-others one by one as soon as the backward has made the gradient, so that a split parameter's
-whole gradient is not held until the step's end; the gradient of a parameter in host memory is
+the moves that are one all-reduce or reduce-scatter (or all-reduces over several mesh axes) run
+in buckets, one collective per bucket and mesh axis (:mod:`autopar.passes.buckets`), each
+launched as soon as the backward has made all of its gradients and waited for when the next
+bucket is launched (or at the backward's end), so that it runs beside the backward; the others
+move one by one as soon as the backward has made the gradient, so that a split parameter's
+whole gradient is not held until the step's end. The gradient of a parameter in host memory is
 copied there as soon as it is in its placements.
 """
 
