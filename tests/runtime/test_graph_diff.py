@@ -162,9 +162,13 @@ def test_expert_split_sends_tokens_to_their_experts_and_back_with_all_to_all(res
 @pytest.mark.slow
 def test_recomputed_layers_repeat_their_forward_collectives(results):
     plan = autopar.ShardingPlan.from_json(results["gpt-4-adamw-megatron-recompute-layers"][0]["plan"])
-    forward = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "forward")
-    again = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "recompute")
-    assert again and not again - forward  # each one made again is one the forward makes
+    forward, again = collections.Counter(), collections.Counter()  # bytes by collective kind and mesh axis
+    for c in plan.collectives:
+        if c.phase in ("forward", "recompute"):
+            (forward if c.phase == "forward" else again)[c.kind, c.axis] += c.bytes
+    # each kind made again is one the forward makes, on no more bytes (a layer's recomputation
+    # gathers the parameters it reads, a bucket that can be a part of the forward's)
+    assert again and all(nbytes <= forward[key] for key, nbytes in again.items())
     assert any(n.activation == "recompute" for n in plan.nodes)
 
 
