@@ -73,7 +73,7 @@ def bucketed_steps(steps: Sequence[Step]) -> tuple[Step, ...] | None:
 
 
 def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
-    """Pack moves, each its :func:`bucketed_steps` (or one step) and the tensor's dtype (and
+    """Pack moves, each its collectives (:func:`bucketed_steps`) and the tensor's dtype (and
     optionally a label: only moves of one label share a bucket), given in order, into buckets of
     the same collective kinds and mesh axes, dtype and label. A bucket takes the next move of
     its kind while it stays within ``bucket_bytes``; otherwise that move starts a new bucket.
@@ -81,8 +81,7 @@ def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
     buckets: list[list[int]] = []
     filling: dict[tuple, int] = {}  # (collectives, dtype, label) -> the index of its bucket being filled
     size: list[int] = []
-    chains = [move if isinstance(move, tuple) else (move,) for move, *_ in moves]
-    for i, (chain, (_, dtype, *label)) in enumerate(zip(chains, moves)):
+    for i, (chain, dtype, *label) in enumerate(moves):
         key = (tuple((s.kind, s.axis) for s in chain), dtype, *label)
         b = filling.get(key)
         if b is None or size[b] + chain[0].bytes > bucket_bytes:
@@ -91,9 +90,11 @@ def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
             size.append(0)
         buckets[b].append(i)
         size[b] += chain[0].bytes
-    return [Bucket(*(Step(s.kind, s.axis, bytes=total) for s in chains[m[0]][:1]), tuple(m),
-                   tuple(Step(s.kind, s.axis, bytes=total) for s in chains[m[0]][1:]))
-            for m, total in zip(buckets, size)]
+    found = []
+    for members, total in zip(buckets, size):
+        first, *then = (Step(s.kind, s.axis, bytes=total) for s in moves[members[0]][0])
+        found.append(Bucket(first, tuple(members), tuple(then)))
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +196,7 @@ def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recom
                 if len(steps) == 1 and steps[0].kind == "all_gather":
                     moves.append((key, steps[0], val.dtype, (phase, segment_of(paths.get(n.name, "")))))
     found = []
-    for bucket in gradient_buckets([m[1:] for m in moves], bucket_bytes):
+    for bucket in gradient_buckets([((step,), *rest) for _, step, *rest in moves], bucket_bytes):
         if len(bucket.members) > 1:
             members = [moves[i] for i in bucket.members]
             found.append(ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3]))

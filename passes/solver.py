@@ -462,13 +462,19 @@ def _gathered(gather_s: GradientCost, ref: ValueRef, readers: frozenset, count: 
     copy of a repeated layer gathers in buckets of its own."""
     phase = "backward" if any(by_name[name].phase == "backward" for name, _ in readers) else "forward"
     segment = segments.get(min(readers)[0], "")
+    priced: dict[tuple, tuple] = {}
+
+    def gathered(p, q) -> tuple:
+        if (p, q) not in priced:
+            priced[p, q] = gather_s(ref, p, q)
+        return priced[p, q]
 
     def joined(p, q, made) -> None:
-        share = gather_s(ref, p, q)[1]
+        share = gathered(p, q)[1]
         if share is not None:
             bucket_shares[(share.group, phase, segment), share.latency_s].append((count * made, count * share.fraction * made))
 
-    return (lambda r, p, q: gather_s(r, p, q)[0]), joined
+    return (lambda _, p, q: gathered(p, q)[0]), joined
 
 
 def _enough_buckets(solver, costs: dict, bucket_shares: dict) -> None:

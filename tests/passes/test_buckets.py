@@ -28,16 +28,16 @@ COMPUTE_DEAR = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, laten
 
 
 def test_gradients_are_packed_by_kind_axis_and_dtype_up_to_the_bucket_size():
-    moves = [
-        (Step("all_reduce", 0, bytes=60), torch.float32),
-        (Step("reduce_scatter", 0, 0, bytes=50), torch.float32),
-        (Step("all_reduce", 0, bytes=40), torch.float32),
-        (Step("all_reduce", 1, bytes=10), torch.float32),  # another mesh axis
-        (Step("all_reduce", 0, bytes=10), torch.bfloat16),  # another dtype
-        (Step("all_reduce", 0, bytes=10), torch.float32),  # 60 + 40 + 10 > 100: a new bucket
-        (Step("reduce_scatter", 0, 1, bytes=50), torch.float32),  # any scattered dim shares the bucket
-        (Step("all_reduce", 0, bytes=250), torch.float32),  # larger than a bucket: alone
-        (Step("all_reduce", 0, bytes=5), torch.float32),
+    moves = [  # each gradient's collectives (one here) and dtype
+        ((Step("all_reduce", 0, bytes=60),), torch.float32),
+        ((Step("reduce_scatter", 0, 0, bytes=50),), torch.float32),
+        ((Step("all_reduce", 0, bytes=40),), torch.float32),
+        ((Step("all_reduce", 1, bytes=10),), torch.float32),  # another mesh axis
+        ((Step("all_reduce", 0, bytes=10),), torch.bfloat16),  # another dtype
+        ((Step("all_reduce", 0, bytes=10),), torch.float32),  # 60 + 40 + 10 > 100: a new bucket
+        ((Step("reduce_scatter", 0, 1, bytes=50),), torch.float32),  # any scattered dim shares the bucket
+        ((Step("all_reduce", 0, bytes=250),), torch.float32),  # larger than a bucket: alone
+        ((Step("all_reduce", 0, bytes=5),), torch.float32),
     ]
     buckets = gradient_buckets(moves, 100)
     assert [b.members for b in buckets] == [(0, 2), (1, 6), (3,), (4,), (5,), (7,), (8,)]
