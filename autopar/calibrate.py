@@ -15,7 +15,7 @@ time, so the figures include the ranks' contention for cores and memory:
 
 The profile also says that it describes the host that will run the plan, so that plans made
 with it time each op on this host (:mod:`autopar.cost_model.op_timing`) instead of using the
-roofline. Two more figures serve those timings:
+roofline. More figures serve those timings:
 
 - the node overhead: rank 0 alone runs the joint training graph of a calibration block (layer
   norm, two linears with a tanh GELU, a softmax and a sum; no model of the zoo) and compares
@@ -24,7 +24,12 @@ roofline. Two more figures serve those timings:
   than while every rank runs them (ranks sharing cores),
 - the step overhead: rank 0 alone runs stacks of 1 to 16 linear layers through autopar's
   autograd step and compares each with its forward and backward programs run directly; a line
-  through them gives a fixed time per step and a time per parameter.
+  through them gives a fixed time per step and a time per parameter,
+- the step scale: every rank trains a calibration model of four residual blocks (no model of
+  the zoo) in data-parallel, fully sharded and tensor-parallel layouts, planned with the
+  figures above; the median of its measured forward and backward times over the predicted
+  ones. A step runs longer than its ops and collectives measured alone: ranks drift apart
+  between collectives and a rank waiting in one sleeps and must be woken.
 
 Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
@@ -32,6 +37,7 @@ Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -126,17 +132,19 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
     contention = _contention()
     node_overhead, program = _node_overhead()
     step_overhead, param_overhead, steps = _step_overhead()
-    profile = HardwareProfile(
+    alone = HardwareProfile(
         name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=peak_flops,
         memory_bytes_per_s=bandwidth, efficiency=efficiency, memory_bytes=memory, devices_per_host=world,
         intra_host=link, inter_host=link, op_overhead_s=overhead, timed_ops=True,
         node_overhead_s=node_overhead, step_overhead_s=step_overhead, param_overhead_s=param_overhead,
         contention=contention,
     )
+    step_scale, step_points = _step_scale(alone, world)
+    profile = dataclasses.replace(alone, step_scale=step_scale)
     return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
                      "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw,
                      "contention": contention, "node_overhead_s": node_overhead, "calibration_program": program,
-                     "step_overhead_points": steps}
+                     "step_overhead_points": steps, "step_scale_points": step_points}
 
 
 def _contention() -> float:
@@ -167,19 +175,70 @@ def _contention() -> float:
     return max(1.0, float(ratio))
 
 
-class _CalibrationBlock(torch.nn.Module):
-    """A small training graph for the node overhead, unlike the example models."""
+class _CalibrationModel(torch.nn.Module):
+    """Residual blocks (a layer norm, two linears with a tanh GELU), each run ``repeats`` times,
+    then a softmax and a sum: a small training graph unlike the example models."""
 
-    def __init__(self, dim: int = 64):
+    def __init__(self, dim: int = 64, layers: int = 1, repeats: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(dim) for _ in range(layers))
+        self.repeats = repeats
+
+    def forward(self, x):
+        for block in self.blocks:
+            for _ in range(self.repeats):
+                x = x + block(x)
+        return torch.softmax(x, -1).square().sum()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int):
         super().__init__()
         self.norm = torch.nn.LayerNorm(dim)
         self.up = torch.nn.Linear(dim, 4 * dim)
         self.down = torch.nn.Linear(4 * dim, dim)
 
     def forward(self, x):
-        for _ in range(3):
-            x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)), approximate="tanh"))
-        return torch.softmax(x, -1).square().sum()
+        return self.down(torch.nn.functional.gelu(self.up(self.norm(x)), approximate="tanh"))
+
+
+_STEP_LAYERS = 4
+_STEP_LAYOUTS = {
+    "data parallel": lambda name: "S(0)" if name == "x" else "R",
+    "fully sharded": lambda name: "S(0)",
+    "tensor parallel": lambda name: ("S(0)" if name.endswith(("up.weight", "up.bias")) else
+                                     "S(1)" if name.endswith("down.weight") else "R"),
+}
+
+
+def _step_scale(profile: HardwareProfile, world: int) -> tuple[float, dict]:
+    """How many times longer the forward and backward of a training step run than ``profile``
+    predicts: the median over a calibration model (four residual blocks, unlike the example
+    models) planned in data-parallel, fully sharded and tensor-parallel layouts over every rank,
+    each the median of 20 steps on rank 0 (broadcast to every rank)."""
+    import torch.distributed as dist
+
+    import autopar
+
+    mesh = autopar.Mesh((world,), ("ranks",))
+    points = {}
+    for layout, pin in _STEP_LAYOUTS.items():
+        torch.manual_seed(0)
+        model, x = _CalibrationModel(128, _STEP_LAYERS, 1), torch.randn(512, 128)
+        pins = {name: pin(name) for name in ["x", *(k for k, _ in model.named_parameters())]}
+        pmodel = autopar.compile(model, mesh, (x,), hardware=profile, pins=pins)
+        local = pmodel.rank_part("x", x) if pmodel.passes_own_part("x") else x
+
+        def step():
+            for p in pmodel.parameters():
+                p.grad = None
+            pmodel(local).backward()
+
+        measured = _median_s(step, 20, 3)
+        points[layout] = (pmodel.plan.predicted_step_s, measured)
+    ratio = torch.tensor([statistics.median(m / p for p, m in points.values())], dtype=torch.float64)
+    dist.broadcast(ratio, 0)
+    return float(ratio), points
 
 
 def _node_overhead() -> tuple[float, dict]:
@@ -198,7 +257,7 @@ def _node_overhead() -> tuple[float, dict]:
     dist.barrier()
     if dist.get_rank() == 0:
         torch.manual_seed(0)
-        model, x = _CalibrationBlock(), torch.randn(256, 64)
+        model, x = _CalibrationModel(), torch.randn(256, 64)
         captured = capture(model, (x,))
         state = dict(model.named_parameters())
         args = [state[k.name] if k.kind == "param" else x if k.kind == "input" else torch.ones(())
@@ -328,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
                   f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
                   f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
-                  f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one")
+                  f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one; a "
+                  f"training step runs {profile.step_scale:.2f}x longer than these figures add up to")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
             print(f"wrote {args.out}; plan with hardware={args.out!r}")

@@ -1,7 +1,8 @@
 """Does the cost model predict this machine? Predicted against measured step time and memory.
 
-Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, unless this host's
-profiles are already in ``benchmarks/results/``), then on those ranks plans every example model with the calibrated profile, under
+Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, into
+``benchmarks/results/``) just before measuring on them, since this host's speed drifts within
+the hour; then on those ranks plans every example model with the calibrated profile, under
 autopar's own plan and hand-written layouts (pins), and measures:
 
 - the step time the plan models: forward and backward of the per-rank program (the median of
@@ -13,7 +14,7 @@ autopar's own plan and hand-written layouts (pins), and measures:
 Prints one row per model, plan and rank count, and per model whether the predicted order of the
 plans matches the measured one. Writes ``benchmarks/results/fidelity.json``.
 
-    python -m benchmarks.fidelity [--ranks 2,4] [--steps 4] [--recalibrate]
+    python -m benchmarks.fidelity [--ranks 2,4] [--steps 4]
 """
 
 import argparse
@@ -112,13 +113,6 @@ def worker(profile: str, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _measured_here(profile: Path) -> bool:
-    """Whether ``profile`` exists and was calibrated on this host."""
-    from autopar.cost_model.hardware import load_profile
-
-    return profile.exists() and f"-{os.uname().nodename}-" in load_profile(profile).name
-
-
 def _order_matches(rows: list[dict], margin: float = 0.05) -> bool:
     """Whether every two plans whose predicted times differ by more than ``margin`` are
     measured in the same order (plans predicted alike, such as autopar choosing the DDP layout,
@@ -134,7 +128,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round")
-    parser.add_argument("--recalibrate", action="store_true", help="measure the profiles again")
     parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -142,27 +135,31 @@ def main() -> None:
 
     from autopar.runtime.launch import torchrun
 
-    rows = []
+    from autopar.cost_model.hardware import load_profile
+
+    rows, scales = [], {}
     for world in (int(n) for n in args.ranks.split(",")):
         profile = RESULTS.parent / f"cpu-profile-{world}-ranks.json"
-        if args.recalibrate or not _measured_here(profile):
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", str(world), "--out", str(profile)],
-                           check=True)
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", str(world), "--out", str(profile)],
+                       check=True)
+        scales[world] = load_profile(profile).step_scale
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             if torchrun(world, ["-m", "benchmarks.fidelity", "--steps", str(args.steps), "--worker", str(profile), out]):
                 raise SystemExit(f"the benchmark failed on {world} ranks")
-            rows += json.loads(Path(out).read_text())
-    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'quartiles ms':>13} {'error':>7} "
+            rows += [{**r, "step_scale": scales[world]} for r in json.loads(Path(out).read_text())]
+    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'quartiles ms':>13} {'error':>7} {'unscaled':>8} "
               f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
-    print(f"\nforward+backward step time (median of {ROUNDS} rounds of {args.steps} steps, with its quartiles) and peak "
+    print("\n" + "; ".join(f"{world} ranks: a step runs {scale:.2f}x its ops and collectives timed alone (the profile's step scale)"
+                           for world, scale in scales.items()))
+    print(f"forward+backward step time (median of {ROUNDS} rounds of {args.steps} steps, with its quartiles) and peak "
           f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
         r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
         r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
         print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} "
-              f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
+              f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['predicted_s'] / r['step_scale'] / r['measured_s'] - 1:>+8.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
               f"{r['memory_error']:>+7.0%}")
     orders = {}
     for r in rows:
@@ -172,8 +169,9 @@ def main() -> None:
         print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if _order_matches(group) else 'DIFFERS FROM'} the measured one "
               f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)")
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
-    print(f"\n{within} of {len(rows)} step-time predictions within ±30%")
-    write_results(RESULTS, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows,
+    unscaled = sum(abs(r["predicted_s"] / r["step_scale"] / r["measured_s"] - 1) <= 0.3 for r in rows)
+    print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({unscaled} without the step scale)")
+    write_results(RESULTS, step_scales=scales, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows,
                   order_matches={f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()})
 
 

@@ -7,7 +7,7 @@ import torch
 
 from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
-from autopar.cost_model.op_timing import OpTimer
+from autopar.cost_model.op_timing import OpTimer, cache_bytes
 from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, bucketed_steps, piece_s
 from autopar.passes.capture import Captured
@@ -28,7 +28,8 @@ class CostModel:
         self.links = mesh_links(hardware, mesh)
         self.bucket_bytes = bucket_bytes
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
-        self.timer = OpTimer(mesh) if getattr(hardware, "timed_ops", False) else None
+        self.timer = OpTimer(mesh, cold=_overflows_cache(captured, mesh)) if getattr(hardware, "timed_ops", False) else None
+        self.scale = getattr(hardware, "step_scale", 1.0)
 
     def value(self, ref: ValueRef) -> torch.Tensor:
         val = self.graph_nodes[ref[0]].meta["val"]
@@ -37,7 +38,7 @@ class CostModel:
     def compute_costs(self, space: StrategySpace) -> dict[str, list[float]]:
         """Node → compute seconds under each of its strategies: timed on this host when the
         profile says it is the host that runs (:mod:`~autopar.cost_model.op_timing`), else
-        the roofline."""
+        the roofline; scaled by the profile's ``step_scale``."""
         costs = {}
         for n in space.nodes:
             if n.kind != "op":
@@ -45,7 +46,8 @@ class CostModel:
                 continue
             node = self.graph_nodes[n.name]
             work = node_work(node)
-            costs[n.name] = [self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware) for s in n.strategies]
+            costs[n.name] = [self.scale * (self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware))
+                             for s in n.strategies]
         return costs
 
     def host(self) -> Host | None:
@@ -58,7 +60,8 @@ class CostModel:
         """The profile's time per step around the per-rank program, for ``num_params``
         parameters (the same under every plan, so the solver leaves it out)."""
         fixed = getattr(self.hardware, "step_overhead_s", 0.0)
-        return (fixed + num_params * getattr(self.hardware, "param_overhead_s", 0.0)) * getattr(self.hardware, "contention", 1.0)
+        per_param = getattr(self.hardware, "param_overhead_s", 0.0)
+        return (fixed + num_params * per_param) * getattr(self.hardware, "contention", 1.0) * self.scale
 
     def _timed(self, node, strategy: Strategy) -> float | None:
         if self.timer is None:
@@ -131,6 +134,14 @@ class CostModel:
     def local_bytes(self, ref: ValueRef, placements: Placements) -> int:
         value = self.value(ref)
         return math.prod(local_shape(tuple(value.shape), placements, self.mesh)) * value.element_size()
+
+
+def _overflows_cache(captured: Captured, mesh: Mesh) -> bool:
+    """Whether the model's parameters and their gradients, whole, take more than a rank's share
+    of this host's last-level cache (its ranks sharing it), so that a step reads them from
+    memory (:class:`~autopar.cost_model.op_timing.OpTimer` then times large ops cold)."""
+    params = sum(n.meta["val"].nbytes for n, kind in zip(captured.placeholders, captured.inputs) if kind.kind == "param")
+    return 2 * params * mesh.size > cache_bytes()[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,12 @@ class Link:
         return cls(data["latency_s"], data["s_per_byte"], tuple(tuple(k) for k in data["per_kind"]),
                    data.get("local_op_s", 0.0), data.get("local_s_per_byte", 0.0))
 
+    def scaled(self, factor: float) -> "Link":
+        """This link with every time ``factor`` times longer."""
+        return Link(self.latency_s * factor, self.s_per_byte * factor,
+                    tuple((kind, alpha * factor, beta * factor) for kind, alpha, beta in self.per_kind),
+                    self.local_op_s * factor, self.local_s_per_byte * factor)
+
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         for name, alpha, beta in self.per_kind:
             if name == kind:
@@ -108,6 +114,12 @@ class HardwareProfile:
     """How many times slower an op runs while every rank of the host computes than while one
     does (ranks sharing cores or memory bandwidth); multiplies the timed ops, which are timed
     on one rank."""
+    step_scale: float = 1.0
+    """How many times longer a training step runs than the sum of its ops, collectives and
+    step overhead measured alone (ranks drifting apart between collectives, a rank woken from
+    its wait, caches shared with the other ranks); ``autopar calibrate`` measures it on a
+    calibration model's steps. Multiplies every op, collective and step overhead the cost model
+    prices, not copies to the host."""
     host_link: Link | None = None
     """The copy link between a device and its host's memory (PCIe), for offloading activations
     and optimizer state; ``None`` where the device computes in host memory (a CPU), so that
@@ -229,12 +241,14 @@ def resolve_profile(hardware: "str | os.PathLike | Profile") -> Profile:
 def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
     """The α-β link of each axis of ``mesh``, with the cost of the local ops around its
     collectives on this device: an op's fixed time (and a program node's, for a profile that
-    times ops), and the time per byte of a copy, both under the ranks' contention."""
+    times ops), and the time per byte of a copy, both under the ranks' contention; every time
+    scaled by the profile's ``step_scale``."""
     fixed = hardware.compute_s(0, 0)
     contention = getattr(hardware, "contention", 1.0)
     op_s = (fixed + getattr(hardware, "node_overhead_s", 0.0)) * contention
     per_byte = (hardware.compute_s(0, 2 * 2**20) - fixed) / 2**20 * contention  # each byte read and written
-    return tuple(dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte)
+    scale = getattr(hardware, "step_scale", 1.0)
+    return tuple(dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte).scaled(scale)
                  for axis in range(mesh.ndim))
 
 

@@ -9,14 +9,23 @@ on tensors of those shapes, the way the per-rank program runs it
 (:func:`autopar.passes.rewrite.local_call`), and the median per call is kept. Integer and
 boolean arguments are zeros (a valid index everywhere), floating ones uniform in [0, 1).
 
+For a model whose parameters and gradients do not fit in a rank's share of the last-level cache
+(``cold=True``), an op whose arguments and outputs do not fit in a core's L2 cache is timed
+cold: the calls cycle through copies of its arguments that together exceed the last-level
+cache, so that each call reads them from memory, as in a training step of such a model, where
+the weights and activations an op reads were last touched many ops before (a 4 MiB weight read
+hot runs about twice as fast here). A smaller model's step stays in the cache.
+
 Ops whose pieces would take more than ``TIMED_BYTES_LIMIT`` keep the roofline estimate, as do
 ops that do not run on such inputs (the error is logged at debug level).
 """
 
+import functools
 import logging
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -34,6 +43,25 @@ TIMED_BYTES_LIMIT = 256 * 2**20
 """Largest total size of an op's local arguments that is timed."""
 _BATCH_S = 2e-4
 """Each timing covers enough calls to last about this long."""
+_MAX_COPIES = 64
+"""Most copies of an op's arguments that a cold timing cycles through."""
+
+
+@functools.cache
+def cache_bytes() -> tuple[int, int]:
+    """``(a core's L2 cache, the last-level cache)`` in bytes, as Linux's sysfs gives them
+    for the first CPU (1 MiB and 32 MiB where it gives none)."""
+    sizes = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        sizes[level] = int(size.rstrip("KMG")) * unit
+    return sizes.get(2, 2**20), sizes[max(sizes)] if sizes else 32 * 2**20
 
 
 class _Alone:
@@ -47,12 +75,17 @@ class _Alone:
 
 
 class OpTimer:
-    """Times ops under strategies on this host, each distinct call once."""
+    """Times ops under strategies on this host, each distinct call once per process (plans
+    made one after another price an op alike); ``cold``, ops that overflow L2 read their
+    arguments from memory."""
 
-    def __init__(self, mesh: Mesh, repeats: int = 3):
+    times: dict[tuple, float | None] = {}
+    """Seconds per distinct call, shared by every timer of the process."""
+
+    def __init__(self, mesh: Mesh, repeats: int = 3, *, cold: bool = False):
         self.mesh = mesh
         self.repeats = repeats
-        self.times: dict[tuple, float | None] = {}
+        self.cold = cold
 
     def node_s(self, node: fx.Node, strategy: Strategy) -> float | None:
         """Seconds per call of ``node`` under ``strategy`` on one rank, or ``None`` where it is
@@ -63,33 +96,50 @@ class OpTimer:
         if sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)) > TIMED_BYTES_LIMIT:
             return None
         others = repr([a for a in tree_flatten((node.args, node.kwargs))[0] if not isinstance(a, fx.Node)])
-        key = (node.target, tuple(shapes), tuple(dtypes), others, strategy.outputs)
+        wholes = tuple(tuple(a.meta["val"].shape) for a in args)
+        key = (node.target, wholes, tuple(shapes), tuple(dtypes), others, strategy, self.mesh, self.cold)
         if key not in self.times:
             self.times[key] = self._time(node, strategy, shapes, dtypes)
         return self.times[key]
 
     def _time(self, node: fx.Node, strategy: Strategy, shapes, dtypes) -> float | None:
         local = [_like(a.meta["val"], s) for a, s in zip(tensor_args(node), shapes)]
+        first = (0,) * self.mesh.ndim
+
+        def call_on(args):
+            return local_call(node, args, strategy, self.mesh,
+                              lambda axes, whole: _Alone(*piece_of(whole, axes, self.mesh, first)))
 
         try:
             with torch.no_grad():
-                first = (0,) * self.mesh.ndim
-                call = local_call(node, local, strategy, self.mesh,
-                                  lambda axes, whole: _Alone(*piece_of(whole, axes, self.mesh, first)))
+                call = call_on(local)
                 started = time.perf_counter()
-                call()
+                outputs = call()
                 once = max(time.perf_counter() - started, 1e-7)
-                calls = max(1, min(100, int(_BATCH_S / once)))
+                copies = self._copies(local, outputs) if self.cold else 1
+                calls = [call, *(call_on([t.clone() for t in local]) for _ in range(copies - 1))]
+                batch = max(1, min(100, int(_BATCH_S / once)))
                 samples = []
                 for _ in range(self.repeats):
                     started = time.perf_counter()
-                    for _ in range(calls):
-                        call()
-                    samples.append((time.perf_counter() - started) / calls)
+                    for i in range(batch):
+                        calls[i % len(calls)]()
+                    samples.append((time.perf_counter() - started) / batch)
         except Exception as exc:  # an op that does not run on synthetic inputs keeps its roofline cost
             log.debug("could not time %s on %s: %s", node.target, shapes, exc)
             return None
         return statistics.median(samples)
+
+    @staticmethod
+    def _copies(args: list[torch.Tensor], outputs) -> int:
+        """How many copies of ``args`` a timing cycles through: one for an op whose arguments
+        and outputs fit in L2, else enough to exceed the last-level cache."""
+        l2, last_level = cache_bytes()
+        inputs = sum(t.nbytes for t in args)
+        made = sum(t.nbytes for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor))
+        if inputs == 0 or inputs + made <= l2:
+            return 1
+        return min(_MAX_COPIES, math.ceil(last_level / inputs) + 1)
 
 
 def _like(whole: torch.Tensor, shape) -> torch.Tensor:

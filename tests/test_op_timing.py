@@ -20,14 +20,16 @@ def _mm():
     return captured, next(n for n in captured.graph.graph.nodes if n.op == "call_function" and "addmm" in str(n.target))
 
 
-def test_an_op_split_four_ways_is_timed_faster_than_whole_and_each_call_is_timed_once():
+def test_an_op_split_four_ways_is_timed_faster_than_whole_and_each_call_is_timed_once_per_process():
     _, addmm = _mm()  # addmm(bias [2048], x [256, 512], weight.t() [512, 2048])
     timer = OpTimer(Mesh((4,), ("x",)))
+    timer.times.clear()
     whole = timer.node_s(addmm, Strategy(((R,),), ((R,), (R,), (R,))))
     rows = timer.node_s(addmm, Strategy(((S(0),),), ((R,), (S(0),), (R,))))
     assert whole is not None and rows is not None and rows < whole
     assert len(timer.times) == 2
     timer.node_s(addmm, Strategy(((S(0),),), ((R,), (S(0),), (R,))))
+    assert OpTimer(Mesh((4,), ("x",))).node_s(addmm, Strategy(((R,),), ((R,), (R,), (R,)))) == whole
     assert len(timer.times) == 2
 
 
@@ -52,3 +54,21 @@ def test_ops_too_big_to_time_keep_the_roofline(monkeypatch):
     _, addmm = _mm()
     monkeypatch.setattr(op_timing, "TIMED_BYTES_LIMIT", 1024)
     assert OpTimer(Mesh((4,), ("x",))).node_s(addmm, Strategy(((R,),), ((R,), (R,), (R,)))) is None
+
+
+def test_ops_that_overflow_l2_are_timed_on_copies_that_overflow_the_last_level_cache(monkeypatch):
+    from autopar.cost_model import estimate, op_timing
+
+    l2, last_level = op_timing.cache_bytes()
+    assert 0 < l2 <= last_level
+    monkeypatch.setattr(op_timing, "cache_bytes", lambda: (2**20, 8 * 2**20))
+    weight, rows = torch.empty(1024, 1024), torch.empty(8, 1024)  # 4 MiB and 32 KiB
+    assert OpTimer._copies([rows, weight], torch.empty(8, 1024)) == 3  # 3 x 4 MiB > 8 MiB
+    assert OpTimer._copies([rows, rows], torch.empty(8, 8)) == 1
+    assert OpTimer._copies([rows], torch.empty(1024, 1024)) == op_timing._MAX_COPIES  # a 4 MiB output of small arguments
+    monkeypatch.setattr(estimate, "cache_bytes", lambda: (2**20, 8 * 2**20))
+    small = capture(MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16)))
+    large = capture(MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256)))  # 8 MiB of parameters
+    timed = dataclasses.replace(CPU, timed_ops=True)
+    assert not CostModel(small, Mesh((4,), ("x",)), timed).timer.cold
+    assert CostModel(large, Mesh((2,), ("x",)), timed).timer.cold

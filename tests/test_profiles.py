@@ -64,3 +64,21 @@ def test_the_step_overhead_per_step_and_parameter_is_part_of_the_predicted_step(
     from autopar.explain import plan_table
 
     assert "step overhead" in plan_table(charged) and "step overhead" not in plan_table(plain)
+
+
+def test_the_step_scale_lengthens_every_price_and_keeps_the_plan():
+    import dataclasses
+
+    import torch
+
+    from autopar.examples.mlp import MLP
+
+    model, inputs = MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16))
+    host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4)
+    plain = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=host, pins={"x": "S(0)"})
+    scaled = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=dataclasses.replace(host, step_scale=1.5),
+                          pins={"x": "S(0)"})
+    assert plain.collectives and scaled.placements == plain.placements
+    for part in ("compute_s", "communication_s", "overhead_s", "predicted_step_s"):
+        assert getattr(scaled, part) == pytest.approx(1.5 * getattr(plain, part)), part
+    assert [c.time_s for c in scaled.collectives] == pytest.approx([1.5 * c.time_s for c in plain.collectives])
