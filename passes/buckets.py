@@ -110,7 +110,7 @@ class BucketShare:
 
 
 _BUCKET_OPS = {"all_reduce": (2, 2), "reduce_scatter": (3, 4), "all_gather": (3, 4)}
-"""Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.rewrite._Rank.bucket`),
+"""Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.rank_ops.Rank.bucket`),
 per bucket and per tensor in it: an all-reduce flattens each tensor, concatenates them, splits
 the result and views each piece back; a reduce-scatter also chunks and stacks each gradient
 into rows; an all-gather also views the result as rows and moves each piece's rows into its

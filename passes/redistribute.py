@@ -144,7 +144,7 @@ def bandwidth_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
 
 def local_work(step: Step) -> tuple[int, int]:
     """``(ops, bytes copied)`` of the local ops the per-rank program
-    (:class:`autopar.passes.rewrite._Rank`) runs around a collective step on one tensor: an
+    (:class:`autopar.passes.rank_ops.Rank`) runs around a collective step on one tensor: an
     all-gather or reduce-scatter along a dim other than 0 splits the tensor into chunks and
     concatenates them along dim 0 or back (one copy); an all-to-all does that before and
     after."""

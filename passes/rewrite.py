@@ -46,26 +46,18 @@ import torch.fx.traceback as fx_traceback
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.cost_model.hardware import Link
 from autopar.errors import RewriteError
-from autopar.mesh import Mesh
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
 from autopar.passes.buckets import Bucket, bucketed_steps, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, backward_nodes, backward_segment_starts, module_paths, segment_of
+from autopar.passes.rank_ops import Rank, local_call
 from autopar.passes.redistribute import Step, local_shape, transition
-from autopar.passes.rules import Split, shape_arg, split_op, tensor_args
+from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 from autopar.runtime.offload import offload, reload, reload_wait
 
-aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
-
-# a local piece may arrive with other strides than the whole tensor had (after a collective or
-# a slice), so views become reshapes, which copy only when the strides require it
-_AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 IN_BACKWARD = {"autopar": "backward"}
 """The ``node.meta["custom"]`` of per-rank nodes that move or recompute forward values for the
@@ -101,120 +93,6 @@ def placeholder_layouts(captured: Captured, plan: ShardingPlan) -> list[Placemen
     return [strategies[n.name].outputs[0] for n in captured.placeholders]
 
 
-class _Rank:
-    """Emits the local ops and collectives of one rank while ``make_fx`` traces."""
-
-    def __init__(self, mesh: Mesh, links: tuple[Link, ...], coordinate: Sequence[int], group_names: Sequence[str]):
-        self.mesh = mesh
-        self.links = links
-        self.coordinate = coordinate
-        self.group_names = group_names
-
-    def move(self, t: torch.Tensor, src: Placements, dst: Placements, shape: tuple[int, ...]) -> torch.Tensor:
-        for step in transition(src, dst, shape, t.element_size(), t.dtype.is_floating_point, self.mesh, self.links):
-            t = getattr(self, step.kind)(t, step)
-        return t
-
-    def _n_group(self, step: Step) -> tuple[int, str]:
-        return self.mesh.shape[step.axis], self.group_names[step.axis]
-
-    def all_reduce(self, t, step):
-        _, group = self._n_group(step)
-        return c10d.wait_tensor(c10d.all_reduce(t.contiguous(), "sum", group))
-
-    def all_gather(self, t, step):
-        n, group = self._n_group(step)
-        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(t.contiguous(), n, group))
-        return gathered if step.dim == 0 else torch.cat(torch.chunk(gathered, n, 0), step.dim)
-
-    def reduce_scatter(self, t, step):
-        n, group = self._n_group(step)
-        if step.dim != 0:
-            t = torch.cat(torch.chunk(t, n, step.dim), 0)
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(t.contiguous(), "sum", n, group))
-
-    def all_to_all(self, t, step):
-        n, group = self._n_group(step)
-        send = torch.cat(torch.chunk(t, n, step.to_dim), 0).contiguous()
-        splits = [send.shape[0] // n] * n
-        received = c10d.wait_tensor(c10d.all_to_all_single(send, splits, splits, group))
-        return torch.cat(torch.chunk(received, n, 0), step.dim)
-
-    def slice(self, t, step):
-        n = self.mesh.shape[step.axis]
-        size = t.shape[step.dim] // n
-        return t.narrow(step.dim, self.coordinate[step.axis] * size, size).contiguous()
-
-    def zero(self, t, step):
-        return t if self.coordinate[step.axis] == 0 else torch.zeros_like(t)
-
-    def split(self, axes: tuple[int, ...], whole: int) -> "_Split":
-        """The rank's piece of a dim of length ``whole`` split by mesh ``axes`` (outer first)."""
-        return _Split(*piece_of(whole, axes, self.mesh, self.coordinate), [self.group_names[a] for a in axes])
-
-    def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step, then: Sequence[Step] = ()) -> list[torch.Tensor]:
-        """Move ``pieces``, whose moves start with ``steps``, with the bucket's collective
-        ``step`` and the all-reduces ``then`` over further mesh axes."""
-        return self.start_bucket(pieces, steps, step, then)()
-
-    def start_bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step,
-                     then: Sequence[Step] = ()) -> Callable[[], list[torch.Tensor]]:
-        """Launch :meth:`bucket`'s collectives (waiting only between one mesh axis and the
-        next); the function returned waits for the last and unpacks the pieces."""
-        n, group = self._n_group(step)
-        if step.kind == "all_gather":  # each rank's pieces, concatenated: row r of the result is rank r's
-            flat = torch.cat([p.reshape(-1) for p in pieces])
-            launched = c10d.all_gather_into_tensor(flat, n, group)
-
-            def gathered() -> list[torch.Tensor]:
-                rows = c10d.wait_tensor(launched).view(n, -1)
-                whole = []
-                for p, s, piece in zip(pieces, steps, rows.split([p.numel() for p in pieces], 1)):
-                    stacked = piece.reshape(n, *p.shape).movedim(0, s.dim)  # the n pieces side by side at dim s.dim
-                    whole.append(stacked.reshape(*p.shape[:s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1:]))
-                return whole
-            return gathered
-        if step.kind == "all_reduce":
-            launched = c10d.all_reduce(torch.cat([p.reshape(-1) for p in pieces]), "sum", group)
-            for further in then:
-                launched = c10d.all_reduce(c10d.wait_tensor(launched), "sum", self._n_group(further)[1])
-
-            def reduced() -> list[torch.Tensor]:
-                flat = c10d.wait_tensor(launched)
-                return [r.view(p.shape) for r, p in zip(flat.split([p.numel() for p in pieces]), pieces)]
-            return reduced
-        shards = [torch.chunk(p, n, s.dim) for p, s in zip(pieces, steps)]
-        rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
-        launched = c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group)
-
-        def scattered() -> list[torch.Tensor]:
-            mine = c10d.wait_tensor(launched)
-            return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
-        return scattered
-
-
-def piece_of(whole: int, axes: Sequence[int], mesh: Mesh, coordinate: Sequence[int]) -> tuple[int, int]:
-    """``(offset, size)`` of the piece of a dim of length ``whole`` that the rank at
-    ``coordinate`` holds when mesh ``axes`` split it, outer first."""
-    size, offset = whole, 0
-    for axis in axes:
-        size //= mesh.shape[axis]
-        offset += coordinate[axis] * size
-    return offset, size
-
-
-class _Split:
-    """A :class:`~autopar.passes.rules.Split` on one rank."""
-
-    def __init__(self, offset: int, size: int, groups: list[str]):
-        self.offset, self.size, self.groups = offset, size, groups
-
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        for group in self.groups:
-            t = c10d.wait_tensor(c10d.all_reduce(t.contiguous(), op, group))
-        return t
-
-
 def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int],
             group_names: Sequence[str]) -> fx.GraphModule:
     """The per-rank joint graph of the rank at ``coordinate``.
@@ -227,7 +105,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     strategies = plan_strategies(captured, plan)
     graph = captured.graph.graph
     aliases = getitem_aliases(graph)
-    rank = _Rank(mesh, plan.links, coordinate, group_names)
+    rank = Rank(mesh, plan.links, coordinate, group_names)
     layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
     nodes = {n.name: n for n in graph.nodes}
     recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
@@ -317,7 +195,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                         pieces = rank.bucket([env[k[1]][0] for k in gather.keys], list(gather.steps), gather.bucket.step)
                         moved.update(zip(gather.keys, pieces))
                     else:
-                        moved[key] = rank.move(t, src, dst, tuple(_value(arg).shape))
+                        moved[key] = rank.move(t, src, dst, tuple(arg.meta["val"].shape))
             return moved[key]
 
         def start_reload(ref: ValueRef) -> None:
@@ -456,7 +334,7 @@ def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict
         ref = aliases.get(value.name, (value.name, 0))
         src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
         key = (value in backward, ref, dst)
-        val = _value(value)
+        val = value.meta["val"]
         if src == dst or key in pending or key in fetched:
             continue
         chain = bucketed_steps(transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
@@ -464,75 +342,3 @@ def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict
         if chain is not None:
             pending[key] = chain, val.dtype
     return list(pending), [chain[0] for chain, _ in pending.values()], gradient_buckets(list(pending.values()), plan.bucket_bytes)
-
-
-_GRAPH_COLLECTIVES = {
-    c10d.all_reduce.default: ("all_reduce", "in"),
-    c10d.all_gather_into_tensor.default: ("all_gather", "out"),
-    c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
-    c10d.all_to_all_single.default: ("all_to_all", "in"),
-}
-
-
-def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tuple[str, int, int]]:
-    """``(kind, mesh axis, bytes per rank)`` of every collective in a per-rank graph, read from
-    the graph itself, with bytes counted as :class:`~autopar.passes.redistribute.Step` does."""
-    axis_of = {name: axis for axis, name in enumerate(group_names)}
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _GRAPH_COLLECTIVES:
-            kind, side = _GRAPH_COLLECTIVES[node.target]
-            value = node.meta["val"] if side == "out" else node.args[0].meta["val"]
-            found.append((kind, axis_of[node.args[-1]], value.numel() * value.element_size()))
-    return found
-
-
-def _value(node: fx.Node) -> torch.Tensor:
-    return node.meta["val"]
-
-
-def local_call(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh,
-               split_of: Callable[[tuple[int, ...], int], Split]) -> Callable[[], object]:
-    """A function computing ``node``'s outputs on one rank from its local arguments (in
-    :func:`~autopar.passes.rules.tensor_args` order) under ``strategy``. An op whose strategy
-    splits a dim it reduces or indexes runs as its :class:`~autopar.passes.rules.SplitOp` says,
-    with ``split_of(axes, whole length)``; any other op runs as itself on local shapes."""
-    args, kwargs = local_call_args(node, local_args, strategy, mesh)
-    split = split_op(node.target)
-    axes = split.axes(node, strategy) if split is not None else ()
-    if axes:
-        piece = split_of(axes, split.value(node).shape[split.dim(node)])
-        return lambda: split.run(node, args, kwargs, piece)
-    target, args = _local_op(node, args)
-    return lambda: target(*args, **kwargs)
-
-
-def _local_op(node: fx.Node, args: list):
-    """The op and arguments a rank runs for ``node``: views as reshapes, and a squeeze of every
-    size-1 dim as a squeeze of the dims of size 1 in the whole tensor (a split dim's piece may
-    have size 1 on a rank)."""
-    if node.target is aten.squeeze.default:
-        whole = _value(node.args[0]).shape
-        return aten.squeeze.dims, [args[0], [d for d, n in enumerate(whole) if n == 1]]
-    return _AS_RESHAPE.get(node.target, node.target), args
-
-
-def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh):
-    """``node``'s ``(args, kwargs)`` on one rank: tensor arguments replaced by ``local_args``
-    (in :func:`~autopar.passes.rules.tensor_args` order), an output-shape argument by the
-    local output shape."""
-    flat, spec = tree_flatten((node.args, node.kwargs))
-    it = iter(local_args)
-    flat = [next(it) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a for a in flat]
-    if any(isinstance(a, fx.Node) for a in flat):
-        raise RewriteError(f"node {node.name} ({node.target}) takes a non-tensor graph value; autopar needs static shapes")
-    args, kwargs = tree_unflatten(flat, spec)
-    args = list(args)
-    found = shape_arg(node.target)
-    if found is not None:
-        position, index = found
-        outs = _value(node)
-        whole = outs[index] if isinstance(outs, (list, tuple)) else outs
-        if whole is not None:
-            args[position] = list(local_shape(tuple(whole.shape), strategy.outputs[index], mesh))
-    return args, kwargs

@@ -13,7 +13,8 @@ from autopar.placement import Shard, format_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
-from autopar.passes.rewrite import graph_collectives, placeholder_layouts, rewrite
+from autopar.passes.rank_ops import graph_collectives
+from autopar.passes.rewrite import placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, layer_by_layer, partition

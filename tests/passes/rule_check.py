@@ -17,7 +17,7 @@ from torch import fx
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.propagate import placement_problem
-from autopar.passes.rewrite import local_call, piece_of
+from autopar.passes.rank_ops import local_call, piece_of
 from autopar.passes.rules import split_op, tensor_args
 from autopar.passes.strategy import Strategy
 

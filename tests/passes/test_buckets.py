@@ -16,7 +16,8 @@ from autopar.examples.mlp import MLP
 from autopar.passes.buckets import BucketShare, gradient_buckets
 from autopar.passes.capture import capture
 from autopar.passes.redistribute import Step, step_s
-from autopar.passes.rewrite import graph_collectives, rewrite
+from autopar.passes.rank_ops import graph_collectives
+from autopar.passes.rewrite import rewrite
 from autopar.placement import P, R, S
 from autopar.planner import plan_captured
 from autopar.runtime.launch import device_mesh

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from autopar.placement import P, R, S
 from autopar.passes.capture import capture
-from autopar.passes.rewrite import local_call_args
+from autopar.passes.rank_ops import local_call_args
 from autopar.passes.rules import registered_ops, rule_for
 from autopar.passes.strategy import Strategy
 from autopar.examples.bert import Bert, BertConfig, masked_batch
