@@ -9,7 +9,7 @@ from autopar.cost_model.compute import compute_s, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer, cache_bytes
 from autopar.mesh import Mesh
-from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, bucketed_steps, piece_s
+from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
@@ -102,12 +102,14 @@ class CostModel:
 
     def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
-        bucket (:func:`~autopar.passes.buckets.bucketed_steps`) costs its bandwidth terms and local
+        bucket (:func:`~autopar.passes.buckets.gradient_chain`) costs its bandwidth terms and local
         ops here (:func:`~autopar.passes.buckets.piece_s`) and its share of the bucket's fixed
         cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
-        steps = self.steps(ref, src, dst)
-        return self._bucketed(ref, steps, bucketed_steps(steps))
+        value = self.value(ref)
+        chain = gradient_chain(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
+                               self.mesh, self.links, self.bucket_bytes)
+        return self._bucketed(ref, self.steps(ref, src, dst), chain)
 
     def gather_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter ``ref`` into placements an op reads it in, as :meth:`gradient_s` does

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, backward_nodes, module_paths, segment_of
-from autopar.passes.redistribute import Step, bandwidth_s, transition
+from autopar.passes.redistribute import Step, bandwidth_s, one_axis_step, step_s, transition
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 from autopar.placement import Placements
@@ -69,6 +69,27 @@ def bucketed_steps(steps: Sequence[Step]) -> tuple[Step, ...] | None:
         return tuple(steps)
     if len(steps) > 1 and all(s.kind == "all_reduce" for s in steps) and len({s.axis for s in steps}) == len(steps):
         return tuple(steps)
+    return None
+
+
+def gradient_chain(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, partial: bool,
+                   mesh: Mesh, links: tuple[Link, ...], bucket_bytes: int) -> tuple[Step, ...] | None:
+    """The collectives by which a gradient moving from ``src`` to ``dst`` joins a bucket of
+    ``bucket_bytes``: those of its cheapest move (:func:`bucketed_steps`), or, where the
+    cheapest priced alone is another (an all-reduce and a slice), the one reduce-scatter that
+    splits the partial sum on one mesh axis, if its bandwidth and its share of a full bucket's
+    fixed cost are cheaper than that move; ``None`` where no move joins one."""
+    steps = transition(src, dst, shape, itemsize, partial, mesh, links)
+    chain = bucketed_steps(steps)
+    if chain is not None:
+        return chain
+    differ = [axis for axis in range(mesh.ndim) if src[axis] != dst[axis]]
+    if len(differ) == 1:
+        step = one_axis_step(src, dst, differ[0], shape, itemsize, mesh)
+        if step is not None and step.kind == "reduce_scatter":
+            shared = piece_s((step,), mesh, links) + min(1.0, step.bytes / bucket_bytes) * bucket_fixed_s((step,), mesh, links)
+            if shared < sum(step_s(s, mesh, links) for s in steps):
+                return (step,)
     return None
 
 

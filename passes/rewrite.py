@@ -50,10 +50,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.errors import RewriteError
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
-from autopar.passes.buckets import Bucket, bucketed_steps, gradient_buckets, parameter_gathers
+from autopar.passes.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
 from autopar.passes.capture import Captured, backward_nodes, backward_segment_starts, module_paths, segment_of
 from autopar.passes.rank_ops import Rank, local_call
-from autopar.passes.redistribute import Step, local_shape, transition
+from autopar.passes.redistribute import Step, local_shape
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 from autopar.runtime.offload import offload, reload, reload_wait
@@ -337,8 +337,8 @@ def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict
         val = value.meta["val"]
         if src == dst or key in pending or key in fetched:
             continue
-        chain = bucketed_steps(transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
-                                          plan.mesh, plan.links))
+        chain = gradient_chain(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
+                               plan.mesh, plan.links, plan.bucket_bytes)
         if chain is not None:
             pending[key] = chain, val.dtype
     return list(pending), [chain[0] for chain, _ in pending.values()], gradient_buckets(list(pending.values()), plan.bucket_bytes)

@@ -62,11 +62,11 @@ def test_bucketed_gradient_move_costs_its_bandwidth_and_a_share_of_a_bucket():
     assert costs.gradient_s(ref, (S(0),), (R,)) == (costs.transition_s(ref, (S(0),), (R,)), None)  # no bucket
 
 
-def _plan_and_rank_graph(make_world, mesh, pins, bucket_bytes):
+def _plan_and_rank_graph(make_world, mesh, pins, bucket_bytes, hardware=COMPUTE_DEAR):
     make_world(mesh.size)
     model = MLP(32, 32, num_layers=6)
     captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))  # activations outweigh weights
-    plan = plan_captured(captured, mesh, hardware=COMPUTE_DEAR, pins=pins, bucket_bytes=bucket_bytes)
+    plan = plan_captured(captured, mesh, hardware=hardware, pins=pins, bucket_bytes=bucket_bytes)
     groups = [device_mesh(mesh, "cpu").get_group(axis).group_name for axis in range(mesh.ndim)]
     graph = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=groups)
     ran = collections.Counter((kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(graph, groups))
@@ -106,6 +106,22 @@ def test_fully_sharded_rank_graph_reduce_scatters_buckets(fake_world):
     assert {k: n for k, n in ran.items() if k[0] == "reduce_scatter"} == {("reduce_scatter", "dp", three_layers): 2}
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     assert [c.tensor for c in plan.collectives if c.kind == "reduce_scatter"] == ["bucket of 6 gradients"] * 2
+
+
+def test_gradients_join_reduce_scatter_buckets_where_an_all_reduce_and_a_slice_look_cheaper_alone(fake_world):
+    # gloo's reduce-scatter can have a larger α than its all-reduce, as on the 2-core host: alone,
+    # a 4 KiB gradient's all-reduce and slice cost 100 us, its reduce-scatter 200 us; in a
+    # bucket of three, 67 us
+    link = autopar.Link(1e-4, 1e-9, (("reduce_scatter", 2e-4, 1e-9),))
+    dear = autopar.HardwareProfile(name="rs-dear", flops_per_s=1e9, memory_bytes_per_s=1e10, efficiency=1.0,
+                                   memory_bytes=2**34, devices_per_host=8, intra_host=link, inter_host=link)
+    mesh = autopar.Mesh((4,), ("dp",))
+    three_layers = 3 * (32 * 32 * 4 + 32 * 4)
+    pins = _data_pins(MLP(32, 32, num_layers=6), ("S(0)", "S(0)"))
+    plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=three_layers, hardware=dear)
+    assert {k: n for k, n in ran.items() if k[0] != "all_gather"} == {("reduce_scatter", "dp", three_layers): 2,
+                                                                      ("all_reduce", "dp", 4): 1}  # and the loss
+    assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
 
 
 def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world):
