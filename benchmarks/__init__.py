@@ -7,6 +7,19 @@ import time
 from pathlib import Path
 
 
+def calibrated_profile(world: int) -> Path:
+    """Calibrate this machine for ``world`` local ranks (``autopar calibrate``) into
+    ``benchmarks/results/cpu-profile-{world}-ranks.json`` and return that path. The host's
+    speed drifts within the hour, so a benchmark calibrates just before it measures."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).parent / "results" / f"cpu-profile-{world}-ranks.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", str(world), "--out", str(path)], check=True)
+    return path
+
+
 def write_results(path: Path, **fields) -> None:
     """Write ``fields`` as JSON to ``path`` with the machine and date they were measured on."""
     import torch

@@ -22,13 +22,12 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import step_peak_bytes, write_results
+from benchmarks import calibrated_profile, step_peak_bytes, write_results
 
 import torch
 
@@ -139,10 +138,7 @@ def main() -> None:
 
     rows, scales = [], {}
     for world in (int(n) for n in args.ranks.split(",")):
-        profile = RESULTS.parent / f"cpu-profile-{world}-ranks.json"
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", str(world), "--out", str(profile)],
-                       check=True)
+        profile = calibrated_profile(world)
         scales[world] = load_profile(profile).step_scale
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")

@@ -12,14 +12,23 @@ optimizer (SGD) trained with:
   by its global head count, which torch's tensor parallelism needs rewritten by hand);
 - ``auto``: autopar's own plan, with the batch given to each rank in pieces as above.
 
+autopar plans with this machine's profile, calibrated for the rank count just before
+(``autopar calibrate``): with the generic ``cpu`` profile (α of 50 µs against the 0.3–6 ms
+calibrated for gloo here) it splits the MLP's loss over the ranks in the tensor-parallel
+layout, at the price of a reduce-scatter, an all-gather and two small collectives where
+DTensor makes one all-reduce.
+
 Every step is zero_grad, forward, backward, optimizer step, after a barrier; the table gives the
-median of the timed steps and the ratio autopar / torch. Writes
+median of the timed steps, the ratio autopar / torch, and the collectives of autopar's plan
+(pins fix the parameters and the batch, not every op: where the solver finds another layout
+faster under the profile, the row compares layouts, not run times of one layout). Writes
 ``benchmarks/results/overhead.json``.
 
     python -m benchmarks.overhead [--ranks 2,4] [--steps 10]
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -28,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import write_results
+from benchmarks import calibrated_profile, write_results
 
 import torch
 
@@ -89,7 +98,7 @@ def _autopar_pins(kind: str, model, input_names) -> dict | None:
     return batch
 
 
-def worker(models: list[str], steps: int, out: str) -> None:
+def worker(models: list[str], steps: int, profile: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -107,8 +116,10 @@ def worker(models: list[str], steps: int, out: str) -> None:
             model, batch, input_names = _model(name)
             pins = _autopar_pins(kind, model, input_names)
             local = [x.chunk(world)[rank] if k in pins and pins[k] == "S(0)" else x for k, x in zip(input_names, batch)]
-            pmodel = autopar.compile(model, mesh, batch, hardware="cpu", pins=pins)
+            pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
             row["autopar_s"] = statistics.median(_time_steps(pmodel, local, steps))
+            kinds = collections.Counter(c.kind for c in pmodel.plan.collectives if c.bytes > 64)
+            row["autopar_collectives"] = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
             if kind != "auto":
                 model, batch, _ = _model(name)
                 shard = [x.chunk(world)[rank] for x in batch] if kind != "tp" else batch
@@ -126,27 +137,30 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--models", default="mlp,gpt")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.models.split(","), args.steps, args.worker)
+        return worker(args.models.split(","), args.steps, *args.worker)
 
     from autopar.runtime.launch import torchrun
 
     rows = []
     for world in (int(n) for n in args.ranks.split(",")):
+        profile = calibrated_profile(world)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             if torchrun(world, ["-m", "benchmarks.overhead", "--models", args.models, "--steps", str(args.steps),
-                                "--worker", out]):
+                                "--worker", str(profile), out]):
                 raise SystemExit(f"the benchmark failed on {world} ranks")
             rows += json.loads(Path(out).read_text())
-    header = f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13}"
+    header = (f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13}  "
+              f"autopar's collectives over 64 bytes")
     print(f"\nmedian step time of {args.steps} steps after {WARMUP} warm-up steps, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
         torch_ms = r.get("torch_s", float("nan")) * 1e3
         ratio = f"{r['autopar_s'] / r['torch_s']:.2f}" if "torch_s" in r else "-"
-        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13}")
+        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13}  "
+              f"{r['autopar_collectives']}")
     write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=rows)
 
 
