@@ -130,6 +130,11 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
              len(space.nodes), mesh, result.solver.status, result.predicted_step_s,
              result.peak_memory_bytes / 1e9, len(result.collectives))
+    device = getattr(profile, "memory_bytes", None)
+    if budget is None and device and result.peak_memory_bytes > device:
+        log.warning("the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "
+                    "memory left out; pass memory_budget=%d (%s) for one that fits", format_bytes(result.peak_memory_bytes),
+                    format_bytes(device), profile.name, device, format_bytes(device))
     return result
 
 

@@ -114,3 +114,16 @@ def test_a_retry_under_a_budget_that_runs_out_of_time_keeps_the_plan_that_fit():
         return plan, SimpleNamespace(peak_bytes=peak), {}, f"peak {peak}"
 
     assert _within_budget(attempt, 100, Mesh((2,)))[3] == "peak 90"
+
+
+def test_a_plan_that_overflows_the_device_without_a_budget_says_which_budget_fits(caplog):
+    small = autopar.SyntheticProfile(memory_bytes=2**20)  # 1 MiB devices
+    inputs = (torch.randn(64, 256), torch.randn(64, 256))
+    with caplog.at_level("WARNING", logger="autopar"):
+        plan = autopar.plan(MLP(256, 1024), Mesh((2,), ("dp",)), inputs, hardware=small)
+    assert plan.peak_memory_bytes > 2**20
+    assert "more than the 1.0 MiB of a synthetic device" in caplog.text and "memory_budget=1048576 (1.0 MiB)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autopar"):
+        autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)), hardware=small)
+    assert "memory_budget=" not in caplog.text
