@@ -162,16 +162,21 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
     that plan's sum (or, once asking for less has found no plan at all, for halfway between
     that ask and the last plan over the budget), and once one fits, the solver budget is
     bisected between the last that fit and the last that did not, for the fastest plan that
-    fits in ``LIVENESS_TRIES`` solves. Each solve starts from the fastest plan that fit so far."""
+    fits in ``LIVENESS_TRIES`` solves. Each solve starts from the fastest plan that fit so far.
+    The stage times returned add up every solve's (a solve that finds no plan counts as
+    solving)."""
     if budget is None:
         return attempt(None, None)
     best = last = None
     fits = over = infeasible = None  # the solver budgets that fit, gave a program over the budget, gave no plan
     solver_budget = float(budget)
+    spent: dict[str, float] = {}
     for _ in range(LIVENESS_TRIES):
+        started = time.perf_counter()
         try:
             plan, live, times, solution = attempt(solver_budget, best[3] if best else None)
         except InfeasiblePlanError as exc:
+            spent["solve"] = spent.get("solve", 0.0) + time.perf_counter() - started
             if "time limit" in str(exc):
                 if best is not None:
                     break  # keep the plan that fits
@@ -180,6 +185,8 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
                 raise _NoPlanUnderBudget() from exc
             infeasible = solver_budget
         else:
+            for stage, seconds in times.items():
+                spent[stage] = spent.get(stage, 0.0) + seconds
             last = live
             if live.peak_bytes <= budget:
                 if best is None or plan.predicted_step_s < best[0].predicted_step_s:
@@ -202,7 +209,7 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             solver_budget = min(over, over_sum) - 1.5 * (last.peak_bytes - budget)
     if best is None:
         raise InfeasiblePlanError(_over_by_liveness(budget, last, mesh))
-    return best
+    return best[0], best[1], spent, best[3]
 
 
 def _over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:

@@ -90,9 +90,10 @@ def test_solves_under_a_budget_start_from_the_fastest_plan_that_fit():
         starts.append(start)
         plan = SimpleNamespace(predicted_step_s=step_s, memory=SimpleNamespace(summed_bytes=solver_budget))
         live = SimpleNamespace(peak_bytes=peak, forward_bytes=peak, backward_bytes=peak, optimizer_bytes=peak)
-        return plan, live, {}, f"solution of the plan taking {step_s} s"
+        return plan, live, {"solve": 2.0, "memory": 0.5}, f"solution of the plan taking {step_s} s"
 
-    plan, live, _, solution = _within_budget(attempt, budget, Mesh((2,)))
+    plan, live, times, solution = _within_budget(attempt, budget, Mesh((2,)))
+    assert times == {"solve": 2.0 * len(starts), "memory": 0.5 * len(starts)}  # every solve's time, not the last's
     assert starts[:3] == [None, None, "solution of the plan taking 2.0 s"]
     assert starts[3:] == ["solution of the plan taking 1.5 s"] * len(starts[3:])
     assert (plan.predicted_step_s, live.peak_bytes, solution) == (1.5, 99, "solution of the plan taking 1.5 s")
