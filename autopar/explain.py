@@ -51,7 +51,8 @@ def plan_table(plan: ShardingPlan) -> str:
         + f"; the solver's parts {format_bytes(mem.summed_bytes)} "
         f"(params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
         f"activations {format_bytes(mem.activations_bytes)}, recomputed {format_bytes(mem.recomputed_bytes)}, "
-        f"temporaries {format_bytes(mem.transient_bytes)})"
+        f"temporaries {format_bytes(mem.transient_bytes)}"
+        + (f", gradient bucket {format_bytes(mem.bucket_bytes)}" if mem.bucket_bytes else "") + ")"
         + (f"; in host memory {format_bytes(mem.host_bytes)}" if mem.host_bytes else "")
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "

@@ -93,12 +93,15 @@ class MemoryEstimate:
     liveness_peak_bytes: int = 0
     """The peak of the per-rank program itself, every tensor alive from the op making it to its
     last reader (:mod:`autopar.cost_model.liveness`); 0 when not measured."""
+    bucket_bytes: int = 0
+    """The packed copy of the largest gradient bucket, alive while its collective runs beside
+    the backward."""
 
     @property
     def summed_bytes(self) -> int:
         """The parts added up, as the solver budgets them."""
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.transient_bytes + self.recomputed_bytes)
+                + self.transient_bytes + self.recomputed_bytes + self.bucket_bytes)
 
     @property
     def peak_bytes(self) -> int:

@@ -110,7 +110,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
                          one_step_moves=costs.one_step_moves, memory=memory if budget else None,
                          budget_bytes=solver_budget, shared=shared, activations=activations,
                          choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s,
-                         start=start or sharded)
+                         start=start or sharded, bucket_bytes=bucket_bytes)
         solved = time.perf_counter()
         plan = build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
                           pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
@@ -236,7 +236,7 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
     least = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, gather_s=costs.gather_s,
                   segments=segments, one_step_moves=costs.one_step_moves,
                   memory=memory, minimise="memory", shared=shared, activations=activations, host=host,
-                  time_limit_s=time_limit_s)
+                  time_limit_s=time_limit_s, bucket_bytes=costs.bucket_bytes)
     est = memory.estimate(least.choice, (frozenset(activations.nodes),
                                          *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched)),
                           least.host_optimizer, least.host_params)

@@ -4,12 +4,13 @@ The layout program (:mod:`autopar.passes.solver`) chooses strategy ``k`` of node
 one-hot ``x_n,k``. Given the memory each strategy holds, this module counts the memory of a
 device and keeps it under the budget::
 
-                Σ_n Σ_k m_n,k · x_n,k + T ≤ budget       (memory budget, when given)
+                Σ_n Σ_k m_n,k · x_n,k + T + B ≤ budget       (memory budget, when given)
                 T ≥ Σ_k o_n,k · x_n,k    for every op n            (T: the largest temporary)
 
 ``m_n,k`` is the memory node ``n`` holds for the whole step under strategy ``k`` (a parameter's
 piece with its gradient and optimizer state, or a forward value the backward reads) and
-``o_n,k`` the size of its outputs. When the solver finds no plan under the budget in time, the
+``o_n,k`` the size of its outputs. ``B`` is the packed copy of a gradient bucket in flight
+beside the backward (:func:`in_flight_bucket`). When the solver finds no plan under the budget in time, the
 budget row is dropped and memory priced in the objective instead (:func:`priced_memory`).
 
 With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
@@ -89,6 +90,20 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
     if budget_bytes is not None:
         row = solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * MEMORY_SCALE)  # memory budget
     return coefs, peak, row
+
+
+def in_flight_bucket(solver, bucketed: list[tuple], bucket_bytes: float):
+    """The megabytes of the packed copy of a gradient bucket in flight beside the backward: at
+    least the bucketed gradients' bytes, up to one full bucket, ``B ≥ min(c, Σ share · c)`` by
+    a binary ``z``: ``B ≥ Σ share · c − U·z``, ``B ≥ min(c, U)·z``, with ``U`` the most the
+    bucketed gradients can take. ``bucketed`` holds each gradient's share of a bucket (a linear
+    expression) and its largest value."""
+    full = bucket_bytes * MEMORY_SCALE
+    most = full * sum(top for _, top in bucketed)
+    held, full_bucket = solver.NumVar(0.0, solver.infinity(), "bucket_buffer"), solver.IntVar(0, 1, "")
+    solver.Add(held >= full * sum(share for share, _ in bucketed) - most * full_bucket)
+    solver.Add(held >= min(full, most) * full_bucket)
+    return held
 
 
 def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float,

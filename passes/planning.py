@@ -1,5 +1,7 @@
 """Turn the solver's choice into a :class:`~autopar.plan.ShardingPlan`."""
 
+import dataclasses
+
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
@@ -85,6 +87,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     )
     gathers = parameter_gathers(captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes)
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers))
+    in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
     placements = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")}
     inputs = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind == "input"}
     return ShardingPlan(
@@ -100,8 +103,9 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         bucket_bytes=costs.bucket_bytes,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total, offloaded_total),
-                               solution.host_optimizer, solution.host_params),
+        memory=dataclasses.replace(memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total,
+                                                            offloaded_total), solution.host_optimizer, solution.host_params),
+                                   bucket_bytes=in_flight),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,

@@ -70,7 +70,7 @@ from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.buckets import BucketShare
-from autopar.passes.memory_program import host_state, keep_recompute_or_offload, memory_budget, priced_memory
+from autopar.passes.memory_program import host_state, in_flight_bucket, keep_recompute_or_offload, memory_budget, priced_memory
 from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
@@ -112,7 +112,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
           one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
           activations: ActivationSpace | None = None, choose_recompute: bool = True, host: Host | None = None,
           minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3,
-          start: "Solution | Mapping[str, int] | None" = None) -> Solution:
+          start: "Solution | Mapping[str, int] | None" = None, bucket_bytes: float | None = None) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
     ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
     reads: the seconds of the move without bucket latency, and its share of a bucket when it
@@ -187,9 +187,11 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     reader_moves: dict[tuple[str, int], list] = {}
     backward_reads = backward_param_reads(activations, space) if activations is not None else {}
     bucket_shares: dict[tuple, list] = defaultdict(list)
+    bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
     for (ref, readers), count in _tensor_classes(space, shared, followed, backward_reads).items():
         if gradient_s is not None and _gradient(readers, by_name):
-            _gradient_transport(solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares)
+            _gradient_transport(solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares,
+                                bucketed)
         elif gather_s is not None and by_name[ref[0]].kind == "param":
             price, joined = _gathered(gather_s, ref, readers, count, by_name, segments or {}, bucket_shares)
             _layout_available(solver, costs, ref, by_name, readers, count, ind, price, None, reader_moves, joined)
@@ -205,6 +207,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     host_mb = None
     if memory is not None and offloading is not None:
         on_host, params_on_host, host_mb = host_state(solver, memory, ind, shared, offloading, costs)
+    if memory is not None and bucketed and bucket_bytes:
+        host_mb = {**(host_mb or {}), in_flight_bucket(solver, bucketed, bucket_bytes): 1.0}
     objective = solver.Objective()
     if memory is not None:
         memory_coefs, peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared,
@@ -436,10 +440,11 @@ def _transport(solver, src: dict, dst: dict) -> dict:
 
 
 def _gradient_transport(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], reader: tuple[str, int],
-                        count: int, ind: dict, gradient_s: GradientCost, bucket_shares: dict) -> None:
+                        count: int, ind: dict, gradient_s: GradientCost, bucket_shares: dict, bucketed_shares: list) -> None:
     """Move a parameter's gradient to the parameter's layout by the parameter's transport, each
     move priced ``count`` times by ``gradient_s``. For every group of buckets its moves join,
-    ``bucket_shares[group, α]`` gets whether the gradient joins one and its share of one."""
+    ``bucket_shares[group, α]`` gets whether the gradient joins one and its share of one, and
+    ``bucketed_shares`` that share with its largest value."""
     producer, (name, j) = by_name[ref[0]], reader
     src = {p: _flat(g) for p, g in _group(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
     dst = {q: _flat(g) for q, g in _group(ind[name], [s.inputs[j] for s in by_name[name].strategies]).items()}
@@ -452,6 +457,7 @@ def _gradient_transport(solver, costs: dict, ref: ValueRef, by_name: dict[str, N
                 bucketed[share.group, share.latency_s].append((var, count * share.fraction))
     for key, moves in bucketed.items():
         bucket_shares[key].append((sum(var for var, _ in moves), sum(fraction * var for var, fraction in moves)))
+        bucketed_shares.append((sum(fraction * var for var, fraction in moves), max(fraction for _, fraction in moves)))
 
 
 def _gathered(gather_s: GradientCost, ref: ValueRef, readers: frozenset, count: int, by_name: dict[str, NodeSpace],

@@ -264,3 +264,47 @@ def test_gathers_and_scatters_along_other_dims_price_their_chunks_and_copy():
     assert step_s(Step("all_gather", 0, 0, bytes=1000), mesh, (link,)) == pytest.approx(base["all_gather"])
     assert step_s(Step("all_gather", 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(base["all_gather"] + 2 * 2e-6 + 1000 * 1e-10)
     assert step_s(Step("all_to_all", 0, 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(base["all_to_all"] + 4 * 2e-6 + 2000 * 1e-10)
+
+
+@pytest.mark.parametrize(("shares", "expected"), [((0.25, 0.5), 0.75), ((0.75, 1.0), 1.0), ((), 0.0)])
+def test_the_solver_holds_a_bucket_in_flight_as_the_bucketed_gradients_up_to_one_full_bucket(shares, expected):
+    from ortools.linear_solver import pywraplp
+
+    from autopar.passes.memory_program import in_flight_bucket
+    from autopar.passes.mip import MEMORY_SCALE
+
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    joined = [solver.IntVar(1, 1, "") for _ in shares]  # every gradient joins a bucket
+    held = in_flight_bucket(solver, [(share * var, share) for share, var in zip(shares, joined)] or [(0, 0.0)], 2**20)
+    solver.Minimize(held)
+    assert solver.Solve() == pywraplp.Solver.OPTIMAL
+    assert held.solution_value() == pytest.approx(expected * 2**20 * MEMORY_SCALE)
+
+
+def test_the_packed_copy_of_the_largest_gradient_bucket_is_part_of_the_plans_memory(fake_world):
+    mesh = autopar.Mesh((4,), ("dp",))
+    weight, bias = 32 * 32 * 4, 32 * 4
+    fake_world(mesh.size)
+    model = MLP(32, 32, num_layers=6)
+    captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))
+    plan = plan_captured(captured, mesh, hardware=COMPUTE_DEAR, pins=_data_pins(model, ("S(0)", "R")),
+                         bucket_bytes=2 * (weight + bias), memory_budget=2**30)
+    mem = plan.memory
+    assert mem.bucket_bytes == 2 * (weight + bias)  # two layers' weights and biases
+    assert mem.summed_bytes == (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes
+                                + mem.transient_bytes + mem.recomputed_bytes + mem.bucket_bytes)
+    assert "gradient bucket 8.2 KiB" in str(plan)
+
+
+@pytest.mark.slow
+def test_a_convnet_at_40_percent_of_its_peak_on_8_h100s_plans_with_its_bucket_in_flight_counted():
+    from autopar.examples.convnet import ConvNet, ConvNetConfig
+
+    with torch.device("meta"):  # the plan-quality benchmark's full-size ConvNet
+        model = ConvNet(ConvNetConfig(channels=(128, 256, 512, 1024), num_classes=1000))
+        batch = (torch.empty(256, 3, 128, 128), torch.zeros(256, dtype=torch.long))
+    captured = capture(model, batch)
+    mesh = autopar.Mesh((8,), ("ranks",))
+    budget = int(plan_captured(captured, mesh, hardware="h100").peak_memory_bytes * 0.4)
+    plan = plan_captured(captured, mesh, hardware="h100", memory_budget=budget)  # was 25 MiB over, then no plan
+    assert plan.memory.bucket_bytes > 0 and plan.peak_memory_bytes <= budget
