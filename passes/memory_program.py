@@ -69,7 +69,7 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
     is a variable at least every op's output size under its chosen strategy. ``activations``
     (the space, kept and recomputed megabytes of :func:`keep_recompute_or_offload`) replaces the
     activations of the forward ops; ``host_mb`` (of :func:`host_state`) takes the parameters and
-    optimizer state moved to the host off."""
+    optimizer state moved to the host off, and adds any other term (:func:`in_flight_bucket`)."""
     coefs: dict = defaultdict(float, host_mb or {})
     exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
     for name, sizes in memory.summed(exclude).items():

@@ -138,7 +138,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     variables, and the costs of every copy add up on the shared variables.
 
     With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
-    (:func:`~autopar.passes.memory_program.memory_budget`); ``minimise="memory"`` looks for
+    (:func:`~autopar.passes.memory_program.memory_budget`), with the packed copy of a gradient
+    bucket of ``bucket_bytes`` in flight beside the backward counted when given
+    (:func:`~autopar.passes.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the first fifth of the time
