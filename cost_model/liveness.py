@@ -4,8 +4,7 @@ The solver budgets memory with a sum (parameters, gradients, optimizer state, ke
 recomputed activations, the largest temporary). The program a rank runs is known exactly once a
 plan exists: this module walks its forward and backward graphs (traced on fake tensors) as the
 runtime runs them, a tensor alive from the op that makes it to the last op that reads it or
-any view of it (a collective's input until the wait after its own: the communication thread may
-let go of it only after its wait has returned), forward results and
+any view of it (a collective's input until the collective is waited for), forward results and
 saved tensors until the backward is done, gradients until the optimizer has stepped. Storages are counted once however many views look into them; copies
 offloaded to host memory are not device memory, nor is optimizer state stepped on the host.
 """
@@ -80,19 +79,15 @@ def _run(gm: fx.GraphModule) -> tuple[int, int]:
             storage[node] = []
         elif node.op == "call_function":
             storage[node] = _keys(node.meta.get("val"))
-    waits = [i for i, node in enumerate(nodes) if node.op == "call_function" and node.target in _ALIASES]
     last: dict = {}
     size: dict = {}
     for i, node in enumerate(nodes):
-        read = [(reader, i) for reader in node.all_input_nodes]
-        if node.op == "call_function" and node.target in _ALIASES:
-            # a collective holds its input until waited for, and the communication thread may let
-            # go of it only after the wait has returned: held until the next wait (or the end)
-            after = next((w for w in waits if w > i), len(nodes) - 1)
-            read += [(a, after) for r in node.all_input_nodes for a in r.all_input_nodes]
-        for reader, until in read:
+        read = node.all_input_nodes
+        if node.op == "call_function" and node.target in _ALIASES:  # a collective holds its input until waited for
+            read = [*read, *(a for r in read for a in r.all_input_nodes)]
+        for reader in read:
             for key, _ in storage.get(reader, []):
-                last[key] = max(last.get(key, -1), until)
+                last[key] = i
         for key, nbytes in storage.get(node, []):
             size[key] = nbytes
             last.setdefault(key, i)
