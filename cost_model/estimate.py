@@ -106,10 +106,14 @@ class CostModel:
         ops here (:func:`~autopar.passes.buckets.piece_s`) and its share of the bucket's fixed
         cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
+        return self._bucketed(ref, self.steps(ref, src, dst), self.gradient_chain(ref, src, dst))
+
+    def gradient_chain(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...] | None:
+        """The collectives by which gradient ``ref`` joins a bucket moving from ``src`` to ``dst``
+        (:func:`~autopar.passes.buckets.gradient_chain`), or ``None``."""
         value = self.value(ref)
-        chain = gradient_chain(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
-                               self.mesh, self.links, self.bucket_bytes)
-        return self._bucketed(ref, self.steps(ref, src, dst), chain)
+        return gradient_chain(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
+                              self.mesh, self.links, self.bucket_bytes)
 
     def gather_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter ``ref`` into placements an op reads it in, as :meth:`gradient_s` does

@@ -7,7 +7,7 @@ from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
 from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
-from autopar.passes.buckets import ParameterGather, bucket_s, gradient_buckets, gradient_chain, parameter_gathers
+from autopar.passes.buckets import ParameterGather, bucket_s, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, module_paths
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
 from autopar.passes.solver import Solution
@@ -171,9 +171,7 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
         if (phase != "forward", ref, dst) in in_gathers:
             continue
         steps = costs.steps(ref, src, dst)
-        value = costs.value(ref)
-        bucketed = gradient_chain(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
-                                  mesh, costs.links, costs.bucket_bytes) if consumer.kind == "param" else None
+        bucketed = costs.gradient_chain(ref, src, dst) if consumer.kind == "param" else None
         if bucketed is not None:
             gradients.append((bucketed, costs.value(ref).dtype, format_placements(src), format_placements(dst)))
             continue
