@@ -226,7 +226,7 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
             base = acts.views[name]
             solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
     recompute_mb = solver.NumVar(0.0, solver.infinity(), "recomputed_activations")
-    for segment in set(segments) | set(reloaded):
+    for segment in sorted(set(segments) | set(reloaded)):
         solver.Add(recompute_mb >= sum(segments.get(segment, ())))  # one segment is recomputed or reloaded at a time
         for mb in reloaded.get(segment, ()):
             solver.Add(recompute_mb >= sum(segments.get(segment, ())) + mb)  # with the reloads copied back beside it

@@ -164,7 +164,7 @@ def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsiz
     return _shortest_paths(src, shape, itemsize, partial, mesh, links)[dst][1]
 
 
-def neighbours(cur: Placements, layouts: frozenset, shape, itemsize: int, mesh: Mesh) -> Iterator[tuple[Placements, Step]]:
+def neighbours(cur: Placements, layouts: tuple[Placements, ...], shape, itemsize: int, mesh: Mesh) -> Iterator[tuple[Placements, Step]]:
     """The layouts one step away from ``cur`` within ``layouts``, with that step."""
     for axis in range(mesh.ndim):
         for nxt in layouts:
@@ -177,7 +177,7 @@ def neighbours(cur: Placements, layouts: frozenset, shape, itemsize: int, mesh: 
 @functools.lru_cache(maxsize=4096)
 def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: Mesh,
                     links: tuple[Link, ...]) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
-    layouts = frozenset(valid_layouts(shape, mesh, partial)) | {src}
+    layouts = tuple(dict.fromkeys((*valid_layouts(shape, mesh, partial), src)))
     best: dict[Placements, tuple[float, tuple[Step, ...]]] = {}
     order = itertools.count()
     heap = [(0.0, 0, next(order), src, ())]
@@ -197,6 +197,6 @@ def one_step_moves(shape: tuple[int, ...], itemsize: int, partial: bool, mesh: M
                    links: tuple[Link, ...]) -> tuple[tuple[Placements, Placements, float], ...]:
     """Every one-step move between valid layouts of a tensor, with its modelled time: the arcs
     whose shortest paths :func:`transition` takes."""
-    layouts = frozenset(valid_layouts(shape, mesh, partial))
-    return tuple((u, v, step_s(step, mesh, links)) for u in sorted(layouts, key=repr)
+    layouts = valid_layouts(shape, mesh, partial)
+    return tuple((u, v, step_s(step, mesh, links)) for u in layouts
                  for v, step in neighbours(u, layouts, shape, itemsize, mesh))

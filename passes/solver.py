@@ -503,8 +503,8 @@ def _layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) ->
     reader's along one-axis moves: a cheapest flow is a cheapest path, the transition's cost,
     with a variable per move instead of per pair of layouts. Returns the ``(flow, seconds)``
     of every move, or ``None`` (nothing added) when a layout is outside the moves' layouts."""
-    layouts = {u for u, _, _ in arcs}
-    if not (src.keys() <= layouts and dst.keys() <= layouts):
+    layouts = dict.fromkeys(u for u, _, _ in arcs)
+    if not (src.keys() <= layouts.keys() and dst.keys() <= layouts.keys()):
         return None
     out: dict = defaultdict(list)
     into: dict = defaultdict(list)
