@@ -63,50 +63,84 @@ def _keys(value) -> list:
             if isinstance(v, torch.Tensor)]
 
 
-def _run(gm: fx.GraphModule) -> tuple[int, int]:
-    """The peak bytes the graph allocates while it runs (its inputs aside), and the bytes of
-    its outputs, which outlive it."""
+@dataclass(frozen=True, slots=True)
+class Lifetimes:
+    """Where each storage a graph touches is made and last read, in the graph's node order."""
+
+    nodes: list[fx.Node]
+    storage: dict[fx.Node, list]
+    """Per node, the ``(storage key, bytes)`` of what it returns."""
+    last: dict
+    """Per storage key, the index of the last node that reads it (or the node that makes it)."""
+    external: set
+    """The graph's inputs' storages, which it does not own."""
+    outputs: set
+    """The storages the graph returns, which outlive it."""
+    collective: set
+    """The storages collectives read or write."""
+
+    def freed_after(self) -> dict[int, list]:
+        """Per node index, the storages the graph owns that are dead once that node has run."""
+        frees: dict[int, list] = {}
+        for key, i in self.last.items():
+            if key not in self.outputs and key not in self.external:
+                frees.setdefault(i, []).append(key)
+        return frees
+
+
+def lifetimes(gm: fx.GraphModule) -> Lifetimes:
+    """The storages of ``gm``'s values (traced on fake tensors) and their last readers: a
+    tensor is read by every op that reads it or any view of it, and a collective's input
+    until the collective is waited for."""
     nodes = list(gm.graph.nodes)
     storage: dict[fx.Node, list] = {}
     external = set()
+    same: dict = {}  # the storage a wait's traced result has -> the collective's, which it is
     for node in nodes:
         if node.op == "placeholder":
             storage[node] = _keys(node.meta.get("val"))
             external.update(k for k, _ in storage[node])
         elif node.op == "call_function" and node.target in _ALIASES:
             storage[node] = storage.get(node.args[0], [])
+            same.update((k, s) for (k, _), (s, _) in zip(_keys(node.meta.get("val")), storage[node]))
         elif node.op == "call_function" and node.target in OFFLOAD_OPS:
             storage[node] = []
         elif node.op == "call_function":
-            storage[node] = _keys(node.meta.get("val"))
+            storage[node] = [(same.get(k, k), n) for k, n in _keys(node.meta.get("val"))]
     last: dict = {}
-    size: dict = {}
+    collective = set()
     for i, node in enumerate(nodes):
         read = node.all_input_nodes
-        if node.op == "call_function" and node.target in _ALIASES:  # a collective holds its input until waited for
+        if node.op == "call_function" and node.target in _ALIASES:
             read = [*read, *(a for r in read for a in r.all_input_nodes)]
+            collective.update(key for r in read for key, _ in storage.get(r, []))
         for reader in read:
             for key, _ in storage.get(reader, []):
                 last[key] = i
-        for key, nbytes in storage.get(node, []):
-            size[key] = nbytes
+        for key, _ in storage.get(node, []):
             last.setdefault(key, i)
     outputs = {key for reader in nodes[-1].all_input_nodes for key, _ in storage.get(reader, [])}
-    frees: dict[int, list] = {}
-    for key, i in last.items():
-        if key not in outputs and key not in external:
-            frees.setdefault(i, []).append(key)
+    return Lifetimes(nodes, storage, last, external, outputs, collective)
+
+
+def _run(gm: fx.GraphModule) -> tuple[int, int]:
+    """The peak bytes the graph allocates while it runs (its inputs aside), and the bytes of
+    its outputs, which outlive it."""
+    life = lifetimes(gm)
+    frees = life.freed_after()
     live: dict = {}
+    size: dict = {}
     total = peak = 0
-    for i, node in enumerate(nodes):
-        for key, nbytes in storage.get(node, []):
-            if key not in external and key not in live:
+    for i, node in enumerate(life.nodes):
+        for key, nbytes in life.storage.get(node, []):
+            size[key] = nbytes
+            if key not in life.external and key not in live:
                 live[key] = nbytes
                 total += nbytes
         peak = max(peak, total)
         for key in frees.get(i, ()):
             total -= live.pop(key, 0)
-    return peak, sum(size[k] for k in outputs if k not in external)
+    return peak, sum(size[k] for k in life.outputs if k not in life.external)
 
 
 def plan_liveness(captured, plan) -> Liveness:

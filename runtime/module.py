@@ -18,6 +18,7 @@ from autopar.passes.rewrite import placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, layer_by_layer, partition
+from autopar.runtime.release import release_collective_buffers
 from autopar.runtime.state import gather_whole, local_piece
 
 log = logging.getLogger("autopar")
@@ -44,7 +45,7 @@ class _Program:
                     setattr(layers, name, _inductor(layer))
                 self.backward = layers
         else:
-            self.forward, self.backward = parts.forward, parts.backward
+            self.forward, self.backward = release_collective_buffers(parts.forward), release_collective_buffers(parts.backward)
 
 
 def _inductor(graph: torch.fx.GraphModule):

@@ -1,6 +1,6 @@
 """A plan made under a memory budget fits it on a real run: on 4 gloo ranks, the per-rank peak
-that torch's MemTracker measures over a whole AdamW step is within the budget and within 15% of
-the plan's prediction, and training matches one device.
+that torch's MemTracker measures over a whole AdamW step is within the budget and within 2% of
+the plan's prediction (issue 5 asks for 15%), and training matches one device.
 
 A plan for a device with a host link (offload) runs too. On this CPU host the host copies are in
 the same memory as the rest, so MemTracker measures the device peak and the host bytes together:
@@ -8,6 +8,7 @@ it must come within 15% of the predicted peak plus the plan's host bytes, and tr
 one device with the optimizer state of some parameters stepped on the host."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -45,13 +46,28 @@ def _reference(model, batches) -> tuple[list[float], dict]:
     return ref_losses, reference.state_dict()
 
 
-def _train(pmodel, opt, batches) -> tuple[list[float], int]:
-    """Losses, and the largest per-rank MemTracker peak of a whole step."""
+def _freed_elsewhere(tracker, into: list[int]):
+    """Make ``tracker`` append to ``into`` the bytes of each storage freed on a thread other
+    than the main one (gloo's, when it held a collective's buffer last)."""
+    count = tracker._delete_callback
+
+    def callback(winfo, w_st):
+        if threading.current_thread() is not threading.main_thread():
+            into.append(winfo.mem_consumed)
+        count(winfo, w_st)
+
+    tracker._delete_callback = callback
+
+
+def _train(pmodel, opt, batches) -> tuple[list[float], int, int]:
+    """Losses, the largest per-rank MemTracker peak of a whole step, and the bytes that steps
+    freed off the main thread."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    losses, peak = [], 0
+    losses, peak, elsewhere = [], 0, []
     for step, batch in enumerate(batches):
         tracker = MemTracker()
+        _freed_elsewhere(tracker, elsewhere)
         tracker.track_external(pmodel, opt)
         with tracker:  # the last step has the optimizer state of the steps before it
             opt.zero_grad()
@@ -60,7 +76,7 @@ def _train(pmodel, opt, batches) -> tuple[list[float], int]:
             opt.step()
         losses.append(float(loss))
         peak = max(peak, int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
-    return losses, peak
+    return losses, peak, sum(elsewhere)
 
 
 def _matches(pmodel, losses, ref_losses, ref_params) -> dict:
@@ -76,8 +92,9 @@ def train_under_budget() -> dict:
     replicated = autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, pins=data_parallel).peak_memory_bytes
     budget = int(replicated * REPLICATED)
     pmodel = autopar.compile(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=budget)
-    losses, peak = _train(pmodel, make_optimizer("adamw", pmodel.parameters()), batches)
+    losses, peak, elsewhere = _train(pmodel, make_optimizer("adamw", pmodel.parameters()), batches)
     return {"replicated": replicated, "budget": budget, "predicted": pmodel.plan.peak_memory_bytes, "measured": peak,
+            "freed_elsewhere": elsewhere,
             "recomputed": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in pmodel.plan.nodes),
             **_matches(pmodel, losses, ref_losses, ref_params)}
 
@@ -88,7 +105,7 @@ def train_with_offload() -> dict:
     unbudgeted = autopar.plan(model, MESH, batches[0], hardware=WITH_HOST).peak_memory_bytes
     budget = int(unbudgeted * OFFLOADING)
     pmodel = autopar.compile(model, MESH, batches[0], hardware=WITH_HOST, memory_budget=budget)
-    losses, peak = _train(pmodel, pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), batches)
+    losses, peak, _ = _train(pmodel, pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), batches)
     plan = pmodel.plan
     return {"budget": budget, "predicted": plan.peak_memory_bytes, "host": plan.memory.host_bytes, "measured": peak,
             "offloaded": sum(n.activation == "offload" for n in plan.nodes), "host_optimizer": len(plan.host_optimizer),
@@ -126,7 +143,14 @@ def test_a_model_that_does_not_fit_replicated_gets_a_plan_that_fits(runs):
 def test_measured_peak_is_within_the_budget_and_near_the_prediction(runs):
     for r in runs:
         assert r["measured"] <= r["budget"], f"measured {r['measured']} B over the budget {r['budget']} B"
-        assert abs(r["measured"] / r["predicted"] - 1) <= 0.15, f"predicted {r['predicted']} B, measured {r['measured']} B"
+        assert abs(r["measured"] / r["predicted"] - 1) <= 0.02, f"predicted {r['predicted']} B, measured {r['measured']} B"
+
+
+@pytest.mark.slow
+def test_collective_buffers_are_freed_by_the_program_not_by_gloos_thread(runs):
+    """gloo's thread may hold a collective's buffers past the wait; were it to free them, the
+    peak would depend on when it gets to (up to 10% above liveness on one rank of four)."""
+    assert [r["freed_elsewhere"] for r in runs] == [0] * len(runs)
 
 
 @pytest.mark.slow
