@@ -1,7 +1,9 @@
 """Run a function on N local gloo ranks (one process each) and collect what each returns."""
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch.distributed as dist
@@ -29,7 +31,8 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
 
 def run_ranks(world: int, fn, *args, timeout_s: float = 600.0) -> list:
     """``fn(*args)`` on ``world`` ranks; returns the per-rank results in rank order and raises
-    with every failing rank's traceback."""
+    with the first failing rank's traceback, as soon as a rank dies without one (a crash in
+    native code), or when ``timeout_s`` passes without every answer."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -37,14 +40,21 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600.0) -> list:
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
+        while len(results) < world and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [f"rank {r} died with exit code {p.exitcode} before reporting" for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results]
+                if dead or time.monotonic() > deadline:
+                    errors.extend(dead or [f"no answer from ranks {sorted(set(range(world)) - set(results))} in {timeout_s:.0f} s"])
+                continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
