@@ -192,7 +192,7 @@ def backward_param_reads(acts: ActivationSpace, space: StrategySpace) -> dict[st
     """The views of :attr:`ActivationSpace.param_views` that read the parameter itself, and the
     parameter they read: the backward reads the parameter for them."""
     by_name = space.index()
-    return {v: by_name[v].args[0] for v in acts.param_views if by_name[by_name[v].args[0][0]].kind == "param"}
+    return {v: by_name[v].args[0] for v in sorted(acts.param_views) if by_name[by_name[v].args[0][0]].kind == "param"}
 
 
 def kept_ops(acts: ActivationSpace, recomputed: frozenset[str], offloaded: frozenset[str] = frozenset()) -> set[str]:
