@@ -64,13 +64,12 @@ def test_same_model_gives_same_plan():
 
 
 _BUDGETED_PLAN = """
-from tests.runtime.test_memory_budget import _model, MESH, REPLICATED
+from tests.runtime.test_memory_budget import _model, replicated_and_budget, MESH
 from tests.cases import SYNTHETIC
 import autopar
 model, batches = _model()
-pins = {**{k: "S(0)" for k in ("idx", "targets")}, **{k: "R" for k, _ in model.named_parameters()}}
-replicated = autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, pins=pins).peak_memory_bytes
-print(autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=int(replicated * REPLICATED)).to_json())
+_, budget = replicated_and_budget(model, batches[0])
+print(autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=budget).to_json())
 """
 
 

@@ -85,12 +85,17 @@ def _matches(pmodel, losses, ref_losses, ref_params) -> dict:
             "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params)}
 
 
+def replicated_and_budget(model, batch) -> tuple[int, int]:
+    """The peak of data parallelism (every parameter replicated) and the budget, ``REPLICATED`` of it."""
+    data_parallel = {**{k: "S(0)" for k in ("idx", "targets")}, **{k: "R" for k, _ in model.named_parameters()}}
+    replicated = autopar.plan(model, MESH, batch, hardware=SYNTHETIC, pins=data_parallel).peak_memory_bytes
+    return replicated, int(replicated * REPLICATED)
+
+
 def train_under_budget() -> dict:
     model, batches = _model()
     ref_losses, ref_params = _reference(model, batches)
-    data_parallel = {**{k: "S(0)" for k in ("idx", "targets")}, **{k: "R" for k, _ in model.named_parameters()}}
-    replicated = autopar.plan(model, MESH, batches[0], hardware=SYNTHETIC, pins=data_parallel).peak_memory_bytes
-    budget = int(replicated * REPLICATED)
+    replicated, budget = replicated_and_budget(model, batches[0])
     pmodel = autopar.compile(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=budget)
     losses, peak, elsewhere = _train(pmodel, make_optimizer("adamw", pmodel.parameters()), batches)
     return {"replicated": replicated, "budget": budget, "predicted": pmodel.plan.peak_memory_bytes, "measured": peak,
