@@ -338,7 +338,7 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
         results = program.forward(*flat)
         saved, tangents = results[program.num_outputs:], [torch.ones_like(r) for r in results[:program.num_outputs]]
         programs = (_median_s(lambda: program.forward(*flat), 50, 5, together=False)
-                    + _median_s(lambda: program.backward(*saved, *tangents), 50, 5, together=False))
+                    + _median_s(lambda: program.backward([*saved, *tangents]), 50, 5, together=False))
     return len(state), max(0.0, _median_s(step, 50, 5, together=False) - programs)
 
 

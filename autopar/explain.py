@@ -48,10 +48,11 @@ def plan_table(plan: ShardingPlan) -> str:
         + (f", step overhead {_time(plan.overhead_s)}" if plan.overhead_s else "")
         + f"); peak memory per device {format_bytes(plan.peak_memory_bytes)}"
         + (" by the per-rank program's liveness" if mem.liveness_peak_bytes else "")
-        + f"; the solver's parts {format_bytes(mem.summed_bytes)} "
-        f"(params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
-        f"activations {format_bytes(mem.activations_bytes)}, recomputed {format_bytes(mem.recomputed_bytes)}, "
-        f"temporaries {format_bytes(mem.transient_bytes)}"
+        + f"; the solver's {format_bytes(mem.solver_bytes)} ("
+        + ("at the step's fullest moment; over the step: " if mem.moment_bytes else "")
+        + f"params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
+        f"activations kept {format_bytes(mem.activations_bytes)}, recomputed at once {format_bytes(mem.recomputed_bytes)}, "
+        f"largest temporary {format_bytes(mem.transient_bytes)}"
         + (f", gradient bucket {format_bytes(mem.bucket_bytes)}" if mem.bucket_bytes else "") + ")"
         + (f"; in host memory {format_bytes(mem.host_bytes)}" if mem.host_bytes else "")
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),

@@ -83,7 +83,8 @@ class MemoryEstimate:
     activations_bytes: int
     """Forward values kept for the backward."""
     transient_bytes: int
-    """The largest single temporary of the step."""
+    """The largest output of a backward op (with activations chosen, forward ops' outputs are
+    held while the backward needs them); of any op without."""
     recomputed_bytes: int = 0
     """Recomputed or reloaded activations alive at once in the backward (one segment's)."""
     host_bytes: int = 0
@@ -96,17 +97,25 @@ class MemoryEstimate:
     bucket_bytes: int = 0
     """The packed copy of the largest gradient bucket, alive while its collective runs beside
     the backward."""
+    moment_bytes: int = 0
+    """What is alive at the fullest moment of the training step, as the solver counts it
+    (:func:`autopar.passes.planning.moment_bytes`): at the start of a segment's backward,
+    parameters, optimizer state, the gradients made by then, the activations not yet read for
+    the last time, and the values the segment recomputes or reloads, with the largest output of
+    its backward ops and the gradient bucket in flight; at the end of the forward and at the
+    optimizer step likewise, with their own temporaries (0: not counted by moments)."""
 
     @property
-    def summed_bytes(self) -> int:
-        """The parts added up, as the solver budgets them."""
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.transient_bytes + self.recomputed_bytes + self.bucket_bytes)
+    def solver_bytes(self) -> int:
+        """The peak as the solver budgets it: the fullest moment (without moments, every part
+        added up)."""
+        return self.moment_bytes or (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                                     + self.recomputed_bytes + self.transient_bytes + self.bucket_bytes)
 
     @property
     def peak_bytes(self) -> int:
-        """The liveness peak when measured, else the summed parts."""
-        return self.liveness_peak_bytes or self.summed_bytes
+        """The liveness peak when measured, else the solver's."""
+        return self.liveness_peak_bytes or self.solver_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from autopar.plan import ShardingPlan
 from autopar.passes.buckets import BUCKET_BYTES
 from autopar.passes.capture import Captured, capture, module_paths, segment_of
 from autopar.passes.layers import repeated_layers
-from autopar.passes.planning import build_plan
+from autopar.passes.planning import build_plan, moment_bytes
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
 from autopar.passes.solver import Solution, program_size, solve
@@ -197,7 +197,7 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             else:
                 log.info("the program holds %s at its peak, %s over the budget: solving again",
                          format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
-                over, over_sum = solver_budget, plan.memory.summed_bytes
+                over, over_sum = solver_budget, plan.memory.solver_bytes
         upper = budget if over is None else min(over, over_sum, budget)
         if fits is not None:
             if upper - fits < 0.01 * budget:
@@ -237,24 +237,27 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
                   segments=segments, one_step_moves=costs.one_step_moves,
                   memory=memory, minimise="memory", shared=shared, activations=activations, host=host,
                   time_limit_s=time_limit_s, bucket_bytes=costs.bucket_bytes)
-    est = memory.estimate(least.choice, (frozenset(activations.nodes),
-                                         *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched)),
-                          least.host_optimizer, least.host_params)
+    est = dataclasses.replace(
+        memory.estimate(least.choice, (frozenset(activations.nodes),
+                                       *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched)),
+                        least.host_optimizer, least.host_params),
+        moment_bytes=moment_bytes(memory, activations, least.choice, least.recomputed, least.offloaded, least.prefetched,
+                                  least.host_optimizer, least.host_params))
     parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
-             "activations": est.activations_bytes + est.recomputed_bytes, "temporaries": est.transient_bytes}
+             "activations": est.activations_bytes + est.recomputed_bytes, "largest temporary": est.transient_bytes}
     largest = max(parts, key=parts.get)
     state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
     if state >= budget:
         over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
     else:
-        over = (f"the {largest} ({format_bytes(parts[largest])}) {'does' if largest == 'optimizer state' else 'do'} "
+        over = (f"the {largest} ({format_bytes(parts[largest])}) {'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
                 "not fit in what the rest leaves")
     factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
     return (
         f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "
         f"is {format_bytes(est.peak_bytes)}, {format_bytes(est.peak_bytes - budget)} over ("
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-        + f"); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes ({format_bytes(est.peak_bytes)}), or plan for a mesh about "
+        + f", not all alive at once); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes ({format_bytes(est.peak_bytes)}), or plan for a mesh about "
         f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
     )
 

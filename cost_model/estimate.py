@@ -1,7 +1,7 @@
 """Prices a strategy space: compute per node strategy, transitions per edge, memory per plan."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -153,8 +153,8 @@ def _overflows_cache(captured: Captured, mesh: Mesh) -> bool:
 @dataclass(frozen=True, slots=True)
 class MemoryTerms:
     """Per-device memory as a function of the chosen strategies, by part: for each part, node
-    name → bytes under each of the node's strategies. The peak is the sum of the summed parts
-    plus the largest temporary."""
+    name → bytes under each of the node's strategies. The solver counts them at each moment of
+    the step (:func:`autopar.passes.memory_program.memory_budget`)."""
 
     params: dict[str, list[float]]
     grads: dict[str, list[float]]
@@ -162,30 +162,28 @@ class MemoryTerms:
     activations: dict[str, list[float]]
     """Forward values the backward reads, charged to the node producing them."""
     temporaries: dict[str, list[float]]
-    """Each op's outputs; only the largest counts."""
+    """Each op's largest output."""
+    moved: dict[str, list[tuple[tuple[str, int], list[float], list[float]]]] = field(default_factory=dict)
+    """Per op, for each value it reads: the value, its bytes in the op's layout under each of
+    the op's strategies, and its bytes as made under each of its producer's. A read in another
+    layout than the value's holds a moved copy while the op runs."""
 
-    def summed(self, exclude: frozenset[str] = frozenset()) -> dict[str, list[float]]:
-        """Node → bytes held for the whole step under each strategy; the activations of the
-        ``exclude`` nodes are left out (their keep-or-recompute choice prices them)."""
-        total: dict[str, list[float]] = {}
-        for part in (self.params, self.grads, self.optimizer, self.activations):
-            for name, sizes in part.items():
-                if part is self.activations and name in exclude:
-                    continue
-                total[name] = [a + b for a, b in zip(total.get(name, [0.0] * len(sizes)), sizes)]
-        return total
+    def moved_bytes(self, name: str, choice: dict[str, int]) -> float:
+        """The bytes of the copies op ``name`` reads that are larger than the values they copy."""
+        return sum(max(0.0, read[choice[name]] - made[choice[ref[0]]]) for ref, read, made in self.moved.get(name, ()))
 
     def estimate(self, choice: dict[str, int], activations: tuple[frozenset[str], int, int, int] | None = None,
                  host_optimizer: frozenset[str] = frozenset(), host_params: frozenset[str] = frozenset()) -> MemoryEstimate:
         """The parts under ``choice``. ``activations`` = (ops priced by a keep, recompute or
         offload choice, their kept, recomputed and offloaded bytes) replaces those ops'
-        activations; the optimizer state of the ``host_optimizer`` parameters, and the
+        activations, and their outputs are no temporaries (they are held while the backward
+        needs them); the optimizer state of the ``host_optimizer`` parameters, and the
         ``host_params`` with their gradients, are in host memory."""
         def total(part, exclude=frozenset()):
             return int(sum(sizes[choice[name]] for name, sizes in part.items() if name not in exclude))
 
-        temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items()), default=0)
         chosen, kept, recomputed, offloaded = activations if activations is not None else (frozenset(), 0, 0, 0)
+        temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items() if name not in chosen), default=0)
         on_host = sum(total(part) - total(part, names) for part, names in
                       ((self.optimizer, host_optimizer), (self.params, host_params), (self.grads, host_params)))
         return MemoryEstimate(total(self.params, host_params), total(self.grads, host_params), total(self.optimizer, host_optimizer),
@@ -216,4 +214,10 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
         if n.kind == "op":
             temporaries[n.name] = [float(max((costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None), default=0))
                                    for s in n.strategies]
-    return MemoryTerms(params, grads, optimizer, activations, temporaries)
+    moved = {}
+    for n in space.nodes:
+        if n.kind == "op":
+            moved[n.name] = [(ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies],
+                              [float(costs.local_bytes(ref, s.outputs[ref[1]])) for s in by_name[ref[0]].strategies])
+                             for j, ref in enumerate(n.args) if ref[0] != n.name]
+    return MemoryTerms(params, grads, optimizer, activations, temporaries, moved)

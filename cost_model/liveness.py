@@ -4,9 +4,11 @@ The solver budgets memory with a sum (parameters, gradients, optimizer state, ke
 recomputed activations, the largest temporary). The program a rank runs is known exactly once a
 plan exists: this module walks its forward and backward graphs (traced on fake tensors) as the
 runtime runs them, a tensor alive from the op that makes it to the last op that reads it or
-any view of it (a collective's input until the collective is waited for), forward results and
-saved tensors until the backward is done, gradients until the optimizer has stepped. Storages are counted once however many views look into them; copies
-offloaded to host memory are not device memory, nor is optimizer state stepped on the host.
+any view of it (a collective's input until the collective is waited for), a tensor the forward
+saves until the last op of the backward that reads it (the runtime's backward frees them as it
+goes, :func:`autopar.runtime.partition.boxed`), gradients until the optimizer has stepped.
+Storages are counted once however many views look into them; copies offloaded to host memory
+are not device memory, nor is optimizer state stepped on the host.
 """
 
 from dataclasses import dataclass
@@ -50,11 +52,11 @@ def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list
     on_host = on_host or [False] * len(kinds)
     params = [n for n, kind, host in zip(sizes, kinds, on_host) if kind == "param" and not host]
     resident = sum(sizes) + optimizer_slots * sum(params)
-    forward_peak, kept = _run(forward)
-    backward_peak, grads = _run(backward)
+    forward_peak, saved = _run(forward)
+    backward_peak, grads = _run(backward, saved)
     return Liveness(forward_bytes=resident + forward_peak,
-                    backward_bytes=resident + kept + backward_peak,
-                    optimizer_bytes=resident + grads + 2 * max(params, default=0))
+                    backward_bytes=resident + backward_peak,
+                    optimizer_bytes=resident + sum(grads.values()) + 2 * max(params, default=0))
 
 
 def _keys(value) -> list:
@@ -79,11 +81,12 @@ class Lifetimes:
     collective: set
     """The storages collectives read or write."""
 
-    def freed_after(self) -> dict[int, list]:
-        """Per node index, the storages the graph owns that are dead once that node has run."""
+    def freed_after(self, owned=frozenset()) -> dict[int, list]:
+        """Per node index, the storages the graph owns (with the inputs' storages in
+        ``owned``) that are dead once that node has run."""
         frees: dict[int, list] = {}
         for key, i in self.last.items():
-            if key not in self.outputs and key not in self.external:
+            if key not in self.outputs and (key not in self.external or key in owned):
                 frees.setdefault(i, []).append(key)
         return frees
 
@@ -123,14 +126,16 @@ def lifetimes(gm: fx.GraphModule) -> Lifetimes:
     return Lifetimes(nodes, storage, last, external, outputs, collective)
 
 
-def _run(gm: fx.GraphModule) -> tuple[int, int]:
-    """The peak bytes the graph allocates while it runs (its inputs aside), and the bytes of
-    its outputs, which outlive it."""
+def _run(gm: fx.GraphModule, held: dict | None = None) -> tuple[int, dict]:
+    """The peak bytes the graph allocates while it runs (its inputs aside, but for ``held``:
+    the storages, by key and bytes, that the graph is given to free after their last read), and
+    the storages of its outputs that it does not take from its inputs, which outlive it."""
+    held = held or {}
     life = lifetimes(gm)
-    frees = life.freed_after()
-    live: dict = {}
-    size: dict = {}
-    total = peak = 0
+    frees = life.freed_after(held.keys())
+    live = dict(held)
+    size = dict(held)
+    total = peak = sum(held.values())
     for i, node in enumerate(life.nodes):
         for key, nbytes in life.storage.get(node, []):
             size[key] = nbytes
@@ -140,7 +145,13 @@ def _run(gm: fx.GraphModule) -> tuple[int, int]:
         peak = max(peak, total)
         for key in frees.get(i, ()):
             total -= live.pop(key, 0)
-    return peak, sum(size[k] for k in life.outputs if k not in life.external)
+    return peak, {k: size[k] for k in life.outputs if k not in life.external or k in held}
+
+
+def forward_made(forward: fx.GraphModule) -> frozenset:
+    """The storage keys of the forward's results that it makes itself (its saved activations,
+    not its inputs or views of them): the backward, given them, may free them."""
+    return frozenset(_run(forward)[1])
 
 
 def plan_liveness(captured, plan) -> Liveness:

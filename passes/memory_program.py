@@ -2,16 +2,34 @@
 
 The layout program (:mod:`autopar.passes.solver`) chooses strategy ``k`` of node ``n`` by the
 one-hot ``x_n,k``. Given the memory each strategy holds, this module counts the memory of a
-device and keeps it under the budget::
+device at each *moment* of the step, the backward of each segment in the order the backward
+reaches them (:attr:`~autopar.passes.remat.ActivationSpace.backward_order`), and keeps the
+peak ``M`` under the budget::
 
-                Σ_n Σ_k m_n,k · x_n,k + T + B ≤ budget       (memory budget, when given)
-                T ≥ Σ_k o_n,k · x_n,k    for every op n            (T: the largest temporary)
+                M ≥ Σ_n Σ_k m_n,k,t · x_n,k + Q_S(t) + T_S(t) + B    for every moment t
+                M ≥ Σ_n Σ_k m_n,k,last · x_n,k + S,   S ≥ 2 Σ_k p_n,k · x_n,k  for every parameter n
+                M ≤ budget                                  (memory budget, when given)
+                T_S ≥ Σ_k o_n,k · x_n,k + Σ_j e_n,j  for every backward op n of segment S   (its largest temporary)
+                M ≥ Σ_n Σ_k m_n,k,0 · x_n,k + T_F,   T_F ≥ Σ_k (o_n,k · x_n,k − b_n,k · k_n,k) + Σ_j e_n,j  for every forward op n
+                e_n,j ≥ Σ_k r_n,j,k · x_n,k − Σ_k' o_u,k' · x_u,k',  e_n,j ≥ 0   for every value u op n reads
 
-``m_n,k`` is the memory node ``n`` holds for the whole step under strategy ``k`` (a parameter's
-piece with its gradient and optimizer state, or a forward value the backward reads) and
-``o_n,k`` the size of its outputs. ``B`` is the packed copy of a gradient bucket in flight
-beside the backward (:func:`in_flight_bucket`). When the solver finds no plan under the budget in time, the
-budget row is dropped and memory priced in the objective instead (:func:`priced_memory`).
+``m_n,k,t`` is the memory node ``n`` holds at moment ``t`` under strategy ``k``: a parameter's
+piece and its optimizer state at every moment, its gradient from the first moment after the
+start of the backward that makes it, a forward value the backward reads up to the last moment
+whose backward reads it (the runtime frees it then, :func:`autopar.runtime.partition.boxed`).
+The last moment, the end of the backward, holds every gradient; the optimizer step holds what
+it holds but for its temporaries, and the step's own ``S``: two of the largest parameter.
+``o_n,k`` is the size of the op's outputs, ``e_n,j`` at least what the copy of its j-th
+operand adds when the op reads it in a larger layout than it is made in (``r_n,j,k`` bytes, a
+gathered copy, alive while the op runs): ``T_S(t)`` is the largest of those of the backward
+ops of moment t's segment (of the backward ops in no segment, at every moment), and ``T_F`` of
+a forward op beyond what it keeps, counted with what the first moment holds (every kept
+activation, no gradient: the end of the forward). ``Q_S(t)`` is the values the backward of moment t's segment recomputes or
+copies back (below), ``B`` the packed copy of a gradient bucket in flight beside the backward
+(:func:`in_flight_bucket`). Within a stack of repeated layers the memory of a moment lies on the
+line between the stack's first and last moments; only those are rows. When the solver finds no
+plan under the budget in time, the budget row is dropped and ``M`` priced in the objective
+instead (:func:`priced_memory`).
 
 With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
 (``K_n``), recomputed (``R_n``) or offloaded to host memory (``O_n``), all binary, and the saved
@@ -22,14 +40,14 @@ activations leave ``m``::
                 K_u ≥ R_n                    for every operand u of n in another segment
                 K_u ≥ K_n                    for every view n of u (a view's bytes are u's)
                 k_n,j ≤ x_n,j,  Σ_j k_n,j = K_n   (by strategy j; likewise r_n,j and o_n,j)
-                Q ≥ Σ_(n ∈ S) Σ_j b_n,j · (r_n,j + o_n,j)   for every segment S (one segment's
-                                                 recomputed or reloaded values are alive at a time)
-                Q ≥ Σ_(n ∈ S+1) Σ_j b_n,j · (r_n,j + o_n,j) + Σ_(n ∈ S) Σ_j b_n,j · o_n,j − M_S · (1 − F_S)
+                Q_S ≥ Σ_(n ∈ S) Σ_j b_n,j · (r_n,j + o_n,j)   for every segment S (its recomputed
+                                                 or reloaded values, alive during its backward)
+                Q_S+1 ≥ Σ_(n ∈ S+1) Σ_j b_n,j · (r_n,j + o_n,j) + Σ_(n ∈ S) Σ_j b_n,j · o_n,j − M_S · (1 − F_S)
                 E_n ≥ (moves of n's operands) − C_n · (1 − R_n)
                 B_S ≥ B_(S−1) + Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ S) Σ_k c_n,k · x_n,k,   B_S ≥ 0
                 W_S ≥ Σ_(n ∈ S) Σ_j t_n,j · o_n,j − Σ_(n ∈ bw(S+1)) Σ_k c_n,k · x_n,k,   W_S ≥ 0
                 W_S ≥ Σ_(n ∈ S) Σ_j t_n,j · o_n,j − T_S · F_S
-                Σ_n Σ_j b_n,j · k_n,j + Q enter the memory budget,
+                b_n,j · k_n,j enter m_n,j,t,
                 Σ_n Σ_j c_n,j · r_n,j + E_n + B_last + Σ_S W_S the objective
 
 ``t_n,j`` is the time of copying op n's held bytes over the host link one way. The copies out
@@ -64,32 +82,148 @@ from autopar.passes.remat import ActivationSpace
 
 
 def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
-                   activations: tuple | None, host_mb: dict | None = None):
-    """Per-device memory Σ summed parts + (largest temporary) ≤ budget. The largest temporary
-    is a variable at least every op's output size under its chosen strategy. ``activations``
-    (the space, kept and recomputed megabytes of :func:`keep_recompute_or_offload`) replaces the
-    activations of the forward ops; ``host_mb`` (of :func:`host_state`) takes the parameters and
-    optimizer state moved to the host off, and adds any other term (:func:`in_flight_bucket`)."""
-    coefs: dict = defaultdict(float, host_mb or {})
-    exclude = frozenset(activations[0].nodes) if activations is not None else frozenset()
-    for name, sizes in memory.summed(exclude).items():
-        for k, terms in enumerate(ind[name]):
-            for var in terms:
-                coefs[var] += sizes[k] * MEMORY_SCALE
-    if activations is not None:
-        _, kept_mb, recompute_mb = activations
-        for var, megabytes in kept_mb.items():
-            coefs[var] += megabytes
-        coefs[recompute_mb] += 1.0
-    peak = solver.NumVar(0.0, solver.infinity(), "largest_temporary")
+                  acts: ActivationSpace | None, chosen: tuple | None = None, terms: list | None = None):
+    """The per-device peak ``M`` of the module docstring: at least the memory alive at each
+    moment of the backward, and at most the budget when one is given. ``acts`` gives the
+    moments (one, holding everything, without it); ``chosen`` (the kept terms and the
+    segments' recomputed megabytes of :func:`keep_recompute_or_offload`) replaces the
+    activations of the forward ops; ``terms`` adds ``(node, variable, megabytes per copy,
+    kind)`` terms, as :func:`host_state` makes them: alive at every moment (``"always"``), from
+    the node's gradient on (``"grad"``; without a node, once the backward has begun), at the
+    start of the backward that makes it (``"made"``) or as long as its kept outputs (``"kept"``). Returns ``M`` and the budget row (``None`` without a
+    budget)."""
+    moments = acts.moments if acts is not None else 1
+    released = acts.released if acts is not None else {}
+    made = acts.grad_made if acts is not None else {}
+    last = moments - 1
+    copies: dict[str, list[str]] = defaultdict(list)
+    for name in ind:
+        copies[shared.get(name, name)].append(name)
+    alive: dict[tuple[int, int], dict] = defaultdict(lambda: defaultdict(float))  # (first, last moment) -> {var: MB}
+
+    def add(name: str | None, kind: str, var, megabytes: float) -> None:
+        for copy in copies.get(name, (name,)):
+            span = ((made.get(copy, 0) if copy is not None else min(1, last), last) if kind == "grad"
+                    else (0, released.get(copy, last)) if kind == "kept"
+                    else (max(made.get(copy, 0) - 1, 0),) * 2 if kind == "made" else (0, last))
+            alive[span][var] += megabytes
+
+    exclude = frozenset(acts.nodes) if acts is not None and chosen is not None else frozenset()
+    for kind, part in (("always", memory.params), ("always", memory.optimizer), ("grad", memory.grads),
+                       ("kept", memory.activations)):
+        for name, sizes in part.items():
+            if name in shared or (part is memory.activations and name in exclude):
+                continue
+            for k, group in enumerate(ind[name]):
+                for var in group:
+                    if sizes[k]:
+                        add(name, kind, var, sizes[k] * MEMORY_SCALE)
+    represent = {acts.segment[name]: acts.segment[first] for name, first in shared.items() if name in acts.segment} if acts else {}
+    order = [represent.get(s, s) for s in acts.backward_order] if acts is not None else []
+    everywhere: dict = {}
+    at_moment: list[dict] = [{} for _ in range(moments)]
+
+    def during(segment: str | None, var) -> None:
+        """``var`` alive during the backward of ``segment``: at its start, and at the end of the
+        backward for the last segment (at every moment for no segment's)."""
+        if segment in order:
+            for k, s in enumerate(order):
+                if s == segment:
+                    at_moment[k][var] = 1.0
+            if order[-1] == segment:
+                at_moment[-1][var] = 1.0
+        else:
+            everywhere[var] = 1.0
+
+    kept, refilled = chosen if chosen is not None else ({}, {})
+    temporaries: dict = {}  # T_S, per segment; of the backward ops in none under None, of the forward's under "forward"
     for name, sizes in memory.temporaries.items():
         if name in shared:
             continue  # the same constraint as its first layer's
-        solver.Add(peak >= sum(sizes[k] * MEMORY_SCALE * sum(terms) for k, terms in enumerate(ind[name]) if terms and sizes[k]))
-    row = None
-    if budget_bytes is not None:
-        row = solver.Add(sum(c * v for v, c in coefs.items()) + peak <= budget_bytes * MEMORY_SCALE)  # memory budget
-    return coefs, peak, row
+        if acts is not None and name in acts.segment:
+            segment = "forward"
+        else:
+            segment = acts.backward_segment.get(name) if acts is not None else None
+            segment = segment if segment in order else None
+        if segment not in temporaries:
+            temporaries[segment] = solver.NumVar(0.0, solver.infinity(), "")
+            if segment != "forward":
+                during(segment, temporaries[segment])
+        held = sum(megabytes * var for var, megabytes in kept.get(name, {}).items()) if segment == "forward" else 0
+        solver.Add(temporaries[segment] >= sum(sizes[k] * MEMORY_SCALE * sum(group)
+                                               for k, group in enumerate(ind[name]) if group and sizes[k])
+                   + sum(_moved_copies(solver, memory, ind, name)) - held)
+    stepped = solver.NumVar(0.0, solver.infinity(), "")  # the optimizer step's temporaries, S
+    for name in memory.optimizer:
+        if name not in shared:
+            solver.Add(stepped >= sum(2 * size * MEMORY_SCALE * sum(group) for size, group in zip(memory.params[name], ind[name])))
+    for segment, var in refilled.items():
+        during(segment, var)
+    for name, per_var in kept.items():
+        for var, megabytes in per_var.items():
+            add(name, "kept", var, megabytes)
+    for name, var, megabytes, kind in terms or ():
+        add(name, kind, var, megabytes)
+    peak = solver.NumVar(0.0, solver.infinity(), "memory_peak")
+    rows = _distinct_moments(alive, at_moment)
+    rows.append({**_alive_at(alive, last), stepped: 1.0})  # the optimizer step: what the last moment holds, and S
+    if "forward" in temporaries:  # the end of the forward: what the first moment holds, with a forward op's output
+        rows.append({**_alive_at(alive, 0), temporaries["forward"]: 1.0})
+    for row in rows:
+        solver.Add(peak >= sum(c * v for v, c in row.items()) + sum(c * v for v, c in everywhere.items()))
+    budget = solver.Add(peak <= budget_bytes * MEMORY_SCALE) if budget_bytes is not None else None
+    return peak, budget
+
+
+def _distinct_moments(alive: dict[tuple[int, int], dict], at_moment: list[dict]) -> list[dict]:
+    """The memory alive at each moment, ``{variable: megabytes}``: the terms ``alive`` over a
+    span of moments that holds it, and the moment's own terms; without the moments whose
+    memory lies between that of the moments before and after them (inside a stack of repeated
+    layers the memory moves linearly from one layer's backward to the next)."""
+    rows: list[dict] = []
+    for k, own in enumerate(at_moment):
+        row = _alive_at(alive, k)
+        for var, megabytes in own.items():
+            row[var] += megabytes
+        while len(rows) >= 2 and _between(rows[-2], rows[-1], row):
+            rows.pop()
+        rows.append(row)
+    return rows
+
+
+def _moved_copies(solver, memory: MemoryTerms, ind: dict, name: str) -> list:
+    """Per value op ``name`` may read in a larger layout than it is made in, a variable at
+    least the bytes the copy adds, ``e ≥ Σ_k r_k · x_n,k − Σ_k' m_k' · x_u,k'``, ``e ≥ 0``
+    (the copy's bytes less the value's own: a lower bound)."""
+    found = []
+    for (producer, _), read, made in memory.moved.get(name, ()):
+        if max(read, default=0.0) <= min(made, default=0.0):
+            continue
+        extra = solver.NumVar(0.0, solver.infinity(), "")
+        solver.Add(extra >= sum(r * MEMORY_SCALE * sum(group) for r, group in zip(read, ind[name]) if r)
+                   - sum(m * MEMORY_SCALE * sum(group) for m, group in zip(made, ind[producer]) if m))
+        found.append(extra)
+    return found
+
+
+def _alive_at(alive: dict[tuple[int, int], dict], moment: int) -> dict:
+    """``{variable: megabytes}`` of the terms ``alive`` over a span of moments that holds ``moment``."""
+    row: dict = defaultdict(float)
+    for (first, last), terms in alive.items():
+        if first <= moment <= last:
+            for var, megabytes in terms.items():
+                row[var] += megabytes
+    return row
+
+
+def _between(a: dict, b: dict, c: dict) -> bool:
+    """Whether ``b = a + t (c − a)`` for one ``t`` in [0, 1], coefficient by coefficient."""
+    keys = set(a) | set(b) | set(c)
+    step = {v: c.get(v, 0.0) - a.get(v, 0.0) for v in keys}
+    largest = max(keys, key=lambda v: abs(step[v]), default=None)
+    t = 0.0 if largest is None or step[largest] == 0 else (b.get(largest, 0.0) - a.get(largest, 0.0)) / step[largest]
+    return -1e-12 <= t <= 1 + 1e-12 and all(
+        abs(b.get(v, 0.0) - a.get(v, 0.0) - t * step[v]) <= 1e-9 * max(1.0, abs(b.get(v, 0.0))) for v in keys)
 
 
 def in_flight_bucket(solver, bucketed: list[tuple], bucket_bytes: float):
@@ -106,10 +240,9 @@ def in_flight_bucket(solver, bucketed: list[tuple], bucket_bytes: float):
     return held
 
 
-def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_bytes: float, deadline: float,
-                  hint: list[tuple] = ()):
+def priced_memory(solver, params, peak, budget_row, budget_bytes: float, deadline: float, hint: list[tuple] = ()):
     """A plan under the budget when the solver finds none in time: the budget row is dropped and
-    memory priced in the objective at λ nanoseconds per megabyte, λ raised tenfold until the
+    the peak ``M`` priced in the objective at λ nanoseconds per megabyte, λ raised tenfold until the
     fastest plan at that price fits, then bisected (geometrically) towards the smallest price
     that fits. Each of these programs solves like one without a budget. Returns the fitting
     outcome with the least time (status ``FEASIBLE``, bound 0), or ``None``. Each search starts
@@ -117,7 +250,7 @@ def priced_memory(solver, params, memory_coefs: dict, peak, budget_row, budget_b
     objective = solver.Objective()
     time_coefs = {var.index(): (var, objective.GetCoefficient(var)) for var in solver.variables()}
     budget_row.SetUb(solver.infinity())
-    memory_vars = [*memory_coefs.items(), (peak, 1.0)]
+    memory_vars = [(peak, 1.0)]
 
     def attempt(price: float):
         for var, coef in memory_vars:
@@ -155,8 +288,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
                               reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
     """The activation constraints of the module docstring, with offload when ``host`` is
     given. Returns each op's recompute and offload variables, each segment's prefetch variable
-    ``F_S``, the kept megabytes as ``{variable: megabytes}``, and the recomputed-megabytes
-    variable ``Q``."""
+    ``F_S``, the megabytes each op keeps (for each copy of a repeated layer) as ``{op:
+    {variable: megabytes}}``, and each segment's recomputed and reloaded megabytes ``Q_S``."""
     copies = _copies(shared)
     by_reader: dict[str, list] = defaultdict(list)
     for (reader, _), terms in reader_moves.items():
@@ -165,7 +298,7 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
     keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
     again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
     away = {name: solver.IntVar(0, 1 if host is not None and name in acts.offloadable else 0, "") for name in own}
-    kept_mb: dict = defaultdict(float)
+    kept_mb: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     segments: dict[str, list] = defaultdict(list)
     copied_out: dict[str, list] = defaultdict(list)  # per segment: (nanoseconds of a copy one way, o_n,j)
     offloaded: dict[str, list] = defaultdict(list)  # per segment: (megabytes, o_n,j)
@@ -175,14 +308,14 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         away_k = _per_strategy(solver, ind[name], away[name]) if away[name].ub() else [0] * len(ind[name])
         for k, size in enumerate(acts.bytes[name]):
             if size:
-                kept_mb[kept_k[k]] += size * MEMORY_SCALE * count
+                kept_mb[name][kept_k[k]] += size * MEMORY_SCALE
                 segments[acts.segment[name]].append(size * MEMORY_SCALE * (again_k[k] + away_k[k]))
                 if away[name].ub():
                     copied_out[acts.segment[name]].append((count * host.copy_s(size) * SCALE, away_k[k]))
                     offloaded[acts.segment[name]].append((size * MEMORY_SCALE, away_k[k]))
         if name in acts.extra:
             _extra_kept(solver, acts.extra[name], ind[name], again[name],
-                        [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb, count)
+                        [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb[name])
         if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
@@ -225,20 +358,23 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         if name in acts.views:
             base = acts.views[name]
             solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
-    recompute_mb = solver.NumVar(0.0, solver.infinity(), "recomputed_activations")
+    refilled = {}
     for segment in sorted(set(segments) | set(reloaded)):
-        solver.Add(recompute_mb >= sum(segments.get(segment, ())))  # one segment is recomputed or reloaded at a time
+        refilled[segment] = solver.NumVar(0.0, solver.infinity(), "")  # Q_S
+        solver.Add(refilled[segment] >= sum(segments.get(segment, ())))
         for mb in reloaded.get(segment, ()):
-            solver.Add(recompute_mb >= sum(segments.get(segment, ())) + mb)  # with the reloads copied back beside it
-    return again, away, ahead, kept_mb, recompute_mb
+            solver.Add(refilled[segment] >= sum(segments.get(segment, ())) + mb)  # with the reloads copied back beside it
+    return again, away, ahead, kept_mb, refilled
 
 
 def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict):
     """``H_p`` and ``P_p`` of the module docstring for every parameter: its optimizer state, and
     the parameter with its gradient, in host memory. Returns ``{parameter: H_p}``,
-    ``{parameter: P_p}`` and the megabytes they take off the device as ``{variable: −megabytes}``."""
+    ``{parameter: P_p}`` and the megabytes they take off the device, per copy of a repeated
+    layer, as terms of :func:`memory_budget` (the gradient's only from when it is made; the
+    backward that makes it holds the parameter's copy in and the gradient before it goes out)."""
     copies = _copies(shared)
-    optimizer, params, saved_mb = {}, {}, {}
+    optimizer, params, saved_mb = {}, {}, []
     for name, sizes in memory.optimizer.items():
         if name in shared:
             continue
@@ -251,9 +387,11 @@ def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], h
         state_k = _per_strategy(solver, ind[name], optimizer[name])
         param_k = _per_strategy(solver, ind[name], params[name])
         for k, (state, param) in enumerate(zip(state_k, param_k)):
-            saved_mb[state] = -sizes[k] * MEMORY_SCALE * count
+            saved_mb.append((name, state, -sizes[k] * MEMORY_SCALE, "always"))
             costs[state] += count * stepped[k]
-            saved_mb[param] = -(memory.params[name][k] + memory.grads[name][k]) * MEMORY_SCALE * count
+            saved_mb.append((name, param, -memory.params[name][k] * MEMORY_SCALE, "always"))
+            saved_mb.append((name, param, -memory.grads[name][k] * MEMORY_SCALE, "grad"))
+            saved_mb.append((name, param, (memory.params[name][k] + memory.grads[name][k]) * MEMORY_SCALE, "made"))
             costs[param] += count * host.copy_s(memory.params[name][k])  # copied in twice a step instead of back once
     return optimizer, params, saved_mb
 
@@ -309,7 +447,7 @@ def _per_strategy(solver, terms: list[list], choice) -> list:
     return split
 
 
-def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: list, kept_mb: dict, count: int) -> None:
+def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: list, kept_mb: dict) -> None:
     """The outputs of an op that the backward does not read are kept when one of their forward
     readers m is recomputed and the op is not: ``F_n ≥ R_m − R_n``, their bytes ``b'_n,k`` on
     ``w_k ≤ x_k`` with ``Σ_k w_k ≥ F_n``."""
@@ -322,7 +460,7 @@ def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: l
         solver.Add(var <= sum(group))
     solver.Add(sum(split) >= needed)
     for var, size in zip(split, sizes):
-        kept_mb[var] += size * MEMORY_SCALE * count
+        kept_mb[var] += size * MEMORY_SCALE
 
 
 def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> None:

@@ -1,6 +1,7 @@
 """Turn the solver's choice into a :class:`~autopar.plan.ShardingPlan`."""
 
 import dataclasses
+from collections import defaultdict
 
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
@@ -9,7 +10,7 @@ from autopar.placement import format_placement, format_placements
 from autopar.plan import Collective, NodePlan, ShardingPlan
 from autopar.passes.buckets import ParameterGather, bucket_s, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, module_paths
-from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops
+from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops, refilled_bytes
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
 
@@ -105,7 +106,10 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         communication_s=sum(c.time_s for c in collectives),
         memory=dataclasses.replace(memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total,
                                                             offloaded_total), solution.host_optimizer, solution.host_params),
-                                   bucket_bytes=in_flight),
+                                   bucket_bytes=in_flight,
+                                   moment_bytes=moment_bytes(memory, activations, choice, recomputed, offloaded,
+                                                             solution.prefetched, solution.host_optimizer, solution.host_params,
+                                                             in_flight)),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
@@ -116,6 +120,60 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         host_params=tuple(by_name[name].target for name in sorted(solution.host_params)),
         prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
     )
+
+
+def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
+                 offloaded: frozenset[str], prefetched: frozenset[str], host_optimizer: frozenset[str],
+                 host_params: frozenset[str], bucket: int = 0) -> int:
+    """What the solver counts alive at the fullest moment of the training step
+    (:func:`~autopar.passes.memory_program.memory_budget`): parameters and optimizer state not
+    in host memory (those in host memory in the backward that makes their gradients), the
+    gradients made by then, the activations kept until then and the
+    values the moment's segment recomputes or reloads, with the largest output of its backward
+    ops (and the copies of its operands it gathers), and once the backward has begun the ``bucket`` of gradients in flight; or at the
+    optimizer step, what the backward's end holds with two of the largest parameter; or at the end of the forward, every kept activation with the largest output of a forward op beyond what it
+    keeps."""
+    last = acts.moments - 1
+    held = [0.0] * acts.moments
+
+    def add(first: int, end: int, size: float) -> None:
+        for k in range(first, end + 1):
+            held[k] += size
+
+    for name, sizes in memory.params.items():
+        add(0, last, 0 if name in host_params else sizes[choice[name]])
+    for name, sizes in memory.optimizer.items():
+        add(0, last, 0 if name in host_optimizer else sizes[choice[name]])
+    for name, sizes in memory.grads.items():
+        made = acts.grad_made.get(name, 0)
+        add(made, last, 0 if name in host_params else sizes[choice[name]])
+        if name in host_params:  # copied in for the backward that makes its gradient, which goes out
+            add(max(made - 1, 0), max(made - 1, 0), sizes[choice[name]] + memory.params[name][choice[name]])
+    for name, sizes in memory.activations.items():
+        if name not in acts.segment:
+            add(0, acts.released.get(name, last), sizes[choice[name]])
+    kept = {name: kept_bytes(acts, name, choice, recomputed) for name in kept_ops(acts, recomputed, offloaded) - recomputed}
+    for name, size in kept.items():
+        add(0, acts.released.get(name, last), size)
+    during = defaultdict(float, refilled_bytes(acts, choice, recomputed, offloaded, prefetched))
+    largest: dict = defaultdict(float)  # per segment, the largest output of its backward ops
+    forward = 0.0
+    for name, sizes in memory.temporaries.items():
+        size = sizes[choice[name]] + memory.moved_bytes(name, choice)
+        if name in acts.segment:
+            forward = max(forward, size - kept.get(name, 0))
+        else:
+            segment = acts.backward_segment.get(name)
+            segment = segment if segment in acts.backward_order else None
+            largest[segment] = max(largest[segment], size)
+    for segment, size in largest.items():
+        during[segment] += size
+    elsewhere = sum(size for segment, size in during.items() if segment not in acts.backward_order)
+    at = (*acts.backward_order, *acts.backward_order[-1:])  # each segment's backward starting, then the last one's ending
+    moments = [held[k] + elsewhere + during[segment] + (bucket if k else 0) for k, segment in enumerate(at)]
+    stepped = 2 * max((sizes[choice[name]] for name, sizes in memory.params.items()
+                       if name in memory.optimizer and name not in host_optimizer), default=0)
+    return int(max(*(moments or [held[0] + elsewhere + bucket]), held[0] + elsewhere + forward, held[last] + elsewhere + stepped))
 
 
 def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None,

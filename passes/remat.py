@@ -68,6 +68,20 @@ class ActivationSpace:
     of segments that have forward ops."""
     backward_order: tuple[str, ...] = ()
     """Segments in the order the backward reaches them (runs its first op of the segment)."""
+    released: dict[str, int] = field(default_factory=dict)
+    """Per forward op, the last *moment* its kept outputs are alive at. Moment ``k`` is the
+    start of the backward of segment ``backward_order[k]``, and one more is the end of the
+    backward; an op's outputs are alive until the last of its own segment's, its readers' and
+    its views' readers' backwards is done (the runtime frees each saved tensor after its last
+    read)."""
+    grad_made: dict[str, int] = field(default_factory=dict)
+    """Per parameter, the first moment its gradient (or part of it) is alive at: the one after
+    the start of the backward the step reaches first among its readers' segments'."""
+
+    @property
+    def moments(self) -> int:
+        """How many moments the memory budget holds at (1 when no segment has a backward)."""
+        return len(self.backward_order) + 1 if self.backward_order else 1
 
     def crosses(self, name: str, operand: str) -> bool:
         return self.segment[name] != self.segment[operand]
@@ -120,10 +134,37 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
     backward_segment = {n.name: segment_of(paths[n.name]) for n in space.nodes
                         if n.kind == "op" and n.phase == "backward" and n.name in paths}
     backward_segment = {name: s for name, s in backward_segment.items() if s in segments}
+    order = tuple(backward_segment_starts(captured, paths))
+    released, grad_made = _moments(space, forward, segment, backward_segment, views, order)
     return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
                            operands, kept, frozenset(never_kept),
                            {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views),
-                           frozenset(offloadable), backward_segment, tuple(backward_segment_starts(captured, paths)))
+                           frozenset(offloadable), backward_segment, order, released, grad_made)
+
+
+def _moments(space: StrategySpace, forward, segment: dict[str, str], backward_segment: dict[str, str], views: dict,
+             order: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
+    """:attr:`ActivationSpace.released` and :attr:`ActivationSpace.grad_made`. A reader in no
+    segment of ``order`` keeps an op alive to the end and makes a gradient from the start."""
+    at = {s: i for i, s in enumerate(order)}
+    last = len(order)
+    released = {n.name: at.get(segment[n.name], last) for n in forward}
+    grad_made: dict[str, int] = {}
+    for n in space.nodes:
+        if n.kind != "op":
+            continue
+        moment = at.get(backward_segment.get(n.name) if n.phase == "backward" else segment.get(n.name), last)
+        for name, _ in n.args:
+            if name in released:
+                released[name] = max(released[name], moment)
+            elif n.phase == "forward":
+                grad_made[name] = min(grad_made.get(name, last), moment + 1 if moment < last else 0)
+    for n in reversed(forward):  # a view's readers keep the op it views
+        if n.name in views and views[n.name][0] in released:
+            base = views[n.name][0]
+            released[base] = max(released[base], released[n.name])
+    params = {n.name for n in space.nodes if n.kind == "param"}
+    return released, {name: grad_made.get(name, 0) for name in params}
 
 
 def _reads(space: StrategySpace, names: set[str]) -> tuple[dict[str, set[int]], dict[str, dict[int, set[str]]]]:
@@ -211,11 +252,21 @@ def kept_ops(acts: ActivationSpace, recomputed: frozenset[str], offloaded: froze
 def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
                      offloaded: frozenset[str] = frozenset(), prefetched: frozenset[str] = frozenset()) -> tuple[int, int, int]:
     """``(kept, recomputed, offloaded)`` bytes per device: every kept op's outputs; the largest
-    of a segment's recomputed and reloaded outputs, with those of the segment before it when
-    they are ``prefetched`` (copied back during its backward); and the offloaded outputs, which
-    wait in host memory."""
+    of a segment's recomputed and reloaded outputs (:func:`refilled_bytes`); and the offloaded
+    outputs, which wait in host memory."""
     needed = kept_ops(acts, recomputed, offloaded)
-    kept = host = 0
+    kept = sum(kept_bytes(acts, name, choice, recomputed) for name in acts.nodes
+               if name in needed and name not in recomputed and name not in offloaded)
+    host = sum(acts.bytes[name][choice[name]] for name in acts.nodes if name in offloaded)
+    refilled = refilled_bytes(acts, choice, recomputed, offloaded, prefetched)
+    return int(kept), int(max(refilled.values(), default=0.0)), int(host)
+
+
+def refilled_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
+                   offloaded: frozenset[str] = frozenset(), prefetched: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Per segment, the bytes alive during its backward that the backward makes again: its
+    recomputed and reloaded outputs, with those of the segment before it when they are
+    ``prefetched`` (copied back during its backward)."""
     per_segment: dict[str, float] = {}
     reloaded: dict[str, float] = {}
     during = acts.reloaded_during()
@@ -223,15 +274,10 @@ def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: 
         size = acts.bytes[name][choice[name]]
         if name in recomputed or name in offloaded:
             per_segment[acts.segment[name]] = per_segment.get(acts.segment[name], 0.0) + size
-        if name in offloaded:
-            host += size
-            if acts.segment[name] in prefetched and acts.segment[name] in during:
-                target = during[acts.segment[name]]
-                reloaded[target] = reloaded.get(target, 0.0) + size
-        elif name in needed and name not in recomputed:
-            kept += kept_bytes(acts, name, choice, recomputed)
-    alive = [per_segment.get(s, 0.0) + reloaded.get(s, 0.0) for s in set(per_segment) | set(reloaded)]
-    return int(kept), int(max(alive, default=0.0)), int(host)
+        if name in offloaded and acts.segment[name] in prefetched and acts.segment[name] in during:
+            target = during[acts.segment[name]]
+            reloaded[target] = reloaded.get(target, 0.0) + size
+    return {s: per_segment.get(s, 0.0) + reloaded.get(s, 0.0) for s in sorted(set(per_segment) | set(reloaded))}
 
 
 def kept_bytes(acts: ActivationSpace, name: str, choice: dict[str, int], recomputed: frozenset[str]) -> int:

@@ -177,20 +177,18 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
     if choosing:
-        again, away, ahead, kept_mb, recompute_mb = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves,
+        again, away, ahead, kept_mb, refilled = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves,
                                                                               shared, costs, offloading)
-    host_mb = None
+    terms = []
     if memory is not None and offloading is not None:
-        on_host, params_on_host, host_mb = host_state(solver, memory, ind, shared, offloading, costs)
+        on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs)
     if memory is not None and bucketed and bucket_bytes:
-        host_mb = {**(host_mb or {}), in_flight_bucket(solver, bucketed, bucket_bytes): 1.0}
+        terms.append((None, in_flight_bucket(solver, bucketed, bucket_bytes), 1.0, "grad"))
     objective = solver.Objective()
     if memory is not None:
-        memory_coefs, peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared,
-                                                        (activations, kept_mb, recompute_mb) if choosing else None, host_mb)
+        peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared, activations,
+                                         (kept_mb, refilled) if choosing else None, terms)
     if minimise == "memory":
-        for var, coef in memory_coefs.items():
-            objective.SetCoefficient(var, coef)
         objective.SetCoefficient(peak, 1.0)
         scale = MEMORY_SCALE
     else:
@@ -223,7 +221,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
             outcome, status = better, better[0]
     if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
-        outcome = priced_memory(solver, params, memory_coefs, peak, budget_row, budget_bytes,
+        outcome = priced_memory(solver, params, peak, budget_row, budget_bytes,
                                  started + time_limit_s, hint)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started

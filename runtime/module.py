@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_unflatten
 
+from autopar.cost_model.liveness import forward_made
 from autopar.errors import StalePlanError
 from autopar.mesh import Mesh
 from autopar.placement import Shard, format_placements
@@ -17,8 +18,8 @@ from autopar.passes.rank_ops import graph_collectives
 from autopar.passes.rewrite import placeholder_layouts, rewrite
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
-from autopar.runtime.partition import Partitioned, layer_by_layer, partition
-from autopar.runtime.release import release_collective_buffers
+from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
+from autopar.runtime.release import GivenRelease, release_collective_buffers
 from autopar.runtime.state import gather_whole, local_piece
 
 log = logging.getLogger("autopar")
@@ -35,17 +36,21 @@ class _Program:
         self.updated_buffers = updated_buffers
         """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
         self.grads_to_host = any(n.target in OFFLOAD_OPS for n in parts.backward.graph.nodes)
+        self.given = GivenRelease()
+        """Frees saved tensors that collectives read in the backward, once the backward owns them."""
         if backend == "inductor":
             self.forward = _inductor(parts.forward)
             layers = layer_by_layer(parts.backward)
             if layers is None:
-                self.backward = _inductor(parts.backward)
+                whole = _inductor(parts.backward)
+                self.backward = lambda args: whole(*args)
             else:
                 for name, layer in list(layers.named_children()):
                     setattr(layers, name, _inductor(layer))
-                self.backward = layers
+                self.backward = boxed(layers)
         else:
-            self.forward, self.backward = release_collective_buffers(parts.forward), release_collective_buffers(parts.backward)
+            self.forward = release_collective_buffers(parts.forward)
+            self.backward = boxed(release_collective_buffers(parts.backward, (forward_made(parts.forward), self.given)))
 
 
 def _inductor(graph: torch.fx.GraphModule):
@@ -78,7 +83,10 @@ class _Step(torch.autograd.Function):
     def backward(ctx, *tangents):
         program = ctx.program
         tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
-        grads = program.backward(*ctx.saved_tensors, *(t.contiguous() for t in tangents))
+        args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
+        ctx.maybe_clear_saved_tensors()  # unless retain_graph: the backward frees each after its last read
+        program.given.owned = not torch._C._autograd._get_current_graph_task_keep_graph()
+        grads = program.backward(args)
         if program.grads_to_host:
             host_copies_done()
         grads = iter(grads)

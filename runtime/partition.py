@@ -9,6 +9,7 @@ backward graph as inputs, as AOT autograd does.
 from dataclasses import dataclass
 
 from torch import fx
+from torch.fx.graph import _BoxedCodeGen
 from torch.fx.passes.split_module import split_module
 
 from autopar.passes.capture import backward_nodes
@@ -21,7 +22,8 @@ class Partitioned:
     forward: fx.GraphModule
     """``(*primals) -> (*outputs, *saved)``."""
     backward: fx.GraphModule
-    """``(*saved, *tangents) -> (*grads)``."""
+    """``(*saved, *tangents) -> (*grads)``; :func:`boxed` makes it free each saved tensor
+    after its last read."""
     num_outputs: int
     num_saved: int
 
@@ -89,3 +91,12 @@ def layer_by_layer(backward: fx.GraphModule) -> fx.GraphModule | None:
         return None
     first = min(parts.values())
     return split_module(backward, backward, lambda n: parts.get(n, first), keep_original_order=True)
+
+
+def boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` taking its inputs as one list, which it empties, and dropping each input after
+    its last read, as AOT autograd's backward graphs do: a saved activation the caller no
+    longer holds is then freed as soon as the backward is done with it, not at its end."""
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm

@@ -113,7 +113,7 @@ def test_solves_under_a_budget_start_from_the_fastest_plan_that_fit():
     def attempt(solver_budget, start):
         peak, step_s = next(outcomes)
         starts.append(start)
-        plan = SimpleNamespace(predicted_step_s=step_s, memory=SimpleNamespace(summed_bytes=solver_budget))
+        plan = SimpleNamespace(predicted_step_s=step_s, memory=SimpleNamespace(solver_bytes=solver_budget))
         live = SimpleNamespace(peak_bytes=peak, forward_bytes=peak, backward_bytes=peak, optimizer_bytes=peak)
         return plan, live, {"solve": 2.0, "memory": 0.5}, f"solution of the plan taking {step_s} s"
 
@@ -135,7 +135,7 @@ def test_a_retry_under_a_budget_that_runs_out_of_time_keeps_the_plan_that_fit():
     def attempt(solver_budget, start):
         if start is not None:
             raise InfeasiblePlanError("the solver found no plan for 9 nodes within its time limit (1 s)")
-        plan = SimpleNamespace(predicted_step_s=1.0, memory=SimpleNamespace(summed_bytes=solver_budget))
+        plan = SimpleNamespace(predicted_step_s=1.0, memory=SimpleNamespace(solver_bytes=solver_budget))
         peak = next(peaks)
         return plan, SimpleNamespace(peak_bytes=peak), {}, f"peak {peak}"
 

@@ -23,12 +23,12 @@ MESH = autopar.Mesh((4,), ("dp",))
 REPLICATED = 0.6  # the budget, as a fraction of what data parallelism (replicated parameters) needs
 WITH_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6,
                                      host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11)
-OFFLOADING = 0.35  # the budget, as a fraction of the unbudgeted plan's peak, that splitting alone cannot meet
+OFFLOADING = 0.45  # the budget, as a fraction of the unbudgeted plan's peak, that splitting alone cannot meet
 
 
-def _model():
+def _model(num_layers: int = 2):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, dim=32, num_heads=4, num_layers=2))
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, dim=32, num_heads=4, num_layers=num_layers))
     batches = [(torch.randint(0, 64, (8, 32)), torch.randint(0, 64, (8, 32))) for _ in range(3)]
     return model, batches
 
