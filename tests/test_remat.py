@@ -11,7 +11,6 @@ from autopar.examples.gpt import GPT, GPTConfig
 ONE_DEVICE = Mesh((1,), ("x",))  # nothing to split: only recomputation saves memory
 FLOPS_AND_BYTES = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6)
 MATMULS = {"mm", "addmm", "bmm"}
-CHEAP = {"gelu", "native_layer_norm", "add"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def test_tightening_the_budget_recomputes_cheap_ops_before_matmuls(gpt):
     keep_all = _plan(gpt)
     slightly = _plan(gpt, memory_budget=int(keep_all.peak_memory_bytes * 0.95))
     tighter = _plan(gpt, memory_budget=int(keep_all.peak_memory_bytes * 0.85))
-    assert _recomputed_ops(slightly) and _recomputed_ops(slightly) <= CHEAP  # a GELU's or a layer norm's output
+    assert _recomputed_ops(slightly) and not _recomputed_ops(slightly) & MATMULS  # a GELU's or a layer norm's output
     assert _recomputed_ops(tighter) & MATMULS
     for plan, fraction in ((slightly, 0.95), (tighter, 0.85)):
         assert plan.peak_memory_bytes <= keep_all.peak_memory_bytes * fraction
