@@ -118,7 +118,7 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
                 for var in group:
                     if sizes[k]:
                         add(name, kind, var, sizes[k] * MEMORY_SCALE)
-    represent = {acts.segment[name]: acts.segment[first] for name, first in shared.items() if name in acts.segment} if acts else {}
+    represent = _represented(acts, shared) if acts is not None else {}
     order = [represent.get(s, s) for s in acts.backward_order] if acts is not None else []
     everywhere: dict = {}
     at_moment: list[dict] = [{} for _ in range(moments)]
@@ -416,7 +416,7 @@ def _reloaded_during(acts: ActivationSpace, own: list[str], shared: dict[str, st
     layers (shared choices) has ``c − 1`` of its copies prefetched beside the backward of their
     next copy, and the copy the backward reaches first beside the segment before it."""
     times = {acts.segment[name]: 1 + copies[name] for name in own}
-    represent = {acts.segment[name]: acts.segment[first] for name, first in shared.items() if name in acts.segment}
+    represent = _represented(acts, shared)
     during = acts.reloaded_during()
     found = {}
     for segment, count in times.items():
@@ -428,6 +428,11 @@ def _reloaded_during(acts: ActivationSpace, own: list[str], shared: dict[str, st
         beside = during.get(layers[0]) if layers else None
         found[segment] = [(segment, (count - 1) / count, count - 1), (represent.get(beside, beside), 1 / count, 1)]
     return found
+
+
+def _represented(acts: ActivationSpace, shared: dict[str, str]) -> dict[str, str]:
+    """Each segment of a repeated layer → the segment of the first layer, whose choices it takes."""
+    return {acts.segment[name]: acts.segment[first] for name, first in shared.items() if name in acts.segment}
 
 
 def _copies(shared: dict[str, str]) -> dict[str, int]:
