@@ -101,9 +101,10 @@ class MemoryEstimate:
     """What is alive at the fullest moment of the training step, as the solver counts it
     (:func:`autopar.passes.planning.moment_bytes`): at the start of a segment's backward,
     parameters, optimizer state, the gradients made by then, the activations not yet read for
-    the last time, and the values the segment recomputes or reloads, with the largest output of
-    its backward ops and the gradient bucket in flight; at the end of the forward and at the
-    optimizer step likewise, with their own temporaries (0: not counted by moments)."""
+    the last time, and the values the segment recomputes or reloads, with the most its backward
+    holds beyond that while one of its ops runs and the gradient bucket in flight; in the
+    forward and at the optimizer step likewise, with their own temporaries (0: not counted by
+    moments)."""
 
     @property
     def solver_bytes(self) -> int:

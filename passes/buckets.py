@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
-from autopar.passes.capture import Captured, backward_nodes, module_paths, segment_of
+from autopar.passes.capture import Captured, captured_backward, module_paths, segment_of
 from autopar.passes.redistribute import Step, bandwidth_s, one_axis_step, step_s, transition
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
@@ -195,7 +195,7 @@ def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recom
     in the order the ops first read them. A bucket of one parameter is left to its own move."""
     graph = captured.graph.graph
     aliases = getitem_aliases(graph)
-    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    backward = captured_backward(captured)
     params = {n.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
     paths = module_paths(captured)
     seen: set = set()

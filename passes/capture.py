@@ -270,6 +270,11 @@ def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
+def captured_backward(captured: Captured) -> set[fx.Node]:
+    """:func:`backward_nodes` of the captured joint graph."""
+    return backward_nodes(captured.graph.graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+
+
 def module_paths(captured: Captured) -> dict[str, str]:
     """The qualified name of the module each op node comes from; backward ops take the module
     of the forward op they differentiate (same autograd sequence number). Gradient additions
@@ -317,7 +322,7 @@ def backward_segment_starts(captured: Captured, paths: dict[str, str]) -> dict[s
     :func:`module_paths` ``paths``, is in the segment), in the order the backward reaches the
     segments."""
     graph = captured.graph.graph
-    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    backward = captured_backward(captured)
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
     forward = {segment_of(paths.get(n.name, "")) for n in ops if n not in backward}
     starts: dict[str, str] = {}

@@ -9,8 +9,9 @@ peak ``M`` under the budget::
                 M ≥ Σ_n Σ_k m_n,k,t · x_n,k + Q_S(t) + T_S(t) + B    for every moment t
                 M ≥ Σ_n Σ_k m_n,k,last · x_n,k + S,   S ≥ 2 Σ_k p_n,k · x_n,k  for every parameter n
                 M ≤ budget                                  (memory budget, when given)
-                T_S ≥ Σ_k o_n,k · x_n,k + Σ_j e_n,j  for every backward op n of segment S   (its largest temporary)
-                M ≥ Σ_n Σ_k m_n,k,0 · x_n,k + T_F,   T_F ≥ Σ_k (o_n,k · x_n,k − b_n,k · k_n,k) + Σ_j e_n,j  for every forward op n
+                T_S ≥ Σ_(u ∈ A_n) Σ_k a_u,k · x_u,k − Σ_(u ∈ D_n) h_u + Σ_j e_n,j  for every backward op n of segment S
+                M ≥ Σ_n Σ_k m_n,k,0 · x_n,k + T_F,   T_F ≥ Σ_(u ∈ A_n) Σ_k (a_u,k · x_u,k − b_u,k · k_u,k) + Σ_j e_n,j − L_n  for every forward op n
+                L_n = Σ_(n' after n) Σ_k b_n',k · k_n',k
                 e_n,j ≥ Σ_k r_n,j,k · x_n,k − Σ_k' o_u,k' · x_u,k',  e_n,j ≥ 0   for every value u op n reads
 
 ``m_n,k,t`` is the memory node ``n`` holds at moment ``t`` under strategy ``k``: a parameter's
@@ -19,12 +20,18 @@ start of the backward that makes it, a forward value the backward reads up to th
 whose backward reads it (the runtime frees it then, :func:`autopar.runtime.partition.boxed`).
 The last moment, the end of the backward, holds every gradient; the optimizer step holds what
 it holds but for its temporaries, and the step's own ``S``: two of the largest parameter.
-``o_n,k`` is the size of the op's outputs, ``e_n,j`` at least what the copy of its j-th
-operand adds when the op reads it in a larger layout than it is made in (``r_n,j,k`` bytes, a
-gathered copy, alive while the op runs): ``T_S(t)`` is the largest of those of the backward
-ops of moment t's segment (of the backward ops in no segment, at every moment), and ``T_F`` of
-a forward op beyond what it keeps, counted with what the first moment holds (every kept
-activation, no gradient: the end of the forward). ``Q_S(t)`` is the values the backward of moment t's segment recomputes or
+While op ``n`` runs, the outputs of the ops ``A_n`` of its phase (``a_u,k`` bytes, all of them)
+are alive, from the op that makes them to their last reader in the phase
+(:attr:`~autopar.passes.remat.ActivationSpace.alive`); ``e_n,j`` is at least what the copy of
+its j-th operand adds when the op reads it in a larger layout than it is made in (``r_n,j,k``
+bytes, a gathered copy, alive while the op runs; ``o_u,k`` the bytes of u's outputs).
+``T_S(t)`` is the most the backward of moment t's segment holds beyond the moment's start while
+one of its ops runs (of the backward ops in no segment, at every moment): what it made, less
+the forward values ``D_n`` it has read for the last time by then
+(:attr:`~autopar.passes.remat.ActivationSpace.freed`; ``h_u`` their bytes kept, or recomputed
+or reloaded for the segment). ``T_F`` is what the forward holds beyond what it keeps for the
+backward at its fullest, counted with what the first moment holds (every kept activation, no
+gradient), less what the ops after ``n`` keep (``L_n``), not made yet. ``Q_S(t)`` is the values the backward of moment t's segment recomputes or
 copies back (below), ``B`` the packed copy of a gradient bucket in flight beside the backward
 (:func:`in_flight_bucket`). Within a stack of repeated layers the memory of a moment lies on the
 line between the stack's first and last moments; only those are rows. When the solver finds no
@@ -136,23 +143,23 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
             everywhere[var] = 1.0
 
     kept, refilled = chosen if chosen is not None else ({}, {})
-    temporaries: dict = {}  # T_S, per segment; of the backward ops in none under None, of the forward's under "forward"
+    picked = kept if chosen is not None else None
+    temporaries: dict = {}  # T_S, per segment; of the backward ops in none under None
     for name, sizes in memory.temporaries.items():
-        if name in shared:
-            continue  # the same constraint as its first layer's
-        if acts is not None and name in acts.segment:
-            segment = "forward"
-        else:
-            segment = acts.backward_segment.get(name) if acts is not None else None
-            segment = segment if segment in order else None
+        if name in shared or (acts is not None and name in acts.segment):
+            continue  # a repeated layer's: the same constraint as its first layer's; a forward op's: T_F
+        segment = acts.backward_segment.get(name) if acts is not None else None
+        segment = segment if segment in order else None
         if segment not in temporaries:
             temporaries[segment] = solver.NumVar(0.0, solver.infinity(), "")
-            if segment != "forward":
-                during(segment, temporaries[segment])
-        held = sum(megabytes * var for var, megabytes in kept.get(name, {}).items()) if segment == "forward" else 0
-        solver.Add(temporaries[segment] >= sum(sizes[k] * MEMORY_SCALE * sum(group)
-                                               for k, group in enumerate(ind[name]) if group and sizes[k])
-                   + sum(_moved_copies(solver, memory, ind, name)) - held)
+            during(segment, temporaries[segment])
+        if acts is None:
+            held = sum(sizes[k] * MEMORY_SCALE * sum(group) for k, group in enumerate(ind[name]) if group and sizes[k])
+        else:
+            held = sum(_made(acts, ind, u) for u in acts.alive[name]) - sum(
+                _freed_mb(memory, acts, ind, shared, picked, u, acts.backward_segment[name]) for u in acts.freed.get(name, ()))
+        solver.Add(temporaries[segment] >= held + sum(_moved_copies(solver, memory, ind, name)))
+    forward = _forward_held(solver, memory, acts, ind, shared, picked) if acts is not None else None
     stepped = solver.NumVar(0.0, solver.infinity(), "")  # the optimizer step's temporaries, S
     for name in memory.optimizer:
         if name not in shared:
@@ -167,8 +174,8 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
     peak = solver.NumVar(0.0, solver.infinity(), "memory_peak")
     rows = _distinct_moments(alive, at_moment)
     rows.append({**_alive_at(alive, last), stepped: 1.0})  # the optimizer step: what the last moment holds, and S
-    if "forward" in temporaries:  # the end of the forward: what the first moment holds, with a forward op's output
-        rows.append({**_alive_at(alive, 0), temporaries["forward"]: 1.0})
+    if forward is not None:  # the forward: what the first moment holds, with what the forward holds beyond it
+        rows.append({**_alive_at(alive, 0), forward: 1.0})
     for row in rows:
         solver.Add(peak >= sum(c * v for v, c in row.items()) + sum(c * v for v, c in everywhere.items()))
     budget = solver.Add(peak <= budget_bytes * MEMORY_SCALE) if budget_bytes is not None else None
@@ -189,6 +196,51 @@ def _distinct_moments(alive: dict[tuple[int, int], dict], at_moment: list[dict])
             rows.pop()
         rows.append(row)
     return rows
+
+
+def _forward_held(solver, memory: MemoryTerms, acts: ActivationSpace, ind: dict, shared: dict[str, str], kept: dict | None):
+    """``T_F`` of the module docstring: at least, for every forward op ``n``, the megabytes of
+    the outputs alive while it runs beyond what they keep, with the copies it gathers, less
+    what the ops after it keep (``L_n``). Of the copies of a repeated layer's op, only the last
+    one's row: the others have the same terms, less more of what comes after them."""
+    held = solver.NumVar(0.0, solver.infinity(), "")
+    later: dict = defaultdict(float)  # L_n, {variable: megabytes}
+    seen = set()
+    for name in reversed(acts.nodes):
+        own = shared.get(name, name)
+        if own not in seen:
+            seen.add(own)
+            solver.Add(held >= sum(_made(acts, ind, u) - sum(mb * var for var, mb in _kept(memory, ind, shared, kept, u).items())
+                                   for u in acts.alive[name])
+                       + sum(_moved_copies(solver, memory, ind, own)) - sum(mb * var for var, mb in later.items()))
+        for var, megabytes in _kept(memory, ind, shared, kept, name).items():
+            later[var] += megabytes
+    return held
+
+
+def _kept(memory: MemoryTerms, ind: dict, shared: dict[str, str], kept: dict | None, name: str) -> dict:
+    """The megabytes the end of the forward counts for forward op ``name``, ``{variable:
+    megabytes}``: its kept megabytes (``kept``, by :func:`keep_recompute_or_offload`) or,
+    without activation choices, the activations the backward reads."""
+    if kept is not None:
+        return kept.get(shared.get(name, name), {})
+    return {var: size * MEMORY_SCALE for size, group in zip(memory.activations.get(name, ()), ind[name]) if size for var in group}
+
+
+def _freed_mb(memory: MemoryTerms, acts: ActivationSpace, ind: dict, shared: dict[str, str], kept: dict | None,
+              name: str, segment: str):
+    """The megabytes the backward of ``segment`` frees after its last read of forward op
+    ``name``'s outputs: those it holds for the backward (kept, or recomputed or reloaded for
+    its own segment's backward) or, without activation choices, the activations the backward
+    reads."""
+    if kept is not None and acts.segment[name] == segment:
+        return sum(size * MEMORY_SCALE * sum(group) for size, group in zip(acts.bytes[name], ind[name]) if size)
+    return sum(mb * var for var, mb in _kept(memory, ind, shared, kept, name).items())
+
+
+def _made(acts: ActivationSpace, ind: dict, name: str):
+    """The megabytes of op ``name``'s outputs, by its strategy."""
+    return sum(size * MEMORY_SCALE * sum(group) for size, group in zip(acts.made[name], ind[name]) if size)
 
 
 def _moved_copies(solver, memory: MemoryTerms, ind: dict, name: str) -> list:
@@ -316,6 +368,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         if name in acts.extra:
             _extra_kept(solver, acts.extra[name], ind[name], again[name],
                         [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb[name])
+        if name in acts.copied:
+            _copy_kept(solver, acts.copied[name], kept_k, ind[acts.views[name]], kept_mb[name])
         if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
@@ -466,6 +520,19 @@ def _extra_kept(solver, extra: tuple, terms: list[list], again, readers_again: l
     solver.Add(sum(split) >= needed)
     for var, size in zip(split, sizes):
         kept_mb[var] += size * MEMORY_SCALE
+
+
+def _copy_kept(solver, copied: tuple[list[float], list[float]], kept_k: list, base: list[list], kept_mb: dict) -> None:
+    """A kept view of an op's output that it reads in a larger layout than the output is made in
+    keeps the moved copy (a gathered copy that the view looks into): at least its bytes beyond
+    the output's, ``c ≥ Σ_k r_k · k_n,k − Σ_k' m_k' · x_u,k'``, ``c ≥ 0``, among the view's kept
+    megabytes. ``copied`` holds ``r``, per strategy of the view, and ``m``, per strategy of the
+    op it views."""
+    read, made = copied
+    extra = solver.NumVar(0.0, solver.infinity(), "")
+    solver.Add(extra >= sum(r * MEMORY_SCALE * var for r, var in zip(read, kept_k) if r)
+               - sum(m * MEMORY_SCALE * sum(group) for m, group in zip(made, base) if m))
+    kept_mb[extra] += 1.0
 
 
 def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> None:

@@ -129,10 +129,12 @@ def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, i
     (:func:`~autopar.passes.memory_program.memory_budget`): parameters and optimizer state not
     in host memory (those in host memory in the backward that makes their gradients), the
     gradients made by then, the activations kept until then and the
-    values the moment's segment recomputes or reloads, with the largest output of its backward
-    ops (and the copies of its operands it gathers), and once the backward has begun the ``bucket`` of gradients in flight; or at the
-    optimizer step, what the backward's end holds with two of the largest parameter; or at the end of the forward, every kept activation with the largest output of a forward op beyond what it
-    keeps."""
+    values the moment's segment recomputes or reloads, with the most its backward holds beyond
+    that while one of its ops runs (what it made, less the forward values it has read for the
+    last time; with the copies of operands that op gathers), and once the backward has begun the ``bucket`` of gradients in flight; or at the
+    optimizer step, what the backward's end holds with two of the largest parameter; or in the
+    forward, while one of its ops runs, the activations kept by then and the values alive
+    beside them."""
     last = acts.moments - 1
     held = [0.0] * acts.moments
 
@@ -156,16 +158,19 @@ def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, i
     for name, size in kept.items():
         add(0, acts.released.get(name, last), size)
     during = defaultdict(float, refilled_bytes(acts, choice, recomputed, offloaded, prefetched))
-    largest: dict = defaultdict(float)  # per segment, the largest output of its backward ops
-    forward = 0.0
+    largest: dict = defaultdict(float)  # per segment, the most its backward holds beyond what it was given
     for name, sizes in memory.temporaries.items():
-        size = sizes[choice[name]] + memory.moved_bytes(name, choice)
-        if name in acts.segment:
-            forward = max(forward, size - kept.get(name, 0))
-        else:
+        if name not in acts.segment:
             segment = acts.backward_segment.get(name)
             segment = segment if segment in acts.backward_order else None
-            largest[segment] = max(largest[segment], size)
+            made = sum(acts.made[u][choice[u]] for u in acts.alive[name]) - sum(
+                acts.bytes[u][choice[u]] if acts.segment[u] == segment else kept.get(u, 0) for u in acts.freed.get(name, ()))
+            largest[segment] = max(largest[segment], made + memory.moved_bytes(name, choice))
+    forward = later = 0.0  # beyond what the forward keeps, less what the ops after the one running keep
+    for name in reversed(acts.nodes):
+        alive = sum(acts.made[u][choice[u]] - kept.get(u, 0) for u in acts.alive[name])
+        forward = max(forward, alive + memory.moved_bytes(name, choice) - later)
+        later += kept.get(name, 0)
     for segment, size in largest.items():
         during[segment] += size
     elsewhere = sum(size for segment, size in during.items() if segment not in acts.backward_order)

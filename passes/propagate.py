@@ -16,7 +16,7 @@ from torch import fx
 from autopar.errors import InfeasiblePlanError, UnsupportedOpError
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, R, Shard, format_placements
-from autopar.passes.capture import Captured, backward_nodes
+from autopar.passes.capture import Captured, captured_backward
 from autopar.passes.redistribute import valid_layouts
 from autopar.passes.rules import rule_for, tensor_args
 from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
@@ -34,7 +34,7 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
     """
     pins = dict(pins or {})
     graph = captured.graph.graph
-    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    backward = captured_backward(captured)
     aliases = getitem_aliases(graph)
     updates = _state_updates(captured)
     nodes: list[NodeSpace] = []

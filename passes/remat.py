@@ -71,12 +71,25 @@ class ActivationSpace:
     released: dict[str, int] = field(default_factory=dict)
     """Per forward op, the last *moment* its kept outputs are alive at. Moment ``k`` is the
     start of the backward of segment ``backward_order[k]``, and one more is the end of the
-    backward; an op's outputs are alive until the last of its own segment's, its readers' and
-    its views' readers' backwards is done (the runtime frees each saved tensor after its last
-    read)."""
+    backward; an op's outputs are alive until the last of its readers' (backward ops, and
+    forward ops, which the backward of their segment may recompute) and its views' readers'
+    backwards is done (the runtime frees each saved tensor after its last read)."""
     grad_made: dict[str, int] = field(default_factory=dict)
     """Per parameter, the first moment its gradient (or part of it) is alive at: the one after
     the start of the backward the step reaches first among its readers' segments'."""
+    made: dict[str, list[float]] = field(default_factory=dict)
+    """Per op and strategy, the bytes of all its outputs (0 for views)."""
+    alive: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per op, the ops of its phase (forward or backward) whose outputs are alive while it runs
+    (its own among them): made by then and read by it, by a later op of the phase, or by a view
+    read later. Without the views, which hold no memory of their own."""
+    copied: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    """Per view that may read the op it views in a larger layout than the op makes (a gathered
+    copy, which the view keeps when kept): the bytes it reads, per strategy of the view, and
+    the bytes made, per strategy of the op."""
+    freed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per backward op of a segment, the forward ops whose outputs the segment's backward has
+    read for the last time before it runs (the runtime has freed them)."""
 
     @property
     def moments(self) -> int:
@@ -136,10 +149,28 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
     backward_segment = {name: s for name, s in backward_segment.items() if s in segments}
     order = tuple(backward_segment_starts(captured, paths))
     released, grad_made = _moments(space, forward, segment, backward_segment, views, order)
+    made = {n.name: [0.0] * len(n.strategies) if n.name in views else
+            [float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None)) for s in n.strategies]
+            for n in forward}
+    backward = [n for n in space.nodes if n.kind == "op" and n.phase == "backward"]
+    backward_views = {n.name: n.args[0] for n in backward if _is_view(graph_nodes[n.name]) and n.args}
+    made.update({n.name: [0.0] * len(n.strategies) if n.name in backward_views else
+                 [float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None)) for s in n.strategies]
+                 for n in backward})
+    alive = {**_alive(forward, readers_in, views), **_alive(backward, _readers(backward), backward_views)}
+    copied = {}
+    for n in forward:
+        if n.name in views and n.name not in param_views and views[n.name][0] in names:
+            base, index = views[n.name]
+            read = [float(costs.local_bytes((base, index), s.inputs[0])) for s in n.strategies]
+            made_as = [float(costs.local_bytes((base, index), s.outputs[index])) for s in by_name[base].strategies]
+            if max(read) > min(made_as):
+                copied[n.name] = read, made_as
     return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
                            operands, kept, frozenset(never_kept),
                            {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views),
-                           frozenset(offloadable), backward_segment, order, released, grad_made)
+                           frozenset(offloadable), backward_segment, order, released, grad_made, made,
+                           alive, copied, _freed(backward, backward_segment, views, names))
 
 
 def _moments(space: StrategySpace, forward, segment: dict[str, str], backward_segment: dict[str, str], views: dict,
@@ -148,7 +179,7 @@ def _moments(space: StrategySpace, forward, segment: dict[str, str], backward_se
     segment of ``order`` keeps an op alive to the end and makes a gradient from the start."""
     at = {s: i for i, s in enumerate(order)}
     last = len(order)
-    released = {n.name: at.get(segment[n.name], last) for n in forward}
+    released = {n.name: 0 for n in forward}
     grad_made: dict[str, int] = {}
     for n in space.nodes:
         if n.kind != "op":
@@ -165,6 +196,58 @@ def _moments(space: StrategySpace, forward, segment: dict[str, str], backward_se
             released[base] = max(released[base], released[n.name])
     params = {n.name for n in space.nodes if n.kind == "param"}
     return released, {name: grad_made.get(name, 0) for name in params}
+
+
+def _readers(ops) -> dict[str, set[str]]:
+    """Per op of ``ops``, the ops of ``ops`` that read it."""
+    names = {n.name for n in ops}
+    readers: dict[str, set[str]] = {}
+    for n in ops:
+        for name, _ in n.args:
+            if name in names:
+                readers.setdefault(name, set()).add(n.name)
+    return readers
+
+
+def _freed(backward, backward_segment: dict[str, str], views: dict, forward: set[str]) -> dict[str, tuple[str, ...]]:
+    """:attr:`ActivationSpace.freed`: a backward op reading a view reads what it views."""
+    last: dict[str, int] = {}
+    for i, n in enumerate(backward):
+        for name, _ in n.args:
+            while name in forward:
+                last[name] = i
+                name = views[name][0] if name in views else None
+    ending: dict[int, list[str]] = {}
+    for name, i in last.items():
+        ending.setdefault(i, []).append(name)
+    done: dict[str, list[str]] = {}
+    freed: dict[str, tuple[str, ...]] = {}
+    for i, n in enumerate(backward):
+        segment = backward_segment.get(n.name)
+        if segment is None:
+            continue
+        freed[n.name] = tuple(done.get(segment, ()))
+        done.setdefault(segment, []).extend(sorted(ending.get(i, ())))
+    return freed
+
+
+def _alive(ops, readers: dict[str, set[str]], views: dict) -> dict[str, tuple[str, ...]]:
+    """:attr:`ActivationSpace.alive` of the ``ops`` of one phase, in graph order, from each
+    op's ``readers`` in the phase and the ``views`` (view → ``(base, output)``)."""
+    at = {n.name: i for i, n in enumerate(ops)}
+    last = {n.name: max((at[r] for r in readers.get(n.name, ()) if r in at), default=at[n.name]) for n in ops}
+    for n in reversed(ops):  # a view's readers read the op it views
+        base = views.get(n.name, (None,))[0]
+        if base in last:
+            last[base] = max(last[base], last[n.name])
+    alive: dict[str, tuple[str, ...]] = {}
+    holding: list[str] = []
+    for i, n in enumerate(ops):
+        if n.name not in views:
+            holding.append(n.name)
+        alive[n.name] = tuple(holding)
+        holding = [name for name in holding if last[name] > i]
+    return alive
 
 
 def _reads(space: StrategySpace, names: set[str]) -> tuple[dict[str, set[int]], dict[str, dict[int, set[str]]]]:
@@ -282,8 +365,11 @@ def refilled_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: fr
 
 def kept_bytes(acts: ActivationSpace, name: str, choice: dict[str, int], recomputed: frozenset[str]) -> int:
     """Bytes a kept op holds from the forward to the backward: the outputs the backward reads,
-    and those a recomputed op reads."""
+    those a recomputed op reads, and the copy a view looks into beyond the output it views."""
     size = acts.bytes[name][choice[name]]
     if name in acts.extra and recomputed.intersection(acts.extra[name][1]):
         size += acts.extra[name][0][choice[name]]
+    if name in acts.copied:
+        read, made = acts.copied[name]
+        size += max(0.0, read[choice[name]] - made[choice[acts.views[name]]])
     return int(size)

@@ -22,8 +22,9 @@ copies run beside that segment's backward. The first read waits for the copy
 (``autopar::reload_wait``). Parameters the plan
 keeps in host memory come in as host tensors, are copied to the device when the forward first
 reads them and again when the backward does, and their gradients go out to the host (below). Backward moves,
-recomputations and reloads carry ``IN_BACKWARD`` in ``node.meta["custom"]``, so that the
-partitioner puts them in the backward.
+recomputations and reloads, and the ops of the captured backward
+(:func:`~autopar.passes.capture.captured_backward`), carry ``IN_BACKWARD`` in
+``node.meta["custom"]``, so that the partitioner puts them in the backward.
 
 The parameters a layer reads whole where they are split along one mesh axis are gathered
 together, one all-gather per layer and phase, when the layer first reads one of them
@@ -51,7 +52,7 @@ from autopar.errors import RewriteError
 from autopar.placement import Placements, R, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
 from autopar.passes.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
-from autopar.passes.capture import Captured, backward_nodes, backward_segment_starts, module_paths, segment_of
+from autopar.passes.capture import Captured, captured_backward, backward_segment_starts, module_paths, segment_of
 from autopar.passes.rank_ops import Rank, local_call
 from autopar.passes.redistribute import Step, local_shape
 from autopar.passes.rules import tensor_args
@@ -60,8 +61,8 @@ from autopar.runtime.offload import offload, reload, reload_wait
 
 
 IN_BACKWARD = {"autopar": "backward"}
-"""The ``node.meta["custom"]`` of per-rank nodes that move or recompute forward values for the
-backward."""
+"""The ``node.meta["custom"]`` of per-rank nodes that run in the backward: the backward's ops,
+and the moves and recomputations of forward values for it."""
 RECOMPUTED = {**IN_BACKWARD, "autopar_recompute": True}
 """The ``node.meta["custom"]`` of per-rank nodes that recompute forward values for the backward."""
 PART = "autopar_part"
@@ -110,7 +111,7 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     nodes = {n.name: n for n in graph.nodes}
     recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
     offloaded = {n.name for n in plan.nodes if n.activation == "offload"}
-    backward = backward_nodes(graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    backward = captured_backward(captured)
     to_host = {aliases.get(a.name, (a.name, 0)) for n in graph.nodes if n in backward or n.name in recomputed
                for a in n.all_input_nodes}
     to_host_of: dict[str, list[ValueRef]] = {}  # per offloaded op, its outputs the backward reads
@@ -268,7 +269,8 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 for ref in prefetch_at.get(node.name, ()):
                     start_reload(ref)
                 if node.op == "call_function" and node.name not in aliases:
-                    run(node, env, node in backward)
+                    with fx_traceback.annotate(IN_BACKWARD) if node in backward else contextlib.nullcontext():
+                        run(node, env, node in backward)
                     for ref in to_host_of.get(node.name, ()):
                         t, layout = env[ref]
                         on_host[ref] = offload(t), layout

@@ -1,7 +1,8 @@
 """Split a per-rank joint graph into a forward graph and a backward graph.
 
-Nodes that depend on a tangent (the gradient flowing into the step's outputs), and the moves
-and recomputations the rewriter marks for the backward, form the backward; the rest run in the forward. Forward
+Nodes that depend on a tangent (the gradient flowing into the step's outputs), and those the
+rewriter marks for the backward (the captured backward's ops, and the moves and recomputations
+of forward values for it), form the backward; the rest run in the forward. Forward
 values the backward reads are returned by the forward graph as saved tensors and taken by the
 backward graph as inputs, as AOT autograd does.
 """

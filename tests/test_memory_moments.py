@@ -11,13 +11,16 @@ from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import resolve_profile
 from autopar.cost_model.liveness import plan_liveness, step_liveness
 from autopar.examples import make_example
+from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.planning import moment_bytes
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import activation_space
 from autopar.passes.solver import solve
 from autopar.planner import plan_captured
-from autopar.runtime.partition import boxed
+from autopar.passes.rewrite import rewrite
+from autopar.runtime.partition import boxed, partition
+from tests.cases import BYTES_DEAR
 
 MESH = autopar.Mesh((4,), ("dp",))
 
@@ -30,11 +33,47 @@ def planned(request):
 
 
 def test_the_solvers_peak_is_the_programs_liveness_peak(planned):
-    """Counted as one sum (every gradient and every activation at once) it was 10-22% above."""
+    """Counted as one sum (every gradient and every activation at once) it was 10-22% above;
+    with one op's output for what a phase holds of its own values, up to 4% (GPT, BERT and the
+    MoE now count within 0.1%, the LLaMA 2.5% above)."""
     captured, plan = planned
     live = plan_liveness(captured, plan).peak_bytes
     assert plan.memory.moment_bytes == plan.memory.solver_bytes
-    assert abs(plan.memory.solver_bytes - live) <= 0.04 * live, (plan.memory.solver_bytes, live)
+    assert abs(plan.memory.solver_bytes - live) <= 0.03 * live, (plan.memory.solver_bytes, live)
+
+
+def _vocabulary_heavy():
+    """A GPT whose logits outweigh the rest of the model, as the 128k vocabulary of the
+    LLaMA-3-8B shape."""
+    model = GPT(GPTConfig(vocab_size=4096, dim=32, num_heads=2, num_layers=1, tie_embeddings=False))
+    return capture(model, (torch.randint(0, 4096, (8, 32)), torch.randint(0, 4096, (8, 32))))
+
+
+def test_a_large_vocabularys_loss_is_counted_whole():
+    """What the forward holds while its last ops run is counted without the activations kept
+    after them: on 2x2 the count was 17% above the program's peak, with the log-softmax and the
+    one-hot target counted beside the logits that are made before them."""
+    captured = _vocabulary_heavy()
+    for mesh in (MESH, autopar.Mesh((2, 2), ("dp", "tp"))):
+        plan = plan_captured(captured, mesh, hardware="h100")
+        live = plan_liveness(captured, plan).peak_bytes
+        assert abs(plan.memory.solver_bytes - live) <= 0.02 * live, (mesh, plan.memory.solver_bytes, live)
+
+
+def test_a_split_backward_op_runs_in_the_backward():
+    """With the vocabulary split, the log-softmax's backward runs on each rank's piece, and the
+    part of it that reads no gradient (the piece's probabilities, the exp of the log-softmax)
+    stays in the backward: made in the forward, it was one more value of the logits' size alive
+    there, saved instead of the log-softmax."""
+    captured = _vocabulary_heavy()
+    mesh = autopar.Mesh((4,), ("tp",))
+    plan = plan_captured(captured, mesh, hardware=BYTES_DEAR, pins={"tok.weight": "S(0)", "head.weight": "S(0)"})
+    assert plan.node("_log_softmax").outputs == ("(S(1))",)
+    joint = rewrite(captured, plan, coordinate=(0,), group_names=["tp"])
+    parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
+                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    exps = [n.name for n in parts.forward.graph.nodes if n.target is torch.ops.aten.exp.default]
+    assert len(exps) == 1, exps  # the log-softmax's own
 
 
 def test_a_budget_the_program_fits_needs_no_recomputation(planned):

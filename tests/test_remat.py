@@ -41,10 +41,10 @@ def test_without_a_budget_every_activation_is_kept(gpt):
 def test_tightening_the_budget_recomputes_cheap_ops_before_matmuls(gpt):
     keep_all = _plan(gpt)
     slightly = _plan(gpt, memory_budget=int(keep_all.peak_memory_bytes * 0.95))
-    tighter = _plan(gpt, memory_budget=int(keep_all.peak_memory_bytes * 0.85))
+    tighter = _plan(gpt, memory_budget=int(keep_all.peak_memory_bytes * 0.88))
     assert _recomputed_ops(slightly) and not _recomputed_ops(slightly) & MATMULS  # a GELU's or a layer norm's output
     assert _recomputed_ops(tighter) & MATMULS
-    for plan, fraction in ((slightly, 0.95), (tighter, 0.85)):
+    for plan, fraction in ((slightly, 0.95), (tighter, 0.88)):
         assert plan.peak_memory_bytes <= keep_all.peak_memory_bytes * fraction
         assert plan.memory.recomputed_bytes > 0
     assert keep_all.predicted_step_s < slightly.predicted_step_s < tighter.predicted_step_s

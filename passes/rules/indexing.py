@@ -100,6 +100,9 @@ def _gather_split(node: fx.Node, args: list, kwargs: dict, split: Split):
 def _scatter_split(node: fx.Node, args: list, kwargs: dict, split: Split):
     x, dim, index, value = args
     local, inside = _local_index(index, split)
+    if index.shape[dim] == 1:  # one write per row: an index outside the piece writes back what entry 0 holds
+        kept = aten.gather.default(x, dim, local)
+        return aten.scatter.src(x, dim, local, torch.where(inside, torch.as_tensor(value, dtype=x.dtype, device=x.device), kept))
     written = torch.zeros(x.shape, dtype=torch.int32, device=x.device).scatter_add(dim, local, inside.to(torch.int32))
     return torch.where(written > 0, torch.as_tensor(value, dtype=x.dtype, device=x.device), x)
 
