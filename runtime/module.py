@@ -1,5 +1,6 @@
 """The module ``autopar.compile`` returns: runs one rank's share of the planned training step."""
 
+import inspect
 import logging
 from collections.abc import Sequence
 
@@ -93,6 +94,16 @@ class _Step(torch.autograd.Function):
         return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
 
 
+def _lean_step(optimizer_class: type[torch.optim.Optimizer], options: dict, params: list[torch.Tensor]) -> dict:
+    """``options`` with ``fused=True`` where the step runs on CUDA, the class takes ``fused``
+    and the caller chose no implementation (see :meth:`ParallelModule.optimizer`)."""
+    if "fused" in options or "foreach" in options or not any(p.is_cuda for p in params):
+        return options
+    if "fused" not in inspect.signature(optimizer_class.__init__).parameters:
+        return options
+    return {**options, "fused": True}
+
+
 class ParallelModule(torch.nn.Module):
     """A model running on every rank of a mesh under a :class:`ShardingPlan`.
 
@@ -133,9 +144,16 @@ class ParallelModule(torch.nn.Module):
         state of the parameters the plan puts in host memory (``plan.host_optimizer``) there,
         stepped on the host (:class:`~autopar.runtime.offload.HostOptimizer`); a plain
         ``optimizer_class(self.parameters(), **options)`` when the plan offloads none, or only
-        parameters living in host memory (``plan.host_params``), which it steps in place."""
+        parameters living in host memory (``plan.host_params``), which it steps in place.
+
+        On CUDA, a class that takes ``fused=`` (Adam, AdamW, SGD, ...) is built fused unless
+        ``fused`` or ``foreach`` is given: torch's default there, the multi-tensor (foreach)
+        step, holds a temporary the size of every parameter on the device (Adam's square roots
+        of the second moments), which the plan's memory does not count; the fused step holds
+        none, and the plan counts two of the largest parameter, what the for-loop step holds."""
         on_host = {id(self.module.get_parameter(name)) for name in self._stepped_on_host()}
         self._optimizer_checked = True
+        options = _lean_step(optimizer_class, options, list(self.parameters()))
         if not on_host:
             return optimizer_class(self.parameters(), **options)
         return HostOptimizer(self.parameters(), on_host, optimizer_class, **options)
