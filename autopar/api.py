@@ -9,7 +9,7 @@ import torch
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.mesh import Mesh
 from autopar.plan import ShardingPlan
-from autopar.planner import Pins, check_mesh, check_recompute, parse_memory, parse_pins, plan_captured
+from autopar.planner import Pins, check_gap, check_mesh, check_recompute, parse_memory, parse_pins, plan_captured
 from autopar.runtime.module import BACKENDS, ParallelModule
 
 
@@ -23,8 +23,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
             example_inputs: Sequence[torch.Tensor] | None = None, *, hardware: "str | Profile" = "h100",
             pins: Pins | None = None, memory_budget: "int | str | None" = None,
             plan: ShardingPlan | None = None, backend: str | None = None,
-            fallback: bool = True, solver_time_limit_s: float = 120.0, share_layers: bool | None = None,
-            recompute: str = "auto"):
+            fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
+            share_layers: bool | None = None, recompute: str = "auto"):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
@@ -41,7 +41,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     and ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU).
     """
     options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
-                   solver_time_limit_s=solver_time_limit_s, share_layers=share_layers, recompute=recompute)
+                   solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap, share_layers=share_layers,
+                   recompute=recompute)
     if model is None:
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
@@ -55,6 +56,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     parse_pins(pins, mesh)
     parse_memory(memory_budget)
     check_recompute(recompute)
+    check_gap(solver_gap)
     if plan is not None and not isinstance(plan, ShardingPlan):
         raise TypeError(f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}")
     if backend is not None and backend not in BACKENDS:
@@ -62,8 +64,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
 
     def planner(captured):
         return plan_captured(captured, mesh, hardware=hardware, pins=pins, memory_budget=memory_budget,
-                             fallback=fallback, solver_time_limit_s=solver_time_limit_s, share_layers=share_layers,
-                             recompute=recompute)
+                             fallback=fallback, solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap,
+                             share_layers=share_layers, recompute=recompute)
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
                           backend=backend or default_backend(model), planner=planner)

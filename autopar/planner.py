@@ -68,6 +68,12 @@ def check_recompute(recompute: str) -> None:
                          "'layers' recomputes every layer of a stack from its input")
 
 
+def check_gap(solver_gap: float) -> None:
+    if not isinstance(solver_gap, (int, float)) or not 0 <= solver_gap < 1:
+        raise ValueError(f"solver_gap={solver_gap!r} is not a fraction in [0, 1): it is how far from the fastest plan "
+                         "the solver may stop, e.g. 0.01 for 1%")
+
+
 def check_mesh(mesh: Mesh) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, e.g. Mesh((2, 2), ('dp', 'tp')), got {type(mesh).__name__}")
@@ -75,13 +81,14 @@ def check_mesh(mesh: Mesh) -> None:
 
 def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" = "h100",
                   pins: Pins | None = None, memory_budget: "int | str | None" = None,
-                  fallback: bool = True, solver_time_limit_s: float = 120.0,
+                  fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
                   share_layers: bool | None = None, recompute: str = "auto",
                   bucket_bytes: int = BUCKET_BYTES) -> ShardingPlan:
     """Plan an already captured graph (see :func:`autopar.plan`), with gradients reduced in
     buckets of ``bucket_bytes`` (:mod:`autopar.passes.buckets`)."""
     check_mesh(mesh)
     check_recompute(recompute)
+    check_gap(solver_gap)
     profile = resolve_profile(hardware)
     parsed = parse_pins(pins, mesh)
     budget = parse_memory(memory_budget)
@@ -109,7 +116,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
         solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, gather_s=costs.gather_s, segments=segments,
                          one_step_moves=costs.one_step_moves, memory=memory if budget else None,
                          budget_bytes=solver_budget, shared=shared, activations=activations,
-                         choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s,
+                         choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s, relative_gap=solver_gap,
                          start=start or sharded, bucket_bytes=bucket_bytes)
         solved = time.perf_counter()
         plan = build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
@@ -265,7 +272,7 @@ def _over_budget(space, node_costs, costs, memory, activations, budget: int, mes
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor], *,
          hardware: "str | Profile" = "h100", pins: Pins | None = None,
          memory_budget: "int | str | None" = None, fallback: bool = True,
-         solver_time_limit_s: float = 120.0, share_layers: bool | None = None,
+         solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3, share_layers: bool | None = None,
          recompute: str = "auto") -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
@@ -282,6 +289,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
         fallback: run ops that have no sharding rule replicated (with a warning) instead of
             raising :class:`~autopar.errors.UnsupportedOpError`.
         solver_time_limit_s: stop the MIP after this long with the best plan found.
+        solver_gap: stop the MIP at a plan proven within this fraction of the fastest
+            (0.001 by default; 0.01 finds plans under a tight memory budget much sooner).
         share_layers: give identical repeated layers (``layers.0``, ``layers.1``, …) one
             shared choice, so the program grows with the distinct layers, not all of them.
             ``None`` (default) shares them when the program would be large.
@@ -297,6 +306,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
     parse_pins(pins, mesh)
     parse_memory(memory_budget)
     check_recompute(recompute)
+    check_gap(solver_gap)
     return plan_captured(capture(model, tuple(example_inputs)), mesh, hardware=hardware, pins=pins,
                          memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s,
-                         share_layers=share_layers, recompute=recompute)
+                         solver_gap=solver_gap, share_layers=share_layers, recompute=recompute)

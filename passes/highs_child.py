@@ -1,8 +1,10 @@
 """Solve one integer program with HiGHS, in a process of its own (:func:`autopar.passes.mip.solve_before_deadline`
 starts it as a script, so it imports HiGHS and the program's protocol buffer alone).
 
-Reads from stdin the relative gap and the time limit in seconds (two doubles), then the program
-as an OR-Tools ``MPModelProto``; writes to stdout the pickle of ``(status, variable values,
+Reads from stdin the relative gap, the time limit in seconds, the seconds after which a
+search that has found no solution yet gives up (infinite: never) and the share of the search
+spent in primal heuristics (HiGHS's ``mip_heuristic_effort``), four doubles, then the program as
+an OR-Tools ``MPModelProto``; writes to stdout the pickle of ``(status, variable values,
 objective, bound)`` with OR-Tools' status codes, and ``None`` for the last three when no
 solution was found. The program's ``solution_hint`` (a plan known to satisfy it, whole or in
 part) is the search's starting solution: HiGHS completes a partial one with a small search of
@@ -48,9 +50,14 @@ def load(highs: highspy.Highs, model: linear_solver_pb2.MPModelProto) -> None:
         highs.setSolution(len(hint.var_index), list(hint.var_index), list(hint.var_value))
 
 
+def _give_up_without_solution(event, give_up_s: float) -> None:
+    if event.data_out.running_time >= give_up_s and not math.isfinite(event.data_out.mip_primal_bound):
+        event.interrupt()
+
+
 def main() -> None:
     data = sys.stdin.buffer.read()
-    gap, time_limit_s = struct.unpack("dd", data[:16])
+    gap, time_limit_s, give_up_s, heuristic_effort = struct.unpack("dddd", data[:32])
     result = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
@@ -58,7 +65,10 @@ def main() -> None:
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", time_limit_s)
     highs.setOptionValue("mip_rel_gap", gap)
-    load(highs, linear_solver_pb2.MPModelProto.FromString(data[16:]))
+    highs.setOptionValue("mip_heuristic_effort", heuristic_effort)
+    load(highs, linear_solver_pb2.MPModelProto.FromString(data[32:]))
+    if give_up_s < time_limit_s:
+        highs.cbMipInterrupt.subscribe(lambda event: _give_up_without_solution(event, give_up_s))
     highs.run()
     status, info = highs.getModelStatus(), highs.getInfo()
     if status == highspy.HighsModelStatus.kInfeasible:

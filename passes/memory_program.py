@@ -205,17 +205,42 @@ def _forward_held(solver, memory: MemoryTerms, acts: ActivationSpace, ind: dict,
     one's row: the others have the same terms, less more of what comes after them."""
     held = solver.NumVar(0.0, solver.infinity(), "")
     later: dict = defaultdict(float)  # L_n, {variable: megabytes}
+    beyond: dict = {}  # per value, {variable: megabytes} of its outputs beyond what it keeps
     seen = set()
     for name in reversed(acts.nodes):
         own = shared.get(name, name)
         if own not in seen:
             seen.add(own)
-            solver.Add(held >= sum(_made(acts, ind, u) - sum(mb * var for var, mb in _kept(memory, ind, shared, kept, u).items())
-                                   for u in acts.alive[name])
-                       + sum(_moved_copies(solver, memory, ind, own)) - sum(mb * var for var, mb in later.items()))
+            terms: dict = defaultdict(float)  # the row's, summed as plain numbers: these rows are long
+            for u in acts.alive[name]:
+                if u not in beyond:
+                    beyond[u] = _beyond_kept(acts, ind, _kept(memory, ind, shared, kept, u), u)
+                for var, megabytes in beyond[u].items():
+                    terms[var] += megabytes
+            for extra in _moved_copies(solver, memory, ind, own):
+                terms[extra] += 1.0
+            for var, megabytes in later.items():
+                terms[var] -= megabytes
+            row = solver.RowConstraint(0.0, solver.infinity(), "")  # T_F - Σ terms >= 0
+            row.SetCoefficient(held, 1.0)
+            for var, coefficient in terms.items():
+                row.SetCoefficient(var, -coefficient)
         for var, megabytes in _kept(memory, ind, shared, kept, name).items():
             later[var] += megabytes
     return held
+
+
+def _beyond_kept(acts: ActivationSpace, ind: dict, kept: dict, name: str) -> dict:
+    """``{variable: megabytes}`` of op ``name``'s outputs, by its strategy (:func:`_made`), less
+    the megabytes ``kept`` of them."""
+    terms: dict = defaultdict(float)
+    for size, group in zip(acts.made[name], ind[name]):
+        if size:
+            for var in group:
+                terms[var] += size * MEMORY_SCALE
+    for var, megabytes in kept.items():
+        terms[var] -= megabytes
+    return terms
 
 
 def _kept(memory: MemoryTerms, ind: dict, shared: dict[str, str], kept: dict | None, name: str) -> dict:

@@ -36,6 +36,7 @@ are priced once per copy.
 """
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -47,7 +48,8 @@ from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.memory_program import host_state, in_flight_bucket, keep_recompute_or_offload, memory_budget, priced_memory
-from autopar.passes.mip import MEMORY_SCALE, SCALE, solve_before_deadline
+from autopar.passes.mip import (BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE, SCALE,
+                                solve_before_deadline)
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 from autopar.passes.transport import (GradientCost, OneStepMoves, TransitionCost, enough_buckets, gathered, gradient_transport,
@@ -116,10 +118,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     (:func:`~autopar.passes.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
-    (status ``FEASIBLE``; the bound is reported). Under a budget, the first fifth of the time
-    (20 s at most) looks for any plan that fits, without ``start``: one found, the search goes on
-    from it for the rest of the time; none, the search starts from ``start`` for the rest of
-    the time, and if that finds none either,
+    (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
+    ``start`` and goes on to the time limit once it has found a plan that fits; if it has found
+    none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
+    rest of the time, and if that finds none either,
     :func:`~autopar.passes.memory_program.priced_memory` looks instead. (A start can lead HiGHS
     away from the optimum, so it is used only where the search alone finds nothing.)
     Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
@@ -204,21 +206,16 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     priced = budget_bytes is not None and minimise == "time"
     hint = _hint(start, ind, own, shared, ((again, "recomputed"), (away, "offloaded"), (ahead, "prefetched"),
                                            (on_host, "host_optimizer"), (params_on_host, "host_params")))
-    outcome = solve_before_deadline(solver, params, min(time_limit_s * 0.2, 20.0) if priced else time_limit_s,
-                                    () if priced else hint)
+    outcome = solve_before_deadline(solver, params, time_limit_s, () if priced else hint,
+                                    give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
+                                    heuristic_effort=BUDGET_HEURISTIC_EFFORT if priced else DEFAULT_HEURISTIC_EFFORT)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     left = started + time_limit_s - time.perf_counter()
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
     if priced and status not in answered and hint and left > 1.0:
         log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
-        outcome = solve_before_deadline(solver, params, left, hint)
+        outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=BUDGET_HEURISTIC_EFFORT)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
-    elif priced and status == pywraplp.Solver.FEASIBLE and left > 1.0:
-        log.info("a plan under the memory budget found; searching for a faster one for %.0f s more", left)
-        found = outcome[1]
-        better = solve_before_deadline(solver, params, left, [(var, found[var.index()]) for var in solver.variables()])
-        if better is not None and better[1] is not None and better[2] <= outcome[2]:
-            outcome, status = better, better[0]
     if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
         outcome = priced_memory(solver, params, peak, budget_row, budget_bytes,

@@ -104,10 +104,11 @@ def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Node
                 reader_moves.setdefault((name, j), flow)
                 continue
         t = _transport(solver, src, dst)
-        reader_moves.setdefault((name, j), [(var, transition_s(ref, p, q)) for (p, q), var in t.items() if p != q])
+        priced = {(p, q): transition_s(ref, p, q) for p, q in t if p != q}
+        reader_moves.setdefault((name, j), [(var, priced[pq]) for pq, var in t.items() if pq in priced])
         for (p, q), var in t.items():
             if p != q and len(readers) == 1:
-                costs[var] += count * transition_s(ref, p, q)  # the only reader: its transport is the move
+                costs[var] += count * priced[p, q]  # the only reader: its transport is the move
                 if joined is not None:
                     joined(p, q, var)
             elif p != q:

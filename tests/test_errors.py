@@ -65,6 +65,11 @@ def test_unknown_hardware_lists_profiles():
         autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware="tpu")
 
 
+def test_solver_gap_outside_zero_to_one_is_refused_with_an_example():
+    with pytest.raises(ValueError, match=r"solver_gap=1.5 is not a fraction in \[0, 1\).*e.g. 0.01 for 1%"):
+        autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), solver_gap=1.5)
+
+
 def test_non_tensor_inputs_are_refused_before_tracing():
     with pytest.raises(TypeError, match=r"positions \[1\] are not"):
         autopar.plan(MLP(16, 32), Mesh((2,)), (torch.randn(8, 16), 3))

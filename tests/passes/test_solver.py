@@ -120,3 +120,20 @@ def test_a_program_too_big_to_solve_stops_at_the_deadline_with_a_clear_error():
         autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), inputs, hardware="cpu", solver_time_limit_s=0.5,
                      share_layers=False)
     assert time.perf_counter() - started < 60
+
+
+def test_a_search_under_a_budget_gives_up_only_while_it_has_no_plan():
+    from types import SimpleNamespace
+
+    from autopar.passes.highs_child import _give_up_without_solution
+
+    def event(running_time, primal_bound):
+        data_in = SimpleNamespace(user_interrupt=False)
+        return SimpleNamespace(data_out=SimpleNamespace(running_time=running_time, mip_primal_bound=primal_bound),
+                               data_in=data_in, interrupt=lambda: setattr(data_in, "user_interrupt", True))
+
+    cases = {(5.0, float("inf")): False, (20.0, float("inf")): True, (20.0, 1.5e9): False, (90.0, 1.5e9): False}
+    for (seconds, bound), interrupted in cases.items():
+        e = event(seconds, bound)
+        _give_up_without_solution(e, 20.0)
+        assert e.data_in.user_interrupt is interrupted, (seconds, bound)
