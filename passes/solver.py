@@ -119,7 +119,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
-    ``start`` and goes on to the time limit once it has found a plan that fits; if it has found
+    ``start``, with half of HiGHS's effort on finding plans (``BUDGET_HEURISTIC_EFFORT``), and
+    goes on to the time limit once it has found a plan that fits; if it has found
     none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
     rest of the time, and if that finds none either,
     :func:`~autopar.passes.memory_program.priced_memory` looks instead. (A start can lead HiGHS
