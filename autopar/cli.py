@@ -43,7 +43,7 @@ def _plan(args) -> int:
     plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware,
                         pins=pins or None, memory_budget=args.memory_budget,
                         share_layers={"auto": None, "on": True, "off": False}[args.share_layers],
-                        recompute=args.recompute)
+                        recompute=args.recompute, solver_time_limit_s=args.time_limit, solver_gap=args.solver_gap)
     print(plan)
     if args.graph:
         print("\n" + autopar.annotated_graph(plan))
@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute", choices=("auto", "none", "layers"), default="auto",
                    help="activations recomputed in the backward or offloaded: what the memory budget needs (auto, "
                         "default), none, or every layer of a stack recomputed from its input (layers)")
+    p.add_argument("--time-limit", type=float, default=120.0, help="seconds the solver may search (default 120)")
+    p.add_argument("--solver-gap", type=float, default=1e-3,
+                   help="stop at a plan proven within this fraction of the fastest (default 0.001; 0.01 is much "
+                        "sooner under a tight memory budget)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 

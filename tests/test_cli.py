@@ -31,6 +31,14 @@ def test_plan_takes_pins_and_a_memory_budget():
     assert "layers.0.weight  (R, S(0))" in done.stdout and "budget 64.0 MiB" in done.stdout
 
 
+def test_plan_takes_the_solver_gap_and_time_limit_and_refuses_a_gap_above_one():
+    done = _autopar("plan", "mlp", "--mesh", "4", "--solver-gap", "0.01", "--time-limit", "30")
+    assert done.returncode == 0, done.stderr
+    assert "solver: OPTIMAL" in done.stdout
+    bad = _autopar("plan", "mlp", "--mesh", "4", "--solver-gap", "2")
+    assert bad.returncode != 0 and "solver_gap=2.0 is not a fraction in [0, 1)" in bad.stderr
+
+
 def test_plan_can_share_repeated_layers():
     shared = _autopar("plan", "gpt", "--mesh", "4", "--share-layers", "on")
     assert shared.returncode == 0, shared.stderr
