@@ -48,8 +48,8 @@ from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.memory_program import host_state, in_flight_bucket, keep_recompute_or_offload, memory_budget, priced_memory
-from autopar.passes.mip import (BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE, SCALE,
-                                solve_before_deadline)
+from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
+                                SCALE, solve_before_deadline)
 from autopar.passes.remat import ActivationSpace, backward_param_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 from autopar.passes.transport import (GradientCost, OneStepMoves, TransitionCost, enough_buckets, gathered, gradient_transport,
@@ -119,8 +119,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
-    ``start``, with half of HiGHS's effort on finding plans (``BUDGET_HEURISTIC_EFFORT``), and
-    goes on to the time limit once it has found a plan that fits; if it has found
+    ``start`` (in large programs with half of HiGHS's effort on finding plans,
+    ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it has found a plan that
+    fits; if it has found
     none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
     rest of the time, and if that finds none either,
     :func:`~autopar.passes.memory_program.priced_memory` looks instead. (A start can lead HiGHS
@@ -207,15 +208,17 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     priced = budget_bytes is not None and minimise == "time"
     hint = _hint(start, ind, own, shared, ((again, "recomputed"), (away, "offloaded"), (ahead, "prefetched"),
                                            (on_host, "host_optimizer"), (params_on_host, "host_params")))
+    large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
+    effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
     outcome = solve_before_deadline(solver, params, time_limit_s, () if priced else hint,
                                     give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
-                                    heuristic_effort=BUDGET_HEURISTIC_EFFORT if priced else DEFAULT_HEURISTIC_EFFORT)
+                                    heuristic_effort=effort)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     left = started + time_limit_s - time.perf_counter()
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
     if priced and status not in answered and hint and left > 1.0:
         log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
-        outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=BUDGET_HEURISTIC_EFFORT)
+        outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=effort)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
