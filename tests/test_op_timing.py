@@ -20,14 +20,15 @@ def _mm():
     return captured, next(n for n in captured.graph.graph.nodes if n.op == "call_function" and "addmm" in str(n.target))
 
 
-def test_an_op_split_four_ways_is_timed_faster_than_whole_and_each_call_is_timed_once_per_process():
+def test_an_op_split_four_ways_is_timed_on_its_piece_and_each_call_is_timed_once_per_process():
     _, addmm = _mm()  # addmm(bias [2048], x [256, 512], weight.t() [512, 2048])
     timer = OpTimer(Mesh((4,), ("x",)))
     timer.times.clear()
     whole = timer.node_s(addmm, Strategy(((R,),), ((R,), (R,), (R,))))
     rows = timer.node_s(addmm, Strategy(((S(0),),), ((R,), (S(0),), (R,))))
-    assert whole is not None and rows is not None and rows < whole
-    assert len(timer.times) == 2
+    assert whole is not None and rows is not None and whole > 0 and rows > 0
+    timed_shapes = sorted(key[2] for key in timer.times)  # (target, whole shapes, local shapes, ...)
+    assert timed_shapes == [((2048,), (64, 512), (512, 2048)), ((2048,), (256, 512), (512, 2048))]
     timer.node_s(addmm, Strategy(((S(0),),), ((R,), (S(0),), (R,))))
     assert OpTimer(Mesh((4,), ("x",))).node_s(addmm, Strategy(((R,),), ((R,), (R,), (R,)))) == whole
     assert len(timer.times) == 2
