@@ -40,13 +40,20 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
     nodes: list[NodeSpace] = []
     unsupported: list[fx.Node] = []
     placeholder_kinds = dict(zip(captured.placeholders, captured.inputs))
+    seen: dict[tuple, tuple[Strategy, ...]] = {}  # per op signature, its strategies (repeated layers repeat them)
     for node in graph.nodes:
         phase = "backward" if node in backward else "forward"
         if node.op == "placeholder":
             kind = placeholder_kinds[node]
             nodes.append(_placeholder_space(node, kind, mesh, pins.pop(kind.name, None), updates, aliases, phase))
         elif node.op == "call_function" and node.name not in aliases:
-            nodes.append(_op_space(node, mesh, aliases, phase, unsupported, fallback))
+            key = _op_signature(node)
+            if rule_for(node.target) is None:
+                unsupported.append(node)
+            if key not in seen:
+                seen[key] = _op_strategies(node, mesh)
+            nodes.append(NodeSpace(node.name, "op", str(node.target), tuple(_ref(a, aliases) for a in tensor_args(node)),
+                                   seen[key], phase))
     nodes.append(_output_space(captured, mesh, aliases))
     if pins:
         known = sorted(k.name for k in captured.inputs if k.kind != "tangent")
@@ -137,18 +144,42 @@ def _placeholder_space(node, kind, mesh, pin, updates, aliases, phase) -> NodeSp
     return NodeSpace(node.name, kind.kind, kind.name, args, strategies, phase)
 
 
-def _op_space(node, mesh, aliases, phase, unsupported, fallback) -> NodeSpace:
+def _op_signature(node: fx.Node) -> tuple:
+    """What an op's strategies depend on: its target, its arguments (nodes by the order they
+    first appear and their values' shapes, strides and dtypes; constants by value) and its
+    outputs' shapes. Ops of repeated layers have the same signature."""
+    order: dict[fx.Node, int] = {}
+
+    def encode(a):
+        if isinstance(a, fx.Node):
+            return ("node", order.setdefault(a, len(order)), _value_signature(a.meta.get("val")))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(encode(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, encode(v)) for k, v in sorted(a.items())))
+        return (type(a).__name__, repr(a))
+
+    return node.target, encode(node.args), encode(node.kwargs), _value_signature(node.meta.get("val"))
+
+
+def _value_signature(val) -> tuple:
+    if isinstance(val, torch.Tensor):
+        return ("tensor", tuple(val.shape), val.stride() if val.layout == torch.strided else None, val.dtype)
+    if isinstance(val, (list, tuple)):
+        return (type(val).__name__, tuple(_value_signature(v) for v in val))
+    return (type(val).__name__, repr(val))
+
+
+def _op_strategies(node: fx.Node, mesh: Mesh) -> tuple[Strategy, ...]:
+    """Every strategy of op ``node`` on ``mesh``: one rule row per mesh axis, where the layouts
+    fit the shapes (replicated where the op has no rule)."""
     args = tensor_args(node)
     rule = rule_for(node.target)
     outs = node.meta.get("val")
     out_vals = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if rule is None:
-        unsupported.append(node)
-        rows = [(tuple(R if isinstance(o, torch.Tensor) else None for o in out_vals), (R,) * len(args))]
-    else:
-        rows = rule(node)
-    in_vals = [a.meta["val"] for a in args]
     replicated = (tuple(R if isinstance(o, torch.Tensor) else None for o in out_vals), (R,) * len(args))
+    rows = [replicated] if rule is None else rule(node)
+    in_vals = [a.meta["val"] for a in args]
     strategies = []
     for combo in itertools.product(*(rows if size > 1 else [replicated] for size in mesh.shape)):  # an axis of 1 rank only replicates
         outputs = tuple(
@@ -163,7 +194,7 @@ def _op_space(node, mesh, aliases, phase, unsupported, fallback) -> NodeSpace:
     strategies = tuple(dict.fromkeys(strategies))
     if not strategies:
         raise InfeasiblePlanError(f"node {node.name} ({node.target} on {_shapes(node)}) has no layout that fits {mesh}")
-    return NodeSpace(node.name, "op", str(node.target), tuple(_ref(a, aliases) for a in args), strategies, phase)
+    return strategies
 
 
 def _output_space(captured: Captured, mesh: Mesh, aliases) -> NodeSpace:
