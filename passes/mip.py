@@ -1,6 +1,6 @@
 """Running the plan's integer program (:mod:`autopar.passes.solver`,
-:mod:`autopar.passes.memory_program`): the units of its coefficients, and the solver in a
-child process that is given up at a deadline."""
+:mod:`autopar.passes.memory_program`, :mod:`autopar.passes.memory_choices`): the units of its
+coefficients, and the solver in a child process that is given up at a deadline."""
 
 import math
 import os

@@ -184,7 +184,7 @@ def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, i
 def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None,
               compute: dict[str, float]) -> float:
     """Seconds per step that offloading costs, as the solver prices them
-    (:mod:`autopar.passes.memory_program`): what of the copies out is left when the forward's
+    (:mod:`autopar.passes.memory_choices`): what of the copies out is left when the forward's
     compute ends, each segment's copies back (when prefetched, what of them is left when the
     backward of the segment after it ends), for each parameter stepped on the host its gradient out, its piece back and
     the host's update, and for each parameter in host memory one more copy in."""

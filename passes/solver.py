@@ -12,7 +12,8 @@ tensor and target layout, however many consumers share it::
 
 The memory budget, the keep, recompute or offload choice of every forward op and the choice of
 keeping parameters and optimizer state in host memory add constraints of their own
-(:mod:`autopar.passes.memory_program`, whose docstring writes them out).
+(:mod:`autopar.passes.memory_program` and :mod:`autopar.passes.memory_choices`, whose docstrings
+write them out).
 
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
 ``v``, ``z_v,p`` is the sum of its producer's one-hots whose strategy gives ``v`` layout ``p``,
@@ -47,7 +48,8 @@ from ortools.linear_solver import pywraplp
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.errors import InfeasiblePlanError
-from autopar.passes.memory_program import host_state, in_flight_bucket, keep_recompute_or_offload, memory_budget, priced_memory
+from autopar.passes.memory_choices import host_state, keep_recompute_or_offload
+from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
 from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
                                 SCALE, solve_before_deadline)
 from autopar.passes.remat import ActivationSpace, backward_param_reads
