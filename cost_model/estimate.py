@@ -30,6 +30,8 @@ class CostModel:
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
         self.timer = OpTimer(mesh, cold=_overflows_cache(captured, mesh)) if getattr(hardware, "timed_ops", False) else None
         self.scale = getattr(hardware, "step_scale", 1.0)
+        self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
+        self._local_bytes: dict[tuple, int] = {}
 
     def value(self, ref: ValueRef) -> torch.Tensor:
         val = self.graph_nodes[ref[0]].meta["val"]
@@ -98,7 +100,11 @@ class CostModel:
         return step_s(step, self.mesh, self.links)
 
     def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
-        return sum(self.step_s(s) for s in self.steps(ref, src, dst))
+        value = self.value(ref)
+        key = (tuple(value.shape), value.dtype, src, dst)
+        if key not in self._transitions:
+            self._transitions[key] = sum(self.step_s(s) for s in self.steps(ref, src, dst))
+        return self._transitions[key]
 
     def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
@@ -139,7 +145,10 @@ class CostModel:
 
     def local_bytes(self, ref: ValueRef, placements: Placements) -> int:
         value = self.value(ref)
-        return math.prod(local_shape(tuple(value.shape), placements, self.mesh)) * value.element_size()
+        key = (tuple(value.shape), value.dtype, placements)
+        if key not in self._local_bytes:
+            self._local_bytes[key] = math.prod(local_shape(key[0], placements, self.mesh)) * value.element_size()
+        return self._local_bytes[key]
 
 
 def _overflows_cache(captured: Captured, mesh: Mesh) -> bool:
