@@ -1,9 +1,9 @@
 """Does the cost model predict this machine? Predicted against measured step time and memory.
 
-Calibrates this machine for 2 and 4 local ranks (``autopar calibrate``, into
-``benchmarks/results/``) just before measuring on them, since this host's speed drifts within
-the hour; then on those ranks plans every example model with the calibrated profile, under
-autopar's own plan and hand-written layouts (pins), and measures:
+For each rank count (2 and 4 local ranks) and each example model: calibrates this machine
+(``autopar calibrate``, into ``benchmarks/results/``) just before measuring the model, since this
+host's speed drifts within minutes; then on those ranks plans the model with the calibrated
+profile, under autopar's own plan and hand-written layouts (pins), and measures:
 
 - the step time the plan models: forward and backward of the per-rank program (the median of
   ``ROUNDS`` rounds of ``--steps`` steps, the plans of a model taking turns round by round; the
@@ -14,10 +14,11 @@ autopar's own plan and hand-written layouts (pins), and measures:
 Prints one row per model, plan and rank count, and per model whether the predicted order of the
 plans matches the measured one. Writes ``benchmarks/results/fidelity.json``.
 
-    python -m benchmarks.fidelity [--ranks 2,4] [--steps 4]
+    python -m benchmarks.fidelity [--ranks 2,4] [--models mlp,gpt,bert,llama] [--steps 4]
 """
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -69,7 +70,7 @@ def _step_s(pmodel, opt, batch) -> float:
     return elapsed
 
 
-def worker(profile: str, steps: int, out: str) -> None:
+def worker(profile: str, models: list[str], steps: int, out: str) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -79,7 +80,7 @@ def worker(profile: str, steps: int, out: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = autopar.Mesh((world,), ("ranks",))
     rows = []
-    for name in MODELS:
+    for name in models:
         runs = []
         for layout in _layouts(name):
             torch.manual_seed(0)
@@ -126,29 +127,38 @@ def _order_matches(rows: list[dict], margin: float = 0.05) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round")
     parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    models = args.models.split(",")
+    if unknown := set(models) - set(MODELS):
+        parser.error(f"--models: no example {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
     if args.worker:
-        return worker(args.worker[0], args.steps, args.worker[1])
+        return worker(args.worker[0], models, args.steps, args.worker[1])
 
     from autopar.runtime.launch import torchrun
 
     from autopar.cost_model.hardware import load_profile
 
-    rows, scales = [], {}
+    rows, profiles = [], {}
     for world in (int(n) for n in args.ranks.split(",")):
-        profile = calibrated_profile(world)
-        scales[world] = load_profile(profile).step_scale
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rows.json")
-            if torchrun(world, ["-m", "benchmarks.fidelity", "--steps", str(args.steps), "--worker", str(profile), out]):
-                raise SystemExit(f"the benchmark failed on {world} ranks")
-            rows += [{**r, "step_scale": scales[world]} for r in json.loads(Path(out).read_text())]
+        for name in models:
+            path = calibrated_profile(world)
+            profile = load_profile(path)
+            profiles[f"{name}@{world}"] = dataclasses.asdict(profile)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "rows.json")
+                if torchrun(world, ["-m", "benchmarks.fidelity", "--models", name, "--steps", str(args.steps),
+                                    "--worker", str(path), out]):
+                    raise SystemExit(f"the benchmark failed for {name} on {world} ranks")
+                rows += [{**r, "step_scale": profile.step_scale} for r in json.loads(Path(out).read_text())]
+    scales = {world: [p["step_scale"] for k, p in profiles.items() if k.endswith(f"@{world}")] for world in
+              sorted({r["ranks"] for r in rows})}
     header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'quartiles ms':>13} {'error':>7} {'unscaled':>8} "
               f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
-    print("\n" + "; ".join(f"{world} ranks: a step runs {scale:.2f}x its ops and collectives timed alone (the profile's step scale)"
-                           for world, scale in scales.items()))
+    print("\n" + "; ".join(f"{world} ranks: a step runs {min(s):.2f}x to {max(s):.2f}x its ops and collectives timed alone "
+                           "(the profiles' step scales)" for world, s in scales.items()))
     print(f"forward+backward step time (median of {ROUNDS} rounds of {args.steps} steps, with its quartiles) and peak "
           f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
@@ -168,7 +178,7 @@ def main() -> None:
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
     unscaled = sum(abs(r["unscaled_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({unscaled} without the step scale)")
-    write_results(RESULTS, step_scales=scales, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows,
+    write_results(RESULTS, profiles=profiles, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows,
                   order_matches={f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()})
 
 
