@@ -25,11 +25,13 @@ roofline. More figures serve those timings:
 - the step overhead: rank 0 alone runs stacks of 1 to 16 linear layers through autopar's
   autograd step and compares each with its forward and backward programs run directly; a line
   through them gives a fixed time per step and a time per parameter,
-- the step scale: every rank trains a calibration model of four residual blocks (no model of
-  the zoo) in data-parallel, fully sharded and tensor-parallel layouts, planned with the
-  figures above; the median of its measured forward and backward times over the predicted
-  ones. A step runs longer than its ops and collectives measured alone: ranks drift apart
-  between collectives and a rank waiting in one sleeps and must be woken.
+- the step and collective scales: every rank trains a calibration model of four residual
+  blocks (no model of the zoo) in data-parallel, fully sharded and tensor-parallel layouts,
+  planned with the figures above, and its measured forward and backward times are fitted as
+  ``step scale × (ops + collective scale × collectives)`` of the predicted ones. A step runs
+  longer than its ops and collectives measured alone, and its collectives longer still: ranks
+  drift apart between collectives, the first to reach one waits for the last, and a rank
+  waiting in one sleeps and must be woken.
 
 Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
@@ -38,6 +40,7 @@ Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
 import argparse
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -139,8 +142,8 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
         node_overhead_s=node_overhead, step_overhead_s=step_overhead, param_overhead_s=param_overhead,
         contention=contention,
     )
-    step_scale, step_points = _step_scale(alone, world)
-    profile = dataclasses.replace(alone, step_scale=step_scale)
+    step_scale, collective_scale, step_points = _step_scales(alone, world)
+    profile = dataclasses.replace(alone, step_scale=step_scale, collective_scale=collective_scale)
     return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
                      "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw,
                      "contention": contention, "node_overhead_s": node_overhead, "calibration_program": program,
@@ -211,20 +214,25 @@ _STEP_LAYOUTS = {
 }
 
 
-def _step_scale(profile: HardwareProfile, world: int) -> tuple[float, dict]:
+_STEP_BATCHES = (256, 2048)
+
+
+def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, dict]:
     """How many times longer the forward and backward of a training step run than ``profile``
-    predicts: the median over a calibration model (four residual blocks, unlike the example
-    models) planned in data-parallel, fully sharded and tensor-parallel layouts over every rank,
-    each the median of 20 steps on rank 0 (broadcast to every rank)."""
+    predicts, as ``(step_scale, collective_scale, points)``: a calibration model (four residual
+    blocks, unlike the example models) planned in data-parallel, fully sharded and
+    tensor-parallel layouts over every rank, on a small and a large batch (so that collectives
+    take from about a tenth to most of a step), each the median of 20 steps on rank 0, and the
+    two scales fitted to them (:func:`_fit_scales`; broadcast to every rank)."""
     import torch.distributed as dist
 
     import autopar
 
     mesh = autopar.Mesh((world,), ("ranks",))
     points = {}
-    for layout, pin in _STEP_LAYOUTS.items():
+    for (layout, pin), rows in itertools.product(_STEP_LAYOUTS.items(), _STEP_BATCHES):
         torch.manual_seed(0)
-        model, x = _CalibrationModel(128, _STEP_LAYERS, 1), torch.randn(512, 128)
+        model, x = _CalibrationModel(128, _STEP_LAYERS, 1), torch.randn(rows, 128)
         pins = {name: pin(name) for name in ["x", *(k for k, _ in model.named_parameters())]}
         pmodel = autopar.compile(model, mesh, (x,), hardware=profile, pins=pins)
         local = pmodel.rank_part("x", x) if pmodel.passes_own_part("x") else x
@@ -235,10 +243,28 @@ def _step_scale(profile: HardwareProfile, world: int) -> tuple[float, dict]:
             pmodel(local).backward()
 
         measured = _median_s(step, 20, 3)
-        points[layout] = (pmodel.plan.predicted_step_s, measured)
-    ratio = torch.tensor([statistics.median(m / p for p, m in points.values())], dtype=torch.float64)
-    dist.broadcast(ratio, 0)
-    return float(ratio), points
+        plan = pmodel.plan
+        points[f"{layout}, batch {rows}"] = (plan.predicted_step_s - plan.communication_s, plan.communication_s, measured)
+    scales = torch.tensor(_fit_scales(list(points.values())), dtype=torch.float64)
+    dist.broadcast(scales, 0)
+    return float(scales[0]), float(scales[1]), points
+
+
+def _fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(s, c)`` such that ``s · (rest + c · collectives)`` predicts each ``(rest, collectives,
+    measured)`` point best in relative error (least squares). Waiting for the other ranks only
+    lengthens a collective, so where the fit puts ``c`` below 1, or the points do not tell the
+    two apart (their shares of collectives alike), ``c`` is 1 and ``s`` the median of
+    ``measured / (rest + collectives)``."""
+    rows = [(rest / measured, collectives / measured) for rest, collectives, measured in points]
+    uu, uv, vv = (sum(u * u for u, _ in rows), sum(u * v for u, v in rows), sum(v * v for _, v in rows))
+    u1, v1 = sum(u for u, _ in rows), sum(v for _, v in rows)
+    det = uu * vv - uv * uv
+    if det > 1e-6 * uu * vv:
+        s, sc = (u1 * vv - v1 * uv) / det, (v1 * uu - u1 * uv) / det
+        if s > 0 and sc >= s:
+            return s, sc / s
+    return statistics.median(m / (r + c) for r, c, m in points), 1.0
 
 
 def _node_overhead() -> tuple[float, dict]:
@@ -388,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
                   f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
                   f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one; a "
-                  f"training step runs {profile.step_scale:.2f}x longer than these figures add up to")
+                  f"training step runs {profile.step_scale:.2f}x longer than these figures add up to, "
+                  f"its collectives {profile.collective_scale:.2f}x longer again")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
             print(f"wrote {args.out}; plan with hardware={args.out!r}")

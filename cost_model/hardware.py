@@ -120,6 +120,12 @@ class HardwareProfile:
     its wait, caches shared with the other ranks); ``autopar calibrate`` measures it on a
     calibration model's steps. Multiplies every op, collective and step overhead the cost model
     prices, not copies to the host."""
+    collective_scale: float = 1.0
+    """How many times longer a collective runs inside a training step than back to back after a
+    barrier, beyond ``step_scale``: in a step the ranks reach it at different times, and the
+    first waits for the last. ``autopar calibrate`` fits it with ``step_scale`` on the
+    calibration model's layouts, which spend different shares of their step in collectives.
+    Multiplies every collective, with the local ops around it, on top of ``step_scale``."""
     host_link: Link | None = None
     """The copy link between a device and its host's memory (PCIe), for offloading activations
     and optimizer state; ``None`` where the device computes in host memory (a CPU), so that
@@ -242,12 +248,12 @@ def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
     """The α-β link of each axis of ``mesh``, with the cost of the local ops around its
     collectives on this device: an op's fixed time (and a program node's, for a profile that
     times ops), and the time per byte of a copy, both under the ranks' contention; every time
-    scaled by the profile's ``step_scale``."""
+    scaled by the profile's ``step_scale`` and ``collective_scale``."""
     fixed = hardware.compute_s(0, 0)
     contention = getattr(hardware, "contention", 1.0)
     op_s = (fixed + getattr(hardware, "node_overhead_s", 0.0)) * contention
     per_byte = (hardware.compute_s(0, 2 * 2**20) - fixed) / 2**20 * contention  # each byte read and written
-    scale = getattr(hardware, "step_scale", 1.0)
+    scale = getattr(hardware, "step_scale", 1.0) * getattr(hardware, "collective_scale", 1.0)
     return tuple(dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte).scaled(scale)
                  for axis in range(mesh.ndim))
 

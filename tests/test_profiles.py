@@ -82,3 +82,27 @@ def test_the_step_scale_lengthens_every_price_and_keeps_the_plan():
     for part in ("compute_s", "communication_s", "overhead_s", "predicted_step_s"):
         assert getattr(scaled, part) == pytest.approx(1.5 * getattr(plain, part)), part
     assert [c.time_s for c in scaled.collectives] == pytest.approx([1.5 * c.time_s for c in plain.collectives])
+
+
+def test_the_collective_scale_lengthens_collectives_only():
+    import dataclasses
+
+    import torch
+
+    from autopar.cost_model.estimate import CostModel
+    from autopar.examples.mlp import MLP
+    from autopar.passes.capture import capture
+    from autopar.passes.propagate import propagate
+    from autopar.placement import P, R, S
+
+    mesh = Mesh((4,), ("dp",))
+    captured = capture(MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16)))
+    space = propagate(captured, mesh)
+    host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4, step_scale=1.5)
+    plain, slow = CostModel(captured, mesh, host), CostModel(captured, mesh, dataclasses.replace(host, collective_scale=3.0))
+    assert slow.compute_costs(space) == plain.compute_costs(space)
+    assert slow.step_overhead_s(10) == plain.step_overhead_s(10)
+    ref = (next(n.name for n in space.nodes if n.kind == "op"), 0)
+    for src, dst in (((P,), (R,)), ((S(0),), (R,)), ((P,), (S(0),))):
+        base = plain.transition_s(ref, src, dst)
+        assert base > 0 and slow.transition_s(ref, src, dst) == pytest.approx(3.0 * base)
