@@ -267,9 +267,14 @@ def _fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]
     return statistics.median(m / (r + c) for r, c, m in points), 1.0
 
 
+_NODE_ROUNDS = 5
+
+
 def _node_overhead() -> tuple[float, dict]:
     """Seconds per node that running the calibration block's joint graph takes beyond its ops
-    timed one by one (rank 0 alone; broadcast to every rank)."""
+    timed one by one (rank 0 alone; broadcast to every rank): the median over ``_NODE_ROUNDS``
+    rounds, each timing the program and then every op afresh, since the difference of the two
+    is small beside either."""
     import torch.distributed as dist
 
     from autopar.cost_model.op_timing import OpTimer
@@ -279,7 +284,7 @@ def _node_overhead() -> tuple[float, dict]:
     from autopar.placement import R
     from autopar.passes.strategy import Strategy
 
-    figures = torch.zeros(3, dtype=torch.float64)
+    figures = torch.zeros(2 * _NODE_ROUNDS + 1, dtype=torch.float64)
     dist.barrier()
     if dist.get_rank() == 0:
         torch.manual_seed(0)
@@ -291,20 +296,23 @@ def _node_overhead() -> tuple[float, dict]:
         graph = captured.graph
         graph.graph.set_codegen(torch.fx.graph.CodeGen())  # flat positional inputs
         graph.recompile()
-        with torch.no_grad():
-            program = _median_s(lambda: graph(*args), 20, 3, together=False)
-        mesh = Mesh((1,), ("one",))
-        timer = OpTimer(mesh)
         ops = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ != "getitem"]
-        timed = []
-        for node in ops:
-            outs = node.meta["val"]
-            outputs = tuple(None if o is None else (R,) for o in (outs if isinstance(outs, (list, tuple)) else [outs]))
-            timed.append(timer.node_s(node, Strategy(outputs, ((R,),) * len(tensor_args(node)))))
-        figures = torch.tensor([program, sum(t for t in timed if t is not None), len(ops)], dtype=torch.float64)
+        strategies = [Strategy(tuple(None if o is None else (R,) for o in (outs if isinstance(outs, (list, tuple)) else [outs])),
+                               ((R,),) * len(tensor_args(n))) for n, outs in ((n, n.meta["val"]) for n in ops)]
+        rounds = []
+        for _ in range(_NODE_ROUNDS):
+            with torch.no_grad():
+                program = _median_s(lambda: graph(*args), 20, 3, together=False)
+            OpTimer.times.clear()
+            timer = OpTimer(Mesh((1,), ("one",)))
+            timed = [timer.node_s(node, strategy) for node, strategy in zip(ops, strategies)]
+            rounds += [program, sum(t for t in timed if t is not None)]
+        figures = torch.tensor([*rounds, len(ops)], dtype=torch.float64)
     dist.broadcast(figures, 0)
-    program, ops_s, count = (float(f) for f in figures)
-    return max(0.0, (program - ops_s) / count), {"program_s": program, "ops_timed_s": ops_s, "nodes": int(count)}
+    *rounds, count = (float(f) for f in figures)
+    programs, ops_s = rounds[0::2], rounds[1::2]
+    per_node = statistics.median((program - timed) / count for program, timed in zip(programs, ops_s))
+    return max(0.0, per_node), {"program_s": programs, "ops_timed_s": ops_s, "nodes": int(count)}
 
 
 _STACKS = (1, 2, 4, 8, 16)
