@@ -3,6 +3,7 @@ return and take."""
 
 import dataclasses
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -103,17 +104,21 @@ def test_a_hugging_face_model_returns_its_model_output_and_refuses_a_cache():
     captured = capture(Whole(model.model), (ids, ids))
     assert captured.out_spec.type is CausalLMOutputWithCrossAttentions and captured.num_forward_outputs == 2
     cached = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_head=4, n_layer=1, use_cache=True))
-    with pytest.raises(autopar.CaptureError, match=r"(?s)output\['past_key_values'\] of type DynamicCache.*use_cache=False"):
+    cache_field = r"(past_key_values|cache)"  # transformers 5.24 renamed the field
+    with pytest.raises(autopar.CaptureError, match=rf"(?s)output\['{cache_field}'\] of type DynamicCache.*use_cache=False"):
         capture(Whole(cached), (ids, ids))
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
 def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_wrap_it():
+    from transformers import GPT2LMHeadModel
+
     from autopar.examples.hf import gpt2
 
     ids = torch.randint(0, 32, (4, 8))
+    second = list(inspect.signature(GPT2LMHeadModel.forward).parameters)[2]  # past_key_values, or cache from 5.24
     with pytest.raises(autopar.CaptureError,
-                       match=r"(?s)forward\(input_ids, past_key_values\).*wrapper module whose forward\(\) takes"):
+                       match=rf"(?s)forward\(input_ids, {second}\).*wrapper module whose forward\(\) takes"):
         capture(gpt2(vocab_size=32, seq=8, dim=16, num_layers=1).model, (ids, ids))
 
 
