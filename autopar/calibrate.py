@@ -19,7 +19,8 @@ roofline. More figures serve those timings:
 
 - the node overhead: rank 0 alone runs the joint training graph of a calibration block (layer
   norm, two linears with a tanh GELU, a softmax and a sum; no model of the zoo) and compares
-  it with the sum of its ops timed one by one; the difference per node is what a program adds,
+  it with the sum of its ops timed one by one, five times over; the median difference per node
+  is what a program adds,
 - the contention: how many more matmuls rank 0 runs in 0.1 s alone (the other ranks asleep)
   than while every rank runs them (ranks sharing cores),
 - the step overhead: rank 0 alone runs stacks of 1 to 16 linear layers through autopar's
@@ -297,8 +298,13 @@ def _node_overhead() -> tuple[float, dict]:
         graph.graph.set_codegen(torch.fx.graph.CodeGen())  # flat positional inputs
         graph.recompile()
         ops = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ != "getitem"]
-        strategies = [Strategy(tuple(None if o is None else (R,) for o in (outs if isinstance(outs, (list, tuple)) else [outs])),
-                               ((R,),) * len(tensor_args(n))) for n, outs in ((n, n.meta["val"]) for n in ops)]
+
+        def replicated(node) -> Strategy:
+            outs = node.meta["val"]
+            outputs = tuple(None if o is None else (R,) for o in (outs if isinstance(outs, (list, tuple)) else [outs]))
+            return Strategy(outputs, ((R,),) * len(tensor_args(node)))
+
+        strategies = [replicated(n) for n in ops]
         rounds = []
         for _ in range(_NODE_ROUNDS):
             with torch.no_grad():
