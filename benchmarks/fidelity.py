@@ -141,12 +141,13 @@ def main() -> None:
 
     from autopar.cost_model.hardware import load_profile
 
-    rows, profiles = [], {}
+    rows, profiles, scales = [], {}, {}
     for world in (int(n) for n in args.ranks.split(",")):
         for name in models:
             path = calibrated_profile(world)
             profile = load_profile(path)
             profiles[f"{name}@{world}"] = dataclasses.asdict(profile)
+            scales.setdefault(world, []).append((profile.step_scale, profile.collective_scale))
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rows.json")
                 if torchrun(world, ["-m", "benchmarks.fidelity", "--models", name, "--steps", str(args.steps),
@@ -154,8 +155,6 @@ def main() -> None:
                     raise SystemExit(f"the benchmark failed for {name} on {world} ranks")
                 rows += [{**r, "step_scale": profile.step_scale, "collective_scale": profile.collective_scale}
                          for r in json.loads(Path(out).read_text())]
-    scales = {world: [(p["step_scale"], p["collective_scale"]) for k, p in profiles.items() if k.endswith(f"@{world}")]
-              for world in sorted({r["ranks"] for r in rows})}
     header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'quartiles ms':>13} {'error':>7} {'unscaled':>8} "
               f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
     print("\n" + "; ".join(f"{world} ranks: a step runs {min(a for a, _ in s):.2f}x to {max(a for a, _ in s):.2f}x its ops "
