@@ -309,8 +309,7 @@ def _node_overhead() -> tuple[float, dict]:
         for _ in range(_NODE_ROUNDS):
             with torch.no_grad():
                 program = _median_s(lambda: graph(*args), 20, 3, together=False)
-            OpTimer.times.clear()
-            timer = OpTimer(Mesh((1,), ("one",)))
+            timer = OpTimer(Mesh((1,), ("one",)), fresh=True)
             timed = [timer.node_s(node, strategy) for node, strategy in zip(ops, strategies)]
             rounds += [program, sum(t for t in timed if t is not None)]
         figures = torch.tensor([*rounds, len(ops)], dtype=torch.float64)

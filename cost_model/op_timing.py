@@ -77,12 +77,15 @@ class _Alone:
 class OpTimer:
     """Times ops under strategies on this host, each distinct call once per process (plans
     made one after another price an op alike); ``cold``, ops that overflow L2 read their
-    arguments from memory."""
+    arguments from memory. A ``fresh`` timer keeps times of its own and times every call
+    again, leaving the process's times untouched."""
 
     times: dict[tuple, float | None] = {}
     """Seconds per distinct call, shared by every timer of the process."""
 
-    def __init__(self, mesh: Mesh, repeats: int = 3, *, cold: bool = False):
+    def __init__(self, mesh: Mesh, repeats: int = 3, *, cold: bool = False, fresh: bool = False):
+        if fresh:
+            self.times = {}
         self.mesh = mesh
         self.repeats = repeats
         self.cold = cold

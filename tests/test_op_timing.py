@@ -34,6 +34,17 @@ def test_an_op_split_four_ways_is_timed_on_its_piece_and_each_call_is_timed_once
     assert len(timer.times) == 2
 
 
+def test_a_fresh_timer_times_every_call_again_and_leaves_the_process_times_alone():
+    _, addmm = _mm()
+    strategy = Strategy(((R,),), ((R,), (R,), (R,)))
+    OpTimer(Mesh((4,), ("x",))).node_s(addmm, strategy)
+    shared = dict(OpTimer.times)
+    fresh = OpTimer(Mesh((4,), ("x",)), fresh=True)
+    assert fresh.times == {}
+    assert fresh.node_s(addmm, strategy) is not None and len(fresh.times) == 1
+    assert OpTimer.times == shared
+
+
 def test_a_profile_of_this_host_prices_ops_by_their_timing_plus_the_node_overhead_times_the_contention():
     captured, addmm = _mm()
     mesh = Mesh((2,), ("x",))
