@@ -58,6 +58,12 @@ _SIZES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB per rank, toward a 
 def _median_s(fn, repeats: int = 10, warmup: int = 2, *, together: bool = True) -> float:
     """Median seconds of ``fn``; ``together``, every rank starts each call at a barrier (all
     ranks measure at once), else the calling rank times it on its own."""
+    return statistics.median(_times_s(fn, repeats, warmup, together=together))
+
+
+def _times_s(fn, repeats: int, warmup: int = 0, *, together: bool = True) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones, as
+    :func:`_median_s` times them."""
     import torch.distributed as dist
 
     times = []
@@ -68,7 +74,7 @@ def _median_s(fn, repeats: int = 10, warmup: int = 2, *, together: bool = True) 
         fn()
         if i >= warmup:
             times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
 
 
 def _collective(kind: str, nbytes: int, world: int):
@@ -216,6 +222,7 @@ _STEP_LAYOUTS = {
 
 
 _STEP_BATCHES = (256, 2048)
+_STEP_ROUNDS, _STEPS_PER_ROUND = 4, 5
 
 
 def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, dict]:
@@ -224,31 +231,42 @@ def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, di
     blocks, unlike the example models) planned in data-parallel, fully sharded and
     tensor-parallel layouts over every rank, on a small and a large batch (so that collectives
     take from about a tenth to most of a step), each the median of 20 steps on rank 0, and the
-    two scales fitted to them (:func:`_fit_scales`; broadcast to every rank)."""
+    two scales fitted to them (:func:`_fit_scales`; broadcast to every rank). The six
+    configurations take turns over ``_STEP_ROUNDS`` rounds of ``_STEPS_PER_ROUND`` steps, so
+    that a slow spell of the host stretches them alike instead of one of them."""
     import torch.distributed as dist
 
     import autopar
 
     mesh = autopar.Mesh((world,), ("ranks",))
-    points = {}
+    configurations = []
     for (layout, pin), rows in itertools.product(_STEP_LAYOUTS.items(), _STEP_BATCHES):
         torch.manual_seed(0)
         model, x = _CalibrationModel(128, _STEP_LAYERS, 1), torch.randn(rows, 128)
         pins = {name: pin(name) for name in ["x", *(k for k, _ in model.named_parameters())]}
         pmodel = autopar.compile(model, mesh, (x,), hardware=profile, pins=pins)
         local = pmodel.rank_part("x", x) if pmodel.passes_own_part("x") else x
-
-        def step():
-            for p in pmodel.parameters():
-                p.grad = None
-            pmodel(local).backward()
-
-        measured = _median_s(step, 20, 3)
-        plan = pmodel.plan
-        points[f"{layout}, batch {rows}"] = (plan.predicted_step_s - plan.communication_s, plan.communication_s, measured)
+        step = _training_step(pmodel, local)
+        _times_s(step, 0, 3)
+        configurations.append((f"{layout}, batch {rows}", pmodel.plan, step, []))
+    for _ in range(_STEP_ROUNDS):
+        for _, _, step, times in configurations:
+            times += _times_s(step, _STEPS_PER_ROUND)
+    points = {label: (plan.predicted_step_s - plan.communication_s, plan.communication_s, statistics.median(times))
+              for label, plan, _, times in configurations}
     scales = torch.tensor(_fit_scales(list(points.values())), dtype=torch.float64)
     dist.broadcast(scales, 0)
     return float(scales[0]), float(scales[1]), points
+
+
+def _training_step(pmodel, x):
+    """The forward and backward of ``pmodel`` on ``x``, its gradients dropped first."""
+    def step():
+        for p in pmodel.parameters():
+            p.grad = None
+        pmodel(x).backward()
+
+    return step
 
 
 def _fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]:
