@@ -423,6 +423,15 @@ def _efficiency(flops_per_s: float, bytes_per_s: float, overhead_s: float) -> fl
     return min(statistics.median(ratios), 1.0)
 
 
+def oversubscribed(ranks: int, cores: int) -> str | None:
+    """What to expect of a profile measured with more ranks than ``cores``, or ``None``."""
+    if ranks <= cores:
+        return None
+    return (f"{ranks} ranks share {cores} CPU cores: they take turns on them, and a collective waits for ranks that "
+            "are not running, so step times depend on what the other ranks run meanwhile. The profile's scales fit "
+            "them on average; predictions of other models' steps can be off by more than with a core per rank")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autopar calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--ranks", type=int, default=4, help="local ranks to measure with (default 4)")
@@ -432,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         from autopar.runtime.launch import torchrun
 
         print(f"autopar calibrate: measuring on {args.ranks} local ranks", flush=True)
+        if note := oversubscribed(args.ranks, len(os.sched_getaffinity(0))):
+            print(f"autopar calibrate: {note}", flush=True)
         return torchrun(args.ranks, ["-m", "autopar.calibrate", *(argv if argv is not None else sys.argv[1:])])
     import torch.distributed as dist
 

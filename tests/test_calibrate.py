@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from autopar.calibrate import _fit, _fit_scales
+from autopar.calibrate import _fit, _fit_scales, oversubscribed
 
 
 def test_fit_recovers_an_exact_alpha_beta_line():
@@ -44,3 +44,9 @@ def test_layouts_alike_in_collectives_or_collectives_faster_in_a_step_give_one_s
     faster = [(rest, coll, 1.5 * (rest + 0.8 * coll)) for rest, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
     step, collective = _fit_scales(faster)  # an exact fit at c = 0.8, which waiting cannot give
     assert collective == 1.0 and step == pytest.approx(statistics.median(m / (r + c) for r, c, m in faster))
+
+
+def test_more_ranks_than_cores_is_said_to_share_them():
+    assert oversubscribed(2, 2) is None and oversubscribed(2, 16) is None
+    note = oversubscribed(4, 2)
+    assert note is not None and note.startswith("4 ranks share 2 CPU cores")
