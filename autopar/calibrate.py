@@ -11,7 +11,10 @@ time, so the figures include the ranks' contention for cores and memory:
 - α and β of each collective over the N ranks (the functional collectives the per-rank graph
   uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes (on the relative
   error, so that small messages weigh as much as large ones), with ``k`` the ring factor of
-  :func:`autopar.passes.redistribute.step_s`.
+  :func:`autopar.passes.redistribute.step_s`. Each time is that of a collective in a chain of
+  ``_CHAIN`` run back to back after one barrier, as a step runs them: with more ranks than
+  cores, a collective that follows another takes longer than one every rank starts at a
+  barrier (on 4 ranks sharing 2 cores, 1.4 to 1.8 times as long below 1 MiB).
 
 The profile also says that it describes the host that will run the plan, so that plans made
 with it time each op on this host (:mod:`autopar.cost_model.op_timing`) instead of using the
@@ -53,6 +56,7 @@ from autopar.cost_model.hardware import HardwareProfile, Link, save_profile
 from autopar.passes.redistribute import COLLECTIVE_KINDS
 
 _SIZES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB per rank, toward a gradient bucket (25 MiB)
+_CHAIN = 5
 
 
 def _median_s(fn, repeats: int = 10, warmup: int = 2, *, together: bool = True) -> float:
@@ -75,6 +79,12 @@ def _times_s(fn, repeats: int, warmup: int = 0, *, together: bool = True) -> lis
         if i >= warmup:
             times.append(time.perf_counter() - started)
     return times
+
+
+def _chained_s(fn, repeats: int = 6) -> float:
+    """Seconds per call of collective ``fn`` in a chain of ``_CHAIN`` calls that every rank
+    starts at one barrier (the median over ``repeats`` chains)."""
+    return _median_s(lambda: [fn() for _ in range(_CHAIN)], repeats) / _CHAIN
 
 
 def _collective(kind: str, nbytes: int, world: int):
@@ -132,7 +142,7 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
         for size in _SIZES:
             fn, nbytes = _collective(kind, size, world)
             rounds = 2 if kind == "all_reduce" else 1
-            points.append((rounds * (world - 1) / world * nbytes, _median_s(fn, repeats=30)))
+            points.append((rounds * (world - 1) / world * nbytes, _chained_s(fn)))
         alpha, beta = _fit(points)
         collectives.append((kind, alpha, beta))
         raw[kind] = points
