@@ -84,3 +84,20 @@ def test_ops_that_overflow_l2_are_timed_on_copies_that_overflow_the_last_level_c
     timed = dataclasses.replace(CPU, timed_ops=True)
     assert not CostModel(small, Mesh((4,), ("x",)), timed).timer.cold
     assert CostModel(large, Mesh((2,), ("x",)), timed).timer.cold
+
+
+def test_an_op_is_timed_only_once_its_calls_map_no_fresh_pages():
+    from autopar.cost_model import op_timing
+
+    kept, calls = [], []
+
+    def settles_after_three():  # maps 8 MiB of fresh pages in each of its first three calls
+        calls.append(None)
+        if len(calls) <= 3:
+            kept.append(torch.ones(2**21))
+
+    op_timing._warm_up([settles_after_three])
+    assert len(calls) == 4
+    calls.clear()
+    op_timing._warm_up([lambda: (calls.append(None), kept.append(torch.ones(2**21)))])  # never settles
+    assert len(calls) == op_timing._MAX_WARMUP_CALLS
