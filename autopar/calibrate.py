@@ -14,7 +14,7 @@ time, so the figures include the ranks' contention for cores and memory:
   :func:`autopar.passes.redistribute.step_s`. Each time is that of a collective in a chain of
   ``_CHAIN`` run back to back after one barrier, as a step runs them: with more ranks than
   cores, a collective that follows another takes longer than one every rank starts at a
-  barrier (on 4 ranks sharing 2 cores, 1.4 to 1.8 times as long below 1 MiB).
+  barrier (on 4 ranks sharing 2 cores, 1.4 to 1.8 times as long from 64 KiB to 1 MiB).
 
 The profile also says that it describes the host that will run the plan, so that plans made
 with it time each op on this host (:mod:`autopar.cost_model.op_timing`) instead of using the
