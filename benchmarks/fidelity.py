@@ -6,21 +6,24 @@ host's speed drifts within minutes; then on those ranks plans the model with the
 profile, under autopar's own plan and hand-written layouts (pins), and measures:
 
 - the step time the plan models: forward and backward of the per-rank program (the median of
-  ``ROUNDS`` rounds of ``--steps`` steps, the plans of a model taking turns round by round; the
-  optimizer step is not part of the plan's prediction and is left out);
+  ``ROUNDS`` rounds of at least ``--steps`` steps, and of as many as take ``--round-s`` seconds
+  (the MLP's steps of a few ms swing by 2x from one step to the next, so 20 of them gave
+  medians up to 1.9x apart from one run to the next), the plans of a model taking turns round
+  by round; the optimizer step is not part of the plan's prediction and is left out);
 - the per-rank peak memory of a whole training step with AdamW (its state already built), by
   ``torch.distributed._tools.mem_tracker.MemTracker``, against the plan's predicted peak.
 
 Prints one row per model, plan and rank count, and per model whether the predicted order of the
 plans matches the measured one. Writes ``benchmarks/results/fidelity.json``.
 
-    python -m benchmarks.fidelity [--ranks 2,4] [--models mlp,gpt,bert,llama] [--steps 4]
+    python -m benchmarks.fidelity [--ranks 2,4] [--models mlp,gpt,bert,llama] [--steps 4] [--round-s 0.2]
 """
 
 import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
 import statistics
 import sys
@@ -70,7 +73,17 @@ def _step_s(pmodel, opt, batch) -> float:
     return elapsed
 
 
-def worker(profile: str, models: list[str], steps: int, out: str) -> None:
+def _steps_per_round(warm_s: list[float], steps: int, round_s: float) -> int:
+    """At least ``steps``, and enough steps of the warm-up's median time to take ``round_s``:
+    the largest count of any rank, so that every rank runs the same collectives."""
+    import torch.distributed as dist
+
+    count = torch.tensor([max(steps, math.ceil(round_s / statistics.median(warm_s)))])
+    dist.all_reduce(count, dist.ReduceOp.MAX)
+    return int(count)
+
+
+def worker(profile: str, models: list[str], steps: int, round_s: float, out: str) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -90,20 +103,19 @@ def worker(profile: str, models: list[str], steps: int, out: str) -> None:
             pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
             local = [pmodel.rank_part(k, x) if pmodel.passes_own_part(k) else x for k, x in zip(input_names, batch)]
             opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
-            for _ in range(WARMUP):
-                _step_s(pmodel, opt, local)
-            runs.append((layout, pmodel, opt, local, []))
+            warm = [_step_s(pmodel, opt, local) for _ in range(WARMUP)]
+            runs.append((layout, pmodel, opt, local, _steps_per_round(warm, steps, round_s), []))
         for _ in range(ROUNDS):  # the plans take turns, so that a slow spell of the host hits them alike
-            for _, pmodel, opt, local, times in runs:
-                times += [_step_s(pmodel, opt, local) for _ in range(steps)]
-        for layout, pmodel, opt, local, times in runs:
+            for _, pmodel, opt, local, count, times in runs:
+                times += [_step_s(pmodel, opt, local) for _ in range(count)]
+        for layout, pmodel, opt, local, count, times in runs:
             quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan
             parts = {"compute": plan.compute_s + plan.recompute_s, "communication": plan.communication_s,
                      "overhead": plan.overhead_s}
             rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
                          "predicted_parts_s": parts, "collectives": len(plan.collectives),
-                         "measured_s": statistics.median(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
+                         "measured_s": statistics.median(times), "measured_steps": len(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
                          "predicted_peak_bytes": plan.peak_memory_bytes,
                          "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
         if rank == 0:
@@ -128,14 +140,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round, at least")
+    parser.add_argument("--round-s", type=float, default=0.2, help="seconds of timed steps per plan and round, at least")
     parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
     if unknown := set(models) - set(MODELS):
         parser.error(f"--models: no example {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
     if args.worker:
-        return worker(args.worker[0], models, args.steps, args.worker[1])
+        return worker(args.worker[0], models, args.steps, args.round_s, args.worker[1])
 
     from autopar.runtime.launch import torchrun
 
@@ -151,7 +164,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rows.json")
                 if torchrun(world, ["-m", "benchmarks.fidelity", "--models", name, "--steps", str(args.steps),
-                                    "--worker", str(path), out]):
+                                    "--round-s", str(args.round_s), "--worker", str(path), out]):
                     raise SystemExit(f"the benchmark failed for {name} on {world} ranks")
                 rows += [{**r, "step_scale": profile.step_scale, "collective_scale": profile.collective_scale}
                          for r in json.loads(Path(out).read_text())]
@@ -160,7 +173,8 @@ def main() -> None:
     print("\n" + "; ".join(f"{world} ranks: a step runs {min(a for a, _ in s):.2f}x to {max(a for a, _ in s):.2f}x its ops "
                            f"and collectives timed alone, its collectives {min(c for _, c in s):.2f}x to "
                            f"{max(c for _, c in s):.2f}x longer again (the profiles' scales)" for world, s in scales.items()))
-    print(f"forward+backward step time (median of {ROUNDS} rounds of {args.steps} steps, with its quartiles) and peak "
+    print(f"forward+backward step time (median of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
+          f"with its quartiles) and peak "
           f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
         r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
@@ -181,7 +195,7 @@ def main() -> None:
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
     unscaled = sum(abs(r["unscaled_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({unscaled} without the step and collective scales)")
-    write_results(RESULTS, profiles=profiles, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows,
+    write_results(RESULTS, profiles=profiles, steps=args.steps, round_s=args.round_s, rounds=ROUNDS, warmup=WARMUP, rows=rows,
                   order_matches={f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()})
 
 
