@@ -32,6 +32,7 @@ class CostModel:
         self.scale = getattr(hardware, "step_scale", 1.0)
         self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
         self._local_bytes: dict[tuple, int] = {}
+        self._bytes_of: dict[tuple, int] = {}  # by value and layout, before the shape is looked up
 
     def value(self, ref: ValueRef) -> torch.Tensor:
         val = self.graph_nodes[ref[0]].meta["val"]
@@ -144,11 +145,14 @@ class CostModel:
                               self.mesh, self.links)
 
     def local_bytes(self, ref: ValueRef, placements: Placements) -> int:
-        value = self.value(ref)
-        key = (tuple(value.shape), value.dtype, placements)
-        if key not in self._local_bytes:
-            self._local_bytes[key] = math.prod(local_shape(key[0], placements, self.mesh)) * value.element_size()
-        return self._local_bytes[key]
+        found = self._bytes_of.get((ref, placements))
+        if found is None:
+            value = self.value(ref)
+            key = (tuple(value.shape), value.dtype, placements)
+            if key not in self._local_bytes:
+                self._local_bytes[key] = math.prod(local_shape(key[0], placements, self.mesh)) * value.element_size()
+            found = self._bytes_of[ref, placements] = self._local_bytes[key]
+        return found
 
 
 def _overflows_cache(captured: Captured, mesh: Mesh) -> bool:
@@ -223,10 +227,12 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
         if n.kind == "op":
             temporaries[n.name] = [float(max((costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None), default=0))
                                    for s in n.strategies]
-    moved = {}
+    moved, made = {}, {}
     for n in space.nodes:
         if n.kind == "op":
-            moved[n.name] = [(ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies],
-                              [float(costs.local_bytes(ref, s.outputs[ref[1]])) for s in by_name[ref[0]].strategies])
+            for ref in n.args:
+                if ref not in made:
+                    made[ref] = [float(costs.local_bytes(ref, s.outputs[ref[1]])) for s in by_name[ref[0]].strategies]
+            moved[n.name] = [(ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies], made[ref])
                              for j, ref in enumerate(n.args) if ref[0] != n.name]
     return MemoryTerms(params, grads, optimizer, activations, temporaries, moved)

@@ -174,10 +174,19 @@ def neighbours(cur: Placements, layouts: tuple[Placements, ...], shape, itemsize
                     yield nxt, step
 
 
+@functools.lru_cache(maxsize=1024)
+def _arcs(shape: tuple[int, ...], itemsize: int, partial: bool, mesh: Mesh,
+          links: tuple[Link, ...]) -> dict[Placements, tuple[tuple[Placements, Step, float], ...]]:
+    """Per valid layout of a tensor, the valid layouts one step away, with the step and its time."""
+    layouts = valid_layouts(shape, mesh, partial)
+    return {u: tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(u, layouts, shape, itemsize, mesh))
+            for u in layouts}
+
+
 @functools.lru_cache(maxsize=4096)
 def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: Mesh,
                     links: tuple[Link, ...]) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
-    layouts = tuple(dict.fromkeys((*valid_layouts(shape, mesh, partial), src)))
+    arcs = _arcs(shape, itemsize, partial, mesh, links)
     best: dict[Placements, tuple[float, tuple[Step, ...]]] = {}
     order = itertools.count()
     heap = [(0.0, 0, next(order), src, ())]
@@ -186,9 +195,12 @@ def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: 
         if cur in best:
             continue
         best[cur] = (cost, steps)
-        for nxt, step in neighbours(cur, layouts, shape, itemsize, mesh):
+        out = arcs.get(cur)
+        if out is None:  # a source outside the valid layouts
+            out = tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(cur, tuple(arcs), shape, itemsize, mesh))
+        for nxt, step, seconds in out:
             if nxt not in best:
-                heapq.heappush(heap, (cost + step_s(step, mesh, links), len(steps) + 1, next(order), nxt, steps + (step,)))
+                heapq.heappush(heap, (cost + seconds, len(steps) + 1, next(order), nxt, steps + (step,)))
     return best
 
 
@@ -197,6 +209,4 @@ def one_step_moves(shape: tuple[int, ...], itemsize: int, partial: bool, mesh: M
                    links: tuple[Link, ...]) -> tuple[tuple[Placements, Placements, float], ...]:
     """Every one-step move between valid layouts of a tensor, with its modelled time: the arcs
     whose shortest paths :func:`transition` takes."""
-    layouts = valid_layouts(shape, mesh, partial)
-    return tuple((u, v, step_s(step, mesh, links)) for u in layouts
-                 for v, step in neighbours(u, layouts, shape, itemsize, mesh))
+    return tuple((u, v, seconds) for u, out in _arcs(shape, itemsize, partial, mesh, links).items() for v, _, seconds in out)
