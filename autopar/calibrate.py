@@ -232,7 +232,7 @@ _STEP_LAYOUTS = {
 
 
 _STEP_BATCHES = (256, 2048)
-_STEP_ROUNDS, _STEPS_PER_ROUND = 4, 5
+_STEP_ROUNDS, _STEPS_PER_ROUND = 4, 15
 
 
 def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, dict]:
@@ -240,7 +240,7 @@ def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, di
     predicts, as ``(step_scale, collective_scale, points)``: a calibration model (four residual
     blocks, unlike the example models) planned in data-parallel, fully sharded and
     tensor-parallel layouts over every rank, on a small and a large batch (so that collectives
-    take from about a tenth to most of a step), each the median of 20 steps on rank 0, and the
+    take from about a tenth to most of a step), each the median of 60 steps on rank 0, and the
     two scales fitted to them (:func:`_fit_scales`; broadcast to every rank). The six
     configurations take turns over ``_STEP_ROUNDS`` rounds of ``_STEPS_PER_ROUND`` steps, so
     that a slow spell of the host stretches them alike instead of one of them."""
