@@ -227,12 +227,14 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
         if n.kind == "op":
             temporaries[n.name] = [float(max((costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None), default=0))
                                    for s in n.strategies]
-    moved, made = {}, {}
-    for n in space.nodes:
-        if n.kind == "op":
-            for ref in n.args:
-                if ref not in made:
-                    made[ref] = [float(costs.local_bytes(ref, s.outputs[ref[1]])) for s in by_name[ref[0]].strategies]
-            moved[n.name] = [(ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies], made[ref])
-                             for j, ref in enumerate(n.args) if ref[0] != n.name]
+    made: dict[ValueRef, list[float]] = {}  # a value's bytes under each of its producer's strategies, for all its readers
+
+    def made_as(ref: ValueRef) -> list[float]:
+        if ref not in made:
+            made[ref] = [float(costs.local_bytes(ref, s.outputs[ref[1]])) for s in by_name[ref[0]].strategies]
+        return made[ref]
+
+    moved = {n.name: [(ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies], made_as(ref))
+                      for j, ref in enumerate(n.args) if ref[0] != n.name]
+             for n in space.nodes if n.kind == "op"}
     return MemoryTerms(params, grads, optimizer, activations, temporaries, moved)
