@@ -32,7 +32,8 @@ roofline. More figures serve those timings:
 - the step and collective scales: every rank trains a calibration model of four residual
   blocks (no model of the zoo) in data-parallel, fully sharded and tensor-parallel layouts,
   planned with the figures above, and its measured forward and backward times are fitted as
-  ``step scale × (ops + collective scale × collectives)`` of the predicted ones. A step runs
+  ``step scale × (ops + collective scale × collectives)`` of the predicted ones (each the mean
+  of its steps, the time a training run takes per step). A step runs
   longer than its ops and collectives measured alone, and its collectives longer still: ranks
   drift apart between collectives, the first to reach one waits for the last, and a rank
   waiting in one sleeps and must be woken.
@@ -240,8 +241,9 @@ def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, di
     predicts, as ``(step_scale, collective_scale, points)``: a calibration model (four residual
     blocks, unlike the example models) planned in data-parallel, fully sharded and
     tensor-parallel layouts over every rank, on a small and a large batch (so that collectives
-    take from about a tenth to most of a step), each the median of 60 steps on rank 0, and the
-    two scales fitted to them (:func:`_fit_scales`; broadcast to every rank). The six
+    take from about a tenth to most of a step), each the mean of 60 steps on rank 0 (a run's
+    time per step: on ranks sharing cores, a plan's steps can fall into a fast and a slow mode,
+    and a median then lands in either), and the two scales fitted to them (:func:`_fit_scales`; broadcast to every rank). The six
     configurations take turns over ``_STEP_ROUNDS`` rounds of ``_STEPS_PER_ROUND`` steps, so
     that a slow spell of the host stretches them alike instead of one of them."""
     import torch.distributed as dist
@@ -262,7 +264,7 @@ def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, di
     for _ in range(_STEP_ROUNDS):
         for _, _, step, times in configurations:
             times += _times_s(step, _STEPS_PER_ROUND)
-    points = {label: (plan.predicted_step_s - plan.communication_s, plan.communication_s, statistics.median(times))
+    points = {label: (plan.predicted_step_s - plan.communication_s, plan.communication_s, statistics.mean(times))
               for label, plan, _, times in configurations}
     scales = torch.tensor(_fit_scales(list(points.values())), dtype=torch.float64)
     dist.broadcast(scales, 0)

@@ -5,15 +5,16 @@ For each rank count (2 and 4 local ranks) and each example model: calibrates thi
 host's speed drifts within minutes; then on those ranks plans the model with the calibrated
 profile, under autopar's own plan and hand-written layouts (pins), and measures:
 
-- the step time the plan models: forward and backward of the per-rank program (the median of
-  ``ROUNDS`` rounds of at least ``--steps`` steps, and of as many as take ``--round-s`` seconds
-  (the MLP's steps of a few ms swing by 2x from one step to the next, so 20 of them gave
-  medians up to 1.9x apart from one run to the next), the plans of a model taking turns round
-  by round; the optimizer step is not part of the plan's prediction and is left out, and starts
-  at a barrier once every rank has run its backward: on ranks sharing cores, the ranks done
-  first would otherwise step their optimizers on the cores the others' last collectives wait
-  for, which devices of their own do not (the MLP's data-parallel plan on 4 ranks, whose
-  AdamW steps every parameter on every rank, measured 20.6 ms against 16.0 ms);
+- the step time the plan models: forward and backward of the per-rank program (the mean, a
+  training run's time per step, of ``ROUNDS`` rounds of at least ``--steps`` steps, and of as
+  many as take ``--round-s`` seconds (the MLP's steps of a few ms swing by 2x from one step to
+  the next, so 20 of them gave medians up to 1.9x apart from one run to the next), the plans
+  of a model taking turns round by round; the median and quartiles are printed beside it; the
+  optimizer step is not part of the plan's prediction and is left out, and starts at a barrier
+  once every rank has run its backward: on ranks sharing cores, the ranks done first would
+  otherwise step their optimizers on the cores the others' last collectives wait for, which
+  devices of their own do not (the MLP's data-parallel plan on 4 ranks, whose AdamW steps
+  every parameter on every rank, measured 20.6 ms against 16.0 ms);
 - the per-rank peak memory of a whole training step with AdamW (its state already built), by
   ``torch.distributed._tools.mem_tracker.MemTracker``, against the plan's predicted peak.
 
@@ -120,7 +121,7 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
                      "overhead": plan.overhead_s}
             rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
                          "predicted_parts_s": parts, "collectives": len(plan.collectives),
-                         "measured_s": statistics.median(times), "measured_steps": len(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
+                         "measured_s": statistics.mean(times), "measured_median_s": statistics.median(times), "measured_steps": len(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
                          "predicted_peak_bytes": plan.peak_memory_bytes,
                          "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
         if rank == 0:
@@ -173,13 +174,13 @@ def main() -> None:
                     raise SystemExit(f"the benchmark failed for {name} on {world} ranks")
                 rows += [{**r, "step_scale": profile.step_scale, "collective_scale": profile.collective_scale}
                          for r in json.loads(Path(out).read_text())]
-    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'quartiles ms':>13} {'error':>7} {'unscaled':>8} "
+    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'median ms':>9} {'quartiles ms':>13} {'error':>7} {'unscaled':>8} "
               f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
     print("\n" + "; ".join(f"{world} ranks: a step runs {min(a for a, _ in s):.2f}x to {max(a for a, _ in s):.2f}x its ops "
                            f"and collectives timed alone, its collectives {min(c for _, c in s):.2f}x to "
                            f"{max(c for _, c in s):.2f}x longer again (the profiles' scales)" for world, s in scales.items()))
-    print(f"forward+backward step time (median of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
-          f"with its quartiles) and peak "
+    print(f"forward+backward step time (mean of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
+          f"with the median and quartiles) and peak "
           f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
         r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
@@ -187,7 +188,7 @@ def main() -> None:
         parts = r["predicted_parts_s"]
         unscaled = (parts["compute"] + parts["overhead"] + parts["communication"] / r["collective_scale"]) / r["step_scale"]
         r["unscaled_error"] = unscaled / r["measured_s"] - 1
-        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} "
+        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} {r['measured_median_s'] * 1e3:>9.2f} "
               f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['unscaled_error']:>+8.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
               f"{r['memory_error']:>+7.0%}")
     orders = {}
