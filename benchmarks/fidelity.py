@@ -19,7 +19,9 @@ profile, under autopar's own plan and hand-written layouts (pins), and measures:
   ``torch.distributed._tools.mem_tracker.MemTracker``, against the plan's predicted peak.
 
 Prints one row per model, plan and rank count, and per model whether the predicted order of the
-plans matches the measured one. Writes ``benchmarks/results/fidelity.json``.
+plans matches the measured one, and which pairs of plans the measurements order either way in
+every round (the others are too close to tell apart on this host). Writes
+``benchmarks/results/fidelity.json``.
 
     python -m benchmarks.fidelity [--ranks 2,4] [--models mlp,gpt,bert,llama] [--steps 4] [--round-s 0.2]
 """
@@ -112,9 +114,10 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             warm = [_step_s(pmodel, opt, local) for _ in range(WARMUP)]
             runs.append((layout, pmodel, opt, local, _steps_per_round(warm, steps, round_s), []))
         for _ in range(ROUNDS):  # the plans take turns, so that a slow spell of the host hits them alike
-            for _, pmodel, opt, local, count, times in runs:
-                times += [_step_s(pmodel, opt, local) for _ in range(count)]
-        for layout, pmodel, opt, local, count, times in runs:
+            for _, pmodel, opt, local, count, rounds in runs:
+                rounds.append([_step_s(pmodel, opt, local) for _ in range(count)])
+        for layout, pmodel, opt, local, count, rounds in runs:
+            times = [t for r in rounds for t in r]
             quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan
             parts = {"compute": plan.compute_s + plan.recompute_s, "communication": plan.communication_s,
@@ -122,6 +125,7 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
                          "predicted_parts_s": parts, "collectives": len(plan.collectives),
                          "measured_s": statistics.mean(times), "measured_median_s": statistics.median(times), "measured_steps": len(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
+                         "measured_round_s": [statistics.mean(r) for r in rounds],
                          "predicted_peak_bytes": plan.peak_memory_bytes,
                          "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
         if rank == 0:
@@ -131,15 +135,29 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
     dist.destroy_process_group()
 
 
-def _order_matches(rows: list[dict], margin: float = 0.05) -> bool:
-    """Whether every two plans whose predicted times differ by more than ``margin`` are
-    measured in the same order (plans predicted alike, such as autopar choosing the DDP layout,
-    cannot be ordered)."""
-    for a in rows:
-        for b in rows:
-            if a["predicted_s"] < b["predicted_s"] * (1 - margin) and not a["measured_s"] < b["measured_s"]:
-                return False
-    return True
+def _predicted_pairs(rows: list[dict], margin: float = 0.05) -> list[tuple[dict, dict]]:
+    """The ``(faster, slower)`` plans of every two whose predicted times differ by more than
+    ``margin`` (plans predicted alike, such as autopar choosing the DDP layout, are not ordered)."""
+    return [(a, b) for a in rows for b in rows if a["predicted_s"] < b["predicted_s"] * (1 - margin)]
+
+
+def _faster_every_round(a: dict, b: dict) -> bool:
+    """Whether ``a``'s steps took less time than ``b``'s on average in every round (the plans
+    take turns round by round, so each round compares them over the same minutes)."""
+    return all(x < y for x, y in zip(a["measured_round_s"], b["measured_round_s"], strict=True))
+
+
+def _order(rows: list[dict]) -> dict:
+    """How the predicted order of a model's plans compares with the measured one: ``matches``,
+    whether every pair of plans predicted apart is measured (by mean step time) in the same
+    order; ``contradicted``, the pairs whose order the measurements reverse in every round;
+    ``unresolved``, the pairs predicted apart that neither plan measured faster in every round
+    (the measurements do not order them, so no prediction can match or contradict them)."""
+    pairs = _predicted_pairs(rows)
+    return {"matches": all(a["measured_s"] < b["measured_s"] for a, b in pairs),
+            "contradicted": [[a["layout"], b["layout"]] for a, b in pairs if _faster_every_round(b, a)],
+            "unresolved": [[a["layout"], b["layout"]] for a, b in pairs
+                           if not _faster_every_round(a, b) and not _faster_every_round(b, a)]}
 
 
 def main() -> None:
@@ -196,13 +214,22 @@ def main() -> None:
         orders.setdefault((r["model"], r["ranks"]), []).append(r)
     print()
     for (name, world), group in orders.items():
-        print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if _order_matches(group) else 'DIFFERS FROM'} the measured one "
-              f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)")
+        order = _order(group)
+        print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if order['matches'] else 'DIFFERS FROM'} the measured one "
+              f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)"
+              + "".join(f"; {a} predicted faster than {b}, measured slower in every round" for a, b in order["contradicted"])
+              + "".join(f"; {a} predicted faster than {b}, neither faster in every round" for a, b in order["unresolved"]))
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
     unscaled = sum(abs(r["unscaled_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({unscaled} without the step and collective scales)")
+    pairs = sum(len(_predicted_pairs(g)) for g in orders.values())
+    contradicted = sum(len(_order(g)["contradicted"]) for g in orders.values())
+    unresolved = sum(len(_order(g)["unresolved"]) for g in orders.values())
+    print(f"plan order: {sum(_order(g)['matches'] for g in orders.values())} of {len(orders)} models and rank counts measured in the "
+          f"predicted order; of {pairs} pairs of plans predicted more than 5% apart, {pairs - contradicted - unresolved} measured in that "
+          f"order in every round, {contradicted} in the reverse order in every round, {unresolved} in neither")
     write_results(RESULTS, profiles=profiles, steps=args.steps, round_s=args.round_s, rounds=ROUNDS, warmup=WARMUP, rows=rows,
-                  order_matches={f"{k[0]}@{k[1]}": _order_matches(v) for k, v in orders.items()})
+                  order={f"{k[0]}@{k[1]}": _order(v) for k, v in orders.items()})
 
 
 if __name__ == "__main__":
