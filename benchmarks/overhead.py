@@ -18,13 +18,16 @@ calibrated for gloo here) it splits the MLP's loss over the ranks in the tensor-
 layout, at the price of a reduce-scatter, an all-gather and two small collectives where
 DTensor makes one all-reduce.
 
-Every step is zero_grad, forward, backward, optimizer step, after a barrier; the table gives the
-median of the timed steps, the ratio autopar / torch, and the collectives of autopar's plan
+Every step is zero_grad, forward, backward, optimizer step, after a barrier. torch's module and
+autopar's take turns over ``ROUNDS`` rounds of ``--steps`` steps each (after ``WARMUP`` steps
+of each), so that a slow spell of the host stretches both alike; the table gives the mean step
+time of each (a training run's time per step), the ratio autopar / torch, the lowest and
+highest ratio of one round's means, and the collectives of autopar's plan
 (pins fix the parameters and the batch, not every op: where the solver finds another layout
 faster under the profile, the row compares layouts, not run times of one layout). Writes
 ``benchmarks/results/overhead.json``.
 
-    python -m benchmarks.overhead [--ranks 2,4] [--steps 10]
+    python -m benchmarks.overhead [--ranks 2,4] [--steps 4]
 """
 
 import argparse
@@ -43,6 +46,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results" / "overhead.json"
 WARMUP = 3
+ROUNDS = 5
 
 
 def _model(name: str):
@@ -57,20 +61,39 @@ def _model(name: str):
     return GPT(cfg), (tokens, tokens), ("idx", "targets")
 
 
-def _time_steps(model, batch, steps: int) -> list[float]:
+def _stepper(model, batch):
+    """A function that runs one timed training step of ``model`` on ``batch`` (SGD), after a
+    barrier, and returns its seconds."""
     import torch.distributed as dist
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for i in range(WARMUP + steps):
+
+    def step() -> float:
         dist.barrier()
         started = time.perf_counter()
         opt.zero_grad()
         model(*batch).backward()
         opt.step()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - started)
-    return times
+        return time.perf_counter() - started
+
+    return step
+
+
+def _rounds(steppers: list, steps: int) -> list[list[list[float]]]:
+    """Per stepper, the step times of each of ``ROUNDS`` rounds of ``steps`` steps, the steppers
+    taking turns round by round, after ``WARMUP`` untimed steps of each."""
+    for step in steppers:
+        for _ in range(WARMUP):
+            step()
+    rounds = [[] for _ in steppers]
+    for _ in range(ROUNDS):
+        for step, times in zip(steppers, rounds):
+            times.append([step() for _ in range(steps)])
+    return rounds
+
+
+def _mean(rounds: list[list[float]]) -> float:
+    return statistics.mean(t for r in rounds for t in r)
 
 
 def _torch_variant(kind: str, model, mesh_1d):
@@ -117,13 +140,18 @@ def worker(models: list[str], steps: int, profile: str, out: str) -> None:
             pins = _autopar_pins(kind, model, input_names)
             local = [x.chunk(world)[rank] if k in pins and pins[k] == "S(0)" else x for k, x in zip(input_names, batch)]
             pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
-            row["autopar_s"] = statistics.median(_time_steps(pmodel, local, steps))
             kinds = collections.Counter(c.kind for c in pmodel.plan.collectives if c.bytes > 64)
             row["autopar_collectives"] = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+            steppers = [_stepper(pmodel, local)]
             if kind != "auto":
                 model, batch, _ = _model(name)
                 shard = [x.chunk(world)[rank] for x in batch] if kind != "tp" else batch
-                row["torch_s"] = statistics.median(_time_steps(_torch_variant(kind, model, mesh_1d), shard, steps))
+                steppers.append(_stepper(_torch_variant(kind, model, mesh_1d), shard))
+            rounds = _rounds(steppers, steps)
+            row["autopar_s"] = _mean(rounds[0])
+            if kind != "auto":
+                row["torch_s"] = _mean(rounds[1])
+                row["round_ratios"] = [statistics.mean(a) / statistics.mean(t) for a, t in zip(*rounds)]
             rows.append(row)
             if rank == 0:
                 print(f"  {name} {kind} on {world} ranks done", file=sys.stderr, flush=True)
@@ -136,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--models", default="mlp,gpt")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per module and round")
     parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -153,15 +181,17 @@ def main() -> None:
                                 "--worker", str(profile), out]):
                 raise SystemExit(f"the benchmark failed on {world} ranks")
             rows += json.loads(Path(out).read_text())
-    header = (f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13}  "
+    header = (f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13} {'by round':>11}  "
               f"autopar's collectives over 64 bytes")
-    print(f"\nmedian step time of {args.steps} steps after {WARMUP} warm-up steps, gloo on this machine\n{header}\n{'-' * len(header)}")
+    print(f"\nmean step time of {ROUNDS} rounds of {args.steps} steps, torch's and autopar's module taking turns, "
+          f"after {WARMUP} warm-up steps each, gloo on this machine\n{header}\n{'-' * len(header)}")
     for r in rows:
         torch_ms = r.get("torch_s", float("nan")) * 1e3
         ratio = f"{r['autopar_s'] / r['torch_s']:.2f}" if "torch_s" in r else "-"
-        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13}  "
+        spread = f"{min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}" if "torch_s" in r else "-"
+        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13} {spread:>11}  "
               f"{r['autopar_collectives']}")
-    write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=rows)
+    write_results(RESULTS, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows)
 
 
 if __name__ == "__main__":
