@@ -243,9 +243,10 @@ def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, di
     tensor-parallel layouts over every rank, on a small and a large batch (so that collectives
     take from about a tenth to most of a step), each the mean of 60 steps on rank 0 (a run's
     time per step: on ranks sharing cores, a plan's steps can fall into a fast and a slow mode,
-    and a median then lands in either), and the two scales fitted to them (:func:`_fit_scales`; broadcast to every rank). The six
-    configurations take turns over ``_STEP_ROUNDS`` rounds of ``_STEPS_PER_ROUND`` steps, so
-    that a slow spell of the host stretches them alike instead of one of them."""
+    and a median then lands in either), and the two scales fitted to them
+    (:func:`_fit_scales`; broadcast to every rank). The six configurations take turns over
+    ``_STEP_ROUNDS`` rounds of ``_STEPS_PER_ROUND`` steps, so that a slow spell of the host
+    stretches them alike instead of one of them."""
     import torch.distributed as dist
 
     import autopar

@@ -213,8 +213,9 @@ def main() -> None:
     for r in rows:
         orders.setdefault((r["model"], r["ranks"]), []).append(r)
     print()
+    compared = {key: _order(group) for key, group in orders.items()}
     for (name, world), group in orders.items():
-        order = _order(group)
+        order = compared[name, world]
         print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if order['matches'] else 'DIFFERS FROM'} the measured one "
               f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)"
               + "".join(f"; {a} predicted faster than {b}, measured slower in every round" for a, b in order["contradicted"])
@@ -223,13 +224,13 @@ def main() -> None:
     unscaled = sum(abs(r["unscaled_error"]) <= 0.3 for r in rows)
     print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({unscaled} without the step and collective scales)")
     pairs = sum(len(_predicted_pairs(g)) for g in orders.values())
-    contradicted = sum(len(_order(g)["contradicted"]) for g in orders.values())
-    unresolved = sum(len(_order(g)["unresolved"]) for g in orders.values())
-    print(f"plan order: {sum(_order(g)['matches'] for g in orders.values())} of {len(orders)} models and rank counts measured in the "
+    contradicted = sum(len(c["contradicted"]) for c in compared.values())
+    unresolved = sum(len(c["unresolved"]) for c in compared.values())
+    print(f"plan order: {sum(c['matches'] for c in compared.values())} of {len(orders)} models and rank counts measured in the "
           f"predicted order; of {pairs} pairs of plans predicted more than 5% apart, {pairs - contradicted - unresolved} measured in that "
           f"order in every round, {contradicted} in the reverse order in every round, {unresolved} in neither")
     write_results(RESULTS, profiles=profiles, steps=args.steps, round_s=args.round_s, rounds=ROUNDS, warmup=WARMUP, rows=rows,
-                  order={f"{k[0]}@{k[1]}": _order(v) for k, v in orders.items()})
+                  order={f"{k[0]}@{k[1]}": c for k, c in compared.items()})
 
 
 if __name__ == "__main__":
