@@ -55,6 +55,7 @@ import torch
 
 from autopar.cost_model.hardware import HardwareProfile, Link, save_profile
 from autopar.passes.redistribute import COLLECTIVE_KINDS
+from autopar.runtime.allocator import keep_freed_memory
 
 _SIZES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB per rank, toward a gradient bucket (25 MiB)
 _CHAIN = 5
@@ -125,7 +126,10 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def measure(world: int) -> tuple[HardwareProfile, dict]:
-    """Measure on every rank of the running process group; returns the profile and raw figures."""
+    """Measure on every rank of the running process group; returns the profile and raw figures.
+    Freed memory is kept for reuse first, as autopar's runtime keeps it on the CPU
+    (:func:`autopar.runtime.allocator.keep_freed_memory`)."""
+    keep_freed_memory()
     torch.manual_seed(0)
     matmul = {}
     for n in (256, 512, 1024):

@@ -17,6 +17,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
 from autopar.passes.rank_ops import graph_collectives
 from autopar.passes.rewrite import placeholder_layouts, rewrite
+from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
@@ -192,6 +193,8 @@ class ParallelModule(torch.nn.Module):
 
     def _build(self, inputs: tuple) -> None:
         device_type = device_type_of(self.module)
+        if device_type == "cpu":
+            keep_freed_memory()
         self._device_mesh = device_mesh(self._mesh, device_type)
         captured = capture(self.module, inputs)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
