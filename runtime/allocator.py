@@ -19,7 +19,8 @@ import platform
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 2**20
-"""Requests up to this size come from the heap; glibc accepts at most 32 MiB on 64-bit hosts."""
+"""Requests up to this size come from the heap (the largest threshold mallopt(3) documents for
+64-bit hosts)."""
 TRIM_THRESHOLD_BYTES = 2**30
 """Free memory at the top of the heap that glibc keeps instead of giving back."""
 
