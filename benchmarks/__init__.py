@@ -20,6 +20,17 @@ def calibrated_profile(world: int) -> Path:
     return path
 
 
+def take_turns(steps: list, counts: list[int], rounds: int) -> list[list[list[float]]]:
+    """Per function of ``steps`` (each runs one timed step and returns its seconds), the
+    seconds of its ``counts[i]`` steps in each of ``rounds`` rounds, the functions taking turns
+    round by round, so that a slow spell of the host stretches them alike."""
+    times: list[list[list[float]]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, count, kept in zip(steps, counts, times, strict=True):
+            kept.append([step() for _ in range(count)])
+    return times
+
+
 def write_results(path: Path, **fields) -> None:
     """Write ``fields`` as JSON to ``path`` with the machine and date they were measured on."""
     import torch

@@ -28,6 +28,7 @@ every round (the others are too close to tell apart on this host). Writes
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -38,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import calibrated_profile, step_peak_bytes, write_results
+from benchmarks import calibrated_profile, step_peak_bytes, take_turns, write_results
 
 import torch
 
@@ -112,11 +113,10 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             local = [pmodel.rank_part(k, x) if pmodel.passes_own_part(k) else x for k, x in zip(input_names, batch)]
             opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
             warm = [_step_s(pmodel, opt, local) for _ in range(WARMUP)]
-            runs.append((layout, pmodel, opt, local, _steps_per_round(warm, steps, round_s), []))
-        for _ in range(ROUNDS):  # the plans take turns, so that a slow spell of the host hits them alike
-            for _, pmodel, opt, local, count, rounds in runs:
-                rounds.append([_step_s(pmodel, opt, local) for _ in range(count)])
-        for layout, pmodel, opt, local, count, rounds in runs:
+            runs.append((layout, pmodel, opt, local, _steps_per_round(warm, steps, round_s)))
+        measured = take_turns([functools.partial(_step_s, pmodel, opt, local) for _, pmodel, opt, local, _ in runs],
+                              [count for *_, count in runs], ROUNDS)
+        for (layout, pmodel, opt, local, _), rounds in zip(runs, measured):
             times = [t for r in rounds for t in r]
             quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import calibrated_profile, write_results
+from benchmarks import calibrated_profile, take_turns, write_results
 
 import torch
 
@@ -85,11 +85,7 @@ def _rounds(steppers: list, steps: int) -> list[list[list[float]]]:
     for step in steppers:
         for _ in range(WARMUP):
             step()
-    rounds = [[] for _ in steppers]
-    for _ in range(ROUNDS):
-        for step, times in zip(steppers, rounds):
-            times.append([step() for _ in range(steps)])
-    return rounds
+    return take_turns(steppers, [steps] * len(steppers), ROUNDS)
 
 
 def _mean(rounds: list[list[float]]) -> float:
