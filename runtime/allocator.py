@@ -7,8 +7,8 @@ when enough of it is free. A training step on the CPU allocates its large tensor
 gradients, gathered weights, activations) anew every step, so each step faults their pages in
 again: about a thousand minor faults per step for the MLP example's 4 MiB weight gradients,
 whose eager forward and backward took 2.55 ms with them and 1.85 ms without (mean of 300
-steps, one thread). :func:`keep_freed_memory` raises both thresholds, as a caching allocator would keep
-the memory, and is called once per process where the program runs on the CPU.
+steps, one thread). :func:`keep_freed_memory` raises both thresholds, as a caching allocator
+would keep the memory, and is called once per process where the program runs on the CPU.
 """
 
 import ctypes
