@@ -312,11 +312,12 @@ def _deterministic(node: torch.fx.Node) -> bool:
     return value == 0
 
 
-def backward_param_reads(acts: ActivationSpace, space: StrategySpace) -> dict[str, tuple[str, int]]:
-    """The views of :attr:`ActivationSpace.param_views` that read the parameter itself, and the
-    parameter they read: the backward reads the parameter for them."""
+def backward_view_reads(acts: ActivationSpace, space: StrategySpace) -> dict[str, tuple[str, int]]:
+    """Each view of :attr:`ActivationSpace.param_views` and the tensor it reads (the parameter,
+    or the view it views): the backward makes the view again, so reads that tensor, and moves
+    it, there (a weight's transpose made again for the transpose the backward reads)."""
     by_name = space.index()
-    return {v: by_name[v].args[0] for v in sorted(acts.param_views) if by_name[by_name[v].args[0][0]].kind == "param"}
+    return {v: by_name[v].args[0] for v in sorted(acts.param_views)}
 
 
 def kept_ops(acts: ActivationSpace, recomputed: frozenset[str], offloaded: frozenset[str] = frozenset()) -> set[str]:

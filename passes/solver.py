@@ -52,7 +52,7 @@ from autopar.passes.memory_choices import host_state, keep_recompute_or_offload
 from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
 from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
                                 SCALE, solve_before_deadline)
-from autopar.passes.remat import ActivationSpace, backward_param_reads
+from autopar.passes.remat import ActivationSpace, backward_view_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 from autopar.passes.transport import (GradientCost, OneStepMoves, TransitionCost, enough_buckets, gathered, gradient_transport,
                                       group_by_layout, is_gradient, layout_available, tensor_classes)
@@ -166,7 +166,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
             for var in terms:
                 costs[var] += node_costs[n.name][k]
     reader_moves: dict[tuple[str, int], list] = {}
-    backward_reads = backward_param_reads(activations, space) if activations is not None else {}
+    backward_reads = backward_view_reads(activations, space) if activations is not None else {}
     bucket_shares: dict[tuple, list] = defaultdict(list)
     bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
     for (ref, readers), count in tensor_classes(space, shared, followed, backward_reads).items():

@@ -20,6 +20,7 @@ from autopar.passes.redistribute import Step, step_s
 from autopar.passes.rank_ops import graph_collectives
 from autopar.passes.rewrite import rewrite
 from autopar.placement import P, R, S
+from autopar import planner
 from autopar.planner import plan_captured
 from autopar.runtime.launch import device_mesh
 from tests.conftest import FLOP_EQ_BYTE
@@ -166,6 +167,45 @@ def test_the_solver_prices_a_layers_parameters_gathered_together():
     plan = plan_captured(captured, autopar.Mesh((4,), ("dp",)), hardware=latency_dear, pins=pins, bucket_bytes=2**20)
     gathered = [c for c in plan.collectives if c.tensor.endswith("parameters")]
     assert {(c.phase, c.consumer) for c in gathered} >= {("forward", "parameters of blocks.0"), ("backward", "parameters of blocks.0")}
+    assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s, rel=1e-6)
+
+
+def test_the_solver_prices_a_transposed_weight_gathered_again_in_the_backward(monkeypatch):
+    """A weight split over the ranks, transposed, and the transpose gathered for the forward's
+    matmul; the backward reads the transpose of that transpose, which reads it whole. Views of
+    weights are made again in the backward, so the transpose is gathered again there: the
+    solver prices both gathers, as the plan lists them (it priced the forward's only, and chose
+    this layout for the GPT example's FSDP pins under this machine's profile, at a step 13%
+    over its objective). The ops are held to that layout, which the solver would not choose
+    here."""
+    model = MLP(32, 32, num_layers=2)
+    captured = capture(model, (torch.randn(64, 32), torch.randn(64, 32)))
+    pins = {"x": "S(0)", "target": "S(0)", **{name: "S(0)" for name, _ in model.named_parameters()}}
+    propagate = planner.propagate
+
+    def transposes_gathered(*args, **kwargs):
+        space = propagate(*args, **kwargs)
+        by_name = space.index()
+
+        def held(n):
+            if n.kind != "op" or n.target != "aten.t.default":
+                return n
+            operand = by_name[n.args[0][0]]
+            if operand.kind == "param":
+                need = (S(0),)
+            elif operand.target == "aten.t.default" and by_name[operand.args[0][0]].kind == "param":
+                need = (R,)
+            else:
+                return n
+            return dataclasses.replace(n, strategies=tuple(s for s in n.strategies if s.inputs[0] == need))
+
+        return dataclasses.replace(space, nodes=tuple(held(n) for n in space.nodes))
+
+    monkeypatch.setattr(planner, "propagate", transposes_gathered)
+    plan = plan_captured(captured, autopar.Mesh((2,), ("dp",)), hardware=FLOP_EQ_BYTE, pins=pins)
+    second = next(n.name for n in plan.nodes if n.module == "layers.1" and n.op == "aten.t.default")
+    gathered = [(c.kind, c.phase) for c in plan.collectives if c.tensor == second]
+    assert gathered == [("all_gather", "forward"), ("all_gather", "recompute")]
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s, rel=1e-6)
 
 
