@@ -56,8 +56,9 @@ def tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set,
                     backward_reads: dict[str, ValueRef]) -> dict[tuple, int]:
     """Group the graph's tensors by what the program sees of them: the (shared) tensor and the
     set of (shared) readers that need it, in the forward or in the backward (which makes its
-    own moves; ``backward_reads`` are views made again there, by the tensor they read). Every
-    class gets one set of move variables, priced as many times as it has tensors."""
+    own moves; ``backward_reads`` are views made again there, by the tensor they read, which
+    a view that follows its operand reads as it is). Every class gets one set of move
+    variables, priced as many times as it has tensors."""
     by_name = space.index()
     readers: dict[tuple, set[tuple[str, int]]] = defaultdict(set)
     for n in space.nodes:
@@ -66,7 +67,8 @@ def tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set,
                 in_backward = by_name[ref[0]].phase == "backward" or (n.kind == "op" and n.phase == "backward")
                 readers[ref, in_backward].add((shared.get(n.name, n.name), j))
     for view, ref in backward_reads.items():
-        readers[ref, True].add((shared.get(view, view), 0))
+        if (view, ref) not in followed:
+            readers[ref, True].add((shared.get(view, view), 0))
     classes: dict[tuple, int] = defaultdict(int)
     for (ref, _), who in readers.items():
         classes[(shared.get(ref[0], ref[0]), ref[1]), frozenset(who)] += 1
