@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autopar
+from autopar import planner
 from autopar.explain import format_bytes
 from autopar.cost_model.estimate import CostModel
 from autopar.examples.gpt import GPT, GPTConfig
@@ -20,7 +21,6 @@ from autopar.passes.redistribute import Step, step_s
 from autopar.passes.rank_ops import graph_collectives
 from autopar.passes.rewrite import rewrite
 from autopar.placement import P, R, S
-from autopar import planner
 from autopar.planner import plan_captured
 from autopar.runtime.launch import device_mesh
 from tests.conftest import FLOP_EQ_BYTE
