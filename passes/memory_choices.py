@@ -62,8 +62,10 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
     {variable: megabytes}}``, and each segment's recomputed and reloaded megabytes ``Q_S``."""
     copies = _copies(shared)
     by_reader: dict[str, list] = defaultdict(list)
-    for (reader, _), terms in reader_moves.items():
+    most_s: dict[str, float] = defaultdict(float)
+    for (reader, _), (terms, most) in reader_moves.items():
         by_reader[reader].extend(terms)
+        most_s[reader] += most
     own = [name for name in acts.nodes if name not in shared]
     keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
     again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
@@ -72,6 +74,7 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
     segments: dict[str, list] = defaultdict(list)
     copied_out: dict[str, list] = defaultdict(list)  # per segment: (nanoseconds of a copy one way, o_n,j)
     offloaded: dict[str, list] = defaultdict(list)  # per segment: (megabytes, o_n,j)
+    longest_out: dict[str, float] = defaultdict(float)  # per segment: the most nanoseconds its copies out can take
     for name in own:
         count = 1 + copies[name]
         kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
@@ -83,6 +86,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
                 if away[name].ub():
                     copied_out[acts.segment[name]].append((count * host.copy_s(size) * SCALE, away_k[k]))
                     offloaded[acts.segment[name]].append((size * MEMORY_SCALE, away_k[k]))
+        if away[name].ub():  # an op is offloaded in one strategy at most
+            longest_out[acts.segment[name]] += count * host.copy_s(max(acts.bytes[name])) * SCALE
         if name in acts.extra:
             _extra_kept(solver, acts.extra[name], ind[name], again[name],
                         [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb[name])
@@ -91,7 +96,7 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
-            _recompute_moves(solver, by_reader[name], again[name], count, costs)
+            _recompute_moves(solver, by_reader[name], most_s[name], again[name], count, costs)
     ahead: dict = {}
     reloaded: dict[str, list] = defaultdict(list)  # per segment: megabytes copied back beside its backward
     if copied_out:
@@ -108,7 +113,7 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
             if not copied_out[segment]:
                 continue
             back = sum(c * o for c, o in copied_out[segment])
-            bound = sum(c for c, _ in copied_out[segment])
+            bound = longest_out[segment]
             mb = sum(m * o for m, o in offloaded[segment])
             if any(during is not None for during, _, _ in beside):
                 ahead[segment] = solver.IntVar(0, 1, "")  # F_S
@@ -248,13 +253,12 @@ def _copy_kept(solver, copied: tuple[list[float], list[float]], kept_k: list, ba
     kept_mb[extra] += 1.0
 
 
-def _recompute_moves(solver, moves: list, again, count: int, costs: dict) -> None:
+def _recompute_moves(solver, moves: list, bound: float, again, count: int, costs: dict) -> None:
     """``E_n ≥ (operand moves) − C_n (1 − R_n)``, in nanoseconds, priced ``count`` times;
     ``moves`` are the ``(variable or None, seconds)`` terms of moving the op's operands."""
     if not moves:
         return
     work = sum(c * (1 if v is None else v) for v, c in moves)
-    bound = sum(c for _, c in moves)
     extra = solver.NumVar(0.0, solver.infinity(), "")
     solver.Add(extra >= (work - bound * (1 - again)) * SCALE)
     costs[extra] += count / SCALE

@@ -85,7 +85,7 @@ def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Node
                       reader_moves: dict, joined: Callable | None = None) -> None:
     """Tie every reader's needed layout to the producer's, and price each move ``count`` times.
     ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
-    ``(variable or None, seconds)`` terms. ``joined(p, q, made)``, when given, is told of every
+    ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to. ``joined(p, q, made)``, when given, is told of every
     move and the variable (or 1) saying whether it is made (:func:`gathered`)."""
     producer = by_name[ref[0]]
     src = {p: _flat(g) for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
@@ -95,7 +95,8 @@ def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Node
         dst = {q: _flat(g) for q, g in group_by_layout(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
         if len(src) == 1 and len(dst) == 1:
             (p,), (q,) = src, dst
-            reader_moves.setdefault((name, j), [(None, transition_s(ref, p, q))] if p != q else [])
+            seconds = transition_s(ref, p, q) if p != q else 0.0
+            reader_moves.setdefault((name, j), ([(None, seconds)] if p != q else [], seconds))
             if p != q:
                 _move(solver, costs, moves, ref, p, q, count, transition_s, None, joined)
             continue
@@ -103,11 +104,12 @@ def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Node
             arcs = one_step_moves(ref)
             flow = layout_flow(solver, costs, arcs, src, dst, count) if len(arcs) < len(src) * len(dst) else None
             if flow is not None:
-                reader_moves.setdefault((name, j), flow)
+                reader_moves.setdefault((name, j), (flow, sum(c for _, c in flow)))
                 continue
         t = _transport(solver, src, dst)
         priced = {(p, q): transition_s(ref, p, q) for p, q in t if p != q}
-        reader_moves.setdefault((name, j), [(var, priced[pq]) for pq, var in t.items() if pq in priced])
+        reader_moves.setdefault((name, j), ([(var, priced[pq]) for pq, var in t.items() if pq in priced],
+                                            max(priced.values(), default=0.0)))  # one pair of layouts is used
         for (p, q), var in t.items():
             if p != q and len(readers) == 1:
                 costs[var] += count * priced[p, q]  # the only reader: its transport is the move
