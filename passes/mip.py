@@ -2,6 +2,7 @@
 :mod:`autopar.passes.memory_program`, :mod:`autopar.passes.memory_choices`): the units of its
 coefficients, and the solver in a child process that is given up at a deadline."""
 
+import array
 import math
 import os
 import pickle
@@ -32,7 +33,8 @@ at 0.5, with the same plans."""
 
 
 def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tuple] = (),
-                          give_up_without_plan_s: float = math.inf, heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT):
+                          give_up_without_plan_s: float = math.inf, heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT,
+                          dive: Sequence = ()):
     """Solve in a process of its own (:mod:`autopar.passes.highs_child`) with HiGHS's time limit
     at ``time_limit_s``, and give up on it at ``DEADLINE_FACTOR`` times that plus
     ``DEADLINE_GRACE_S``: MIP solvers honour their own time limit only between steps, not
@@ -40,7 +42,9 @@ def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tu
     start from, whole or in part. A search that has found no solution after
     ``give_up_without_plan_s`` stops there (``NOT_SOLVED``); one that has goes on to the time
     limit or the gap. ``heuristic_effort`` is the share of the search HiGHS spends looking for
-    better plans rather than proving a bound. Returns ``(status, variable values, objective, bound)``
+    better plans rather than proving a bound. ``dive`` lists integer variables (the strategy
+    choices) for the search to start from a plan that keeps them as the program's relaxation
+    sets them (:func:`autopar.passes.highs_child.dive`), instead of from ``hint``. Returns ``(status, variable values, objective, bound)``
     (``FEASIBLE`` with the best plan found when the time limit stopped the search), or
     ``None`` when the deadline passed.
 
@@ -53,9 +57,9 @@ def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tu
     for var, value in hint:
         model.solution_hint.var_index.append(var.index())
         model.solution_hint.var_value.append(value)
-    payload = (struct.pack("dddd", params.GetDoubleParam(params.RELATIVE_MIP_GAP), time_limit_s, give_up_without_plan_s,
-                           heuristic_effort)
-               + model.SerializeToString())
+    payload = (struct.pack("ddddI", params.GetDoubleParam(params.RELATIVE_MIP_GAP), time_limit_s, give_up_without_plan_s,
+                           heuristic_effort, len(dive))
+               + array.array("i", [var.index() for var in dive]).tobytes() + model.SerializeToString())
     child = subprocess.Popen([sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     try:

@@ -121,7 +121,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
-    ``start`` (in large programs with half of HiGHS's effort on finding plans,
+    ``start`` (in large programs from a dive on the strategy choices,
+    :func:`~autopar.passes.highs_child.dive`, and with half of HiGHS's effort on finding plans,
     ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it has found a plan that
     fits; if it has found
     none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
@@ -212,9 +213,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
                                            (on_host, "host_optimizer"), (params_on_host, "host_params")))
     large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
     effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
+    strategy_vars = [var for name in own for terms in ind[name] for var in terms] if large else []
     outcome = solve_before_deadline(solver, params, time_limit_s, () if priced else hint,
                                     give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
-                                    heuristic_effort=effort)
+                                    heuristic_effort=effort, dive=strategy_vars)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     left = started + time_limit_s - time.perf_counter()
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)

@@ -137,3 +137,88 @@ def test_a_search_under_a_budget_gives_up_only_while_it_has_no_plan():
         e = event(seconds, bound)
         _give_up_without_solution(e, 20.0)
         assert e.data_in.user_interrupt is interrupted, (seconds, bound)
+
+
+def _program_relaxed_apart():
+    """min x2 + 0.1 y with x1 + x2 = 1 and 2y = x1 (x1, x2, y binary): the relaxation picks
+    x1 = 1, y = 0.5, which no integer y meets; the plan is x2 = 1, y = 0, objective 1."""
+    from ortools.linear_solver import pywraplp
+
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    x1, x2, y = solver.BoolVar("x1"), solver.BoolVar("x2"), solver.BoolVar("y")
+    solver.Add(x1 + x2 == 1)
+    solver.Add(2 * y == x1)
+    solver.Minimize(x2 + 0.1 * y)
+    return solver, (x1, x2, y)
+
+
+def _program_relaxed_whole():
+    """Two ops choosing one of two strategies each and a binary keep choice per op that the
+    relaxation leaves fractional: min Σ cost·x + 0.5·k with k_i ≥ x_i1 − 0.5. Optimum 2.5."""
+    from ortools.linear_solver import pywraplp
+
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    x = [[solver.BoolVar(f"x{i}{k}") for k in range(2)] for i in range(2)]
+    keep = [solver.BoolVar(f"k{i}") for i in range(2)]
+    for i in range(2):
+        solver.Add(sum(x[i]) == 1)
+        solver.Add(keep[i] >= x[i][1] - 0.5)
+    solver.Minimize(2 * x[0][0] + 1 * x[0][1] + 1 * x[1][0] + 3 * x[1][1] + 0.5 * sum(keep))
+    return solver, [v for row in x for v in row]
+
+
+def test_a_dive_keeps_the_strategies_the_relaxation_picks_and_searches_the_rest():
+    from ortools.linear_solver import linear_solver_pb2
+
+    from autopar.passes.highs_child import dive
+
+    solver, strategies = _program_relaxed_whole()
+    model = linear_solver_pb2.MPModelProto()
+    solver.ExportModelToProto(model)
+    plan = dive(model, [v.index() for v in strategies], 1e-6, 10.0)
+    assert [round(plan[v.index()]) for v in strategies] == [0, 1, 1, 0]
+    assert [round(plan[i]) for i in (4, 5)] == [1, 0]  # op 0 keeps, as its strategy needs, op 1 not
+    solver, variables = _program_relaxed_apart()
+    model = linear_solver_pb2.MPModelProto()
+    solver.ExportModelToProto(model)
+    assert dive(model, [variables[0].index(), variables[1].index()], 1e-6, 10.0) is None
+
+
+def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_dive_finds_nothing():
+    from ortools.linear_solver import pywraplp
+
+    from autopar.passes.mip import solve_before_deadline
+
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-6)
+    solver, strategies = _program_relaxed_whole()
+    status, values, objective, _ = solve_before_deadline(solver, params, 10.0, dive=strategies)
+    assert (status, round(objective, 6)) == (pywraplp.Solver.OPTIMAL, 2.5)
+    solver, variables = _program_relaxed_apart()
+    status, values, objective, _ = solve_before_deadline(solver, params, 10.0, dive=variables[:2])
+    assert (status, round(objective, 6), [round(values[v.index()]) for v in variables]) == (pywraplp.Solver.OPTIMAL, 1.0, [0, 1, 0])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch):
+    from ortools.linear_solver import linear_solver_pb2
+
+    from autopar.passes import solver as solver_module
+    from autopar.passes.highs_child import dive
+
+    space, costs, transition = _random_space(40, seed, chain=False)
+    plain = solve(space, costs, transition, relative_gap=1e-9)
+    original, dived_from = solver_module.solve_before_deadline, []
+
+    def with_dive(solver, params, time_limit_s, hint=(), **kwargs):
+        strategies = [v for v in solver.variables() if v.name().startswith("x[")]
+        model = linear_solver_pb2.MPModelProto()
+        solver.ExportModelToProto(model)
+        dived_from.append(dive(model, [v.index() for v in strategies], 1e-9, 10.0))
+        return original(solver, params, time_limit_s, hint, **{**kwargs, "dive": strategies})
+
+    monkeypatch.setattr(solver_module, "solve_before_deadline", with_dive)
+    dived = solve(space, costs, transition, relative_gap=1e-9)
+    assert dived_from[0] is not None
+    assert dived.info.objective_s == pytest.approx(plain.info.objective_s, rel=1e-9)
+    assert _plan_cost(space, costs, transition, dived.choice) == pytest.approx(_plan_cost(space, costs, transition, plain.choice))
