@@ -61,10 +61,11 @@ def dive(model: linear_solver_pb2.MPModelProto, columns: list[int], gap: float, 
     (or until ``time_limit_s`` runs out, keeping the best plan found). ``None`` when either
     step finds nothing in time. On the plan's program the relaxation sets the strategy of
     almost every op to one of its choices, and the memory choices are what is hard: the
-    LLaMA-3-8B shape under 80 GB on 8x8 H100s (108k variables), searched whole, took 35 to
-    56 s for a plan within 1% of its bound over three random seeds; its relaxation took 3 s
-    and set each of the 5,536 strategy choices to 0 or 1, the search left took 8 s, and from
-    that plan the whole search proved it within 0.7% in 5 s."""
+    LLaMA-3-8B shape under 80 GB on 8x8 H100s (108k variables), searched whole, took 37 to
+    46 s to a plan within 1% of its bound over three random seeds, and 13 to 17 s over five
+    from a dive: the relaxation 2 to 3 s (it set every one of the 5,536 strategy choices to 0
+    or 1), the search it leaves 5 to 8 s, and from that plan the whole search 5 s to prove it
+    within 0.5 to 0.8%."""
     started = time.perf_counter()
     relaxed = highspy.Highs()
     relaxed.setOptionValue("output_flag", False)
