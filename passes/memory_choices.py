@@ -255,7 +255,8 @@ def _copy_kept(solver, copied: tuple[list[float], list[float]], kept_k: list, ba
 
 def _recompute_moves(solver, moves: list, bound: float, again, count: int, costs: dict) -> None:
     """``E_n ≥ (operand moves) − C_n (1 − R_n)``, in nanoseconds, priced ``count`` times;
-    ``moves`` are the ``(variable or None, seconds)`` terms of moving the op's operands."""
+    ``moves`` are the ``(variable or None, seconds)`` terms of moving the op's operands and
+    ``bound``, ``C_n``, the most seconds they can add up to."""
     if not moves:
         return
     work = sum(c * (1 if v is None else v) for v, c in moves)

@@ -44,9 +44,9 @@ def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tu
     limit or the gap. ``heuristic_effort`` is the share of the search HiGHS spends looking for
     better plans rather than proving a bound. ``dive`` lists integer variables (the strategy
     choices) for the search to start from a plan that keeps them as the program's relaxation
-    sets them (:func:`autopar.passes.highs_child.dive`), instead of from ``hint``. Returns ``(status, variable values, objective, bound)``
-    (``FEASIBLE`` with the best plan found when the time limit stopped the search), or
-    ``None`` when the deadline passed.
+    sets them (:func:`autopar.passes.highs_child.dive`), instead of from ``hint``. Returns
+    ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
+    the time limit stopped the search), or ``None`` when the deadline passed.
 
     The process is a fresh interpreter given the program as a protocol buffer, not a fork of
     the planning process: that process runs the threads of torch, of a process group or of

@@ -85,8 +85,9 @@ def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Node
                       reader_moves: dict, joined: Callable | None = None) -> None:
     """Tie every reader's needed layout to the producer's, and price each move ``count`` times.
     ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
-    ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to. ``joined(p, q, made)``, when given, is told of every
-    move and the variable (or 1) saying whether it is made (:func:`gathered`)."""
+    ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to.
+    ``joined(p, q, made)``, when given, is told of every move and the variable (or 1) saying
+    whether it is made (:func:`gathered`)."""
     producer = by_name[ref[0]]
     src = {p: _flat(g) for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
     moves: dict[tuple, object] = {}
