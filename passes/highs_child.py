@@ -29,7 +29,8 @@ DIVE_SHARE = 0.5
 """The share of the time limit a dive may take, the relaxation and the search it leaves."""
 
 
-def load(highs: highspy.Highs, model: linear_solver_pb2.MPModelProto, hint: bool = True) -> None:
+def program(model: linear_solver_pb2.MPModelProto) -> highspy.HighsLp:
+    """``model`` as HiGHS takes it (each :class:`highspy.Highs` given it keeps a copy)."""
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(model.variable), len(model.constraint)
     lp.col_cost_ = [v.objective_coefficient for v in model.variable]
@@ -49,14 +50,11 @@ def load(highs: highspy.Highs, model: linear_solver_pb2.MPModelProto, hint: bool
                        for v in model.variable]
     lp.offset_ = model.objective_offset
     lp.sense_ = highspy.ObjSense.kMaximize if model.maximize else highspy.ObjSense.kMinimize
-    highs.passModel(lp)
-    if hint and model.solution_hint.var_index:
-        highs.setSolution(len(model.solution_hint.var_index), list(model.solution_hint.var_index),
-                          list(model.solution_hint.var_value))
+    return lp
 
 
-def dive(model: linear_solver_pb2.MPModelProto, columns: list[int], gap: float, time_limit_s: float) -> list[float] | None:
-    """A plan to start the search from: the program's linear relaxation solved, the integer
+def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: float) -> list[float] | None:
+    """A plan to start the search from: the linear relaxation of the program ``lp`` solved, the integer
     ``columns`` it sets to 0 or 1 fixed there, and the program left searched within ``gap``
     (or until ``time_limit_s`` runs out, keeping the best plan found). ``None`` when either
     step finds nothing in time. On the plan's program the relaxation sets the strategy of
@@ -70,8 +68,8 @@ def dive(model: linear_solver_pb2.MPModelProto, columns: list[int], gap: float, 
     relaxed = highspy.Highs()
     relaxed.setOptionValue("output_flag", False)
     relaxed.setOptionValue("time_limit", time_limit_s)
-    load(relaxed, model, hint=False)
-    integers = [i for i, v in enumerate(model.variable) if v.is_integer]
+    relaxed.passModel(lp)
+    integers = [i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger]
     relaxed.changeColsIntegrality(len(integers), integers, [highspy.HighsVarType.kContinuous] * len(integers))
     relaxed.run()
     if relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
@@ -84,7 +82,7 @@ def dive(model: linear_solver_pb2.MPModelProto, columns: list[int], gap: float, 
     rest.setOptionValue("output_flag", False)
     rest.setOptionValue("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.0))
     rest.setOptionValue("mip_rel_gap", gap)
-    load(rest, model, hint=False)
+    rest.passModel(lp)
     rest.changeColsBounds(len(fixed), fixed, values, values)
     rest.run()
     if rest.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
@@ -106,18 +104,22 @@ def main() -> None:
     result = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
-    start = dive(model, columns, gap, DIVE_SHARE * time_limit_s) if columns else None
+    lp = program(model)
+    start = dive(lp, columns, gap, DIVE_SHARE * time_limit_s) if columns else None
     spent = time.perf_counter() - started
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", max(time_limit_s - spent, 0.0))
     highs.setOptionValue("mip_rel_gap", gap)
     highs.setOptionValue("mip_heuristic_effort", heuristic_effort)
-    load(highs, model, hint=start is None)
+    highs.passModel(lp)
     if start is not None:
         solution = highspy.HighsSolution()
         solution.col_value, solution.value_valid = start, True
         highs.setSolution(solution)
+    elif model.solution_hint.var_index:
+        hint = model.solution_hint
+        highs.setSolution(len(hint.var_index), list(hint.var_index), list(hint.var_value))
     give_up_s -= spent
     if give_up_s < time_limit_s - spent:
         highs.cbMipInterrupt.subscribe(lambda event: _give_up_without_solution(event, give_up_s))

@@ -170,18 +170,18 @@ def _program_relaxed_whole():
 def test_a_dive_keeps_the_strategies_the_relaxation_picks_and_searches_the_rest():
     from ortools.linear_solver import linear_solver_pb2
 
-    from autopar.passes.highs_child import dive
+    from autopar.passes.highs_child import dive, program
 
     solver, strategies = _program_relaxed_whole()
     model = linear_solver_pb2.MPModelProto()
     solver.ExportModelToProto(model)
-    plan = dive(model, [v.index() for v in strategies], 1e-6, 10.0)
+    plan = dive(program(model), [v.index() for v in strategies], 1e-6, 10.0)
     assert [round(plan[v.index()]) for v in strategies] == [0, 1, 1, 0]
     assert [round(plan[i]) for i in (4, 5)] == [1, 0]  # op 0 keeps, as its strategy needs, op 1 not
     solver, variables = _program_relaxed_apart()
     model = linear_solver_pb2.MPModelProto()
     solver.ExportModelToProto(model)
-    assert dive(model, [variables[0].index(), variables[1].index()], 1e-6, 10.0) is None
+    assert dive(program(model), [variables[0].index(), variables[1].index()], 1e-6, 10.0) is None
 
 
 def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_dive_finds_nothing():
@@ -205,7 +205,7 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
     from ortools.linear_solver import linear_solver_pb2
 
     from autopar.passes import solver as solver_module
-    from autopar.passes.highs_child import dive
+    from autopar.passes.highs_child import dive, program
 
     space, costs, transition = _random_space(40, seed, chain=False)
     plain = solve(space, costs, transition, relative_gap=1e-9)
@@ -215,7 +215,7 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
         strategies = [v for v in solver.variables() if v.name().startswith("x[")]
         model = linear_solver_pb2.MPModelProto()
         solver.ExportModelToProto(model)
-        dived_from.append(dive(model, [v.index() for v in strategies], 1e-9, 10.0))
+        dived_from.append(dive(program(model), [v.index() for v in strategies], 1e-9, 10.0))
         return original(solver, params, time_limit_s, hint, **{**kwargs, "dive": strategies})
 
     monkeypatch.setattr(solver_module, "solve_before_deadline", with_dive)
