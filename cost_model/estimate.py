@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.cost_model.compute import compute_s, node_work
+from autopar.cost_model.compute import compute_s, math_format, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer, cache_bytes
 from autopar.mesh import Mesh
@@ -48,8 +48,8 @@ class CostModel:
                 costs[n.name] = [0.0] * len(n.strategies)
                 continue
             node = self.graph_nodes[n.name]
-            work = node_work(node)
-            costs[n.name] = [self.scale * (self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware))
+            work, math = node_work(node), math_format(node)
+            costs[n.name] = [self.scale * (self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware, math))
                              for s in n.strategies]
         return costs
 

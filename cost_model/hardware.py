@@ -84,7 +84,7 @@ class HardwareProfile:
     name: str
     """Short name used by ``hardware="..."``."""
     flops_per_s: float
-    """Peak dense matmul throughput."""
+    """Peak throughput of ops that :attr:`matrix_flops_per_s` does not list."""
     memory_bytes_per_s: float
     """Peak device-memory bandwidth."""
     efficiency: float
@@ -132,9 +132,18 @@ class HardwareProfile:
     offloading would save nothing."""
     host_memory_bytes_per_s: float = 0.0
     """Host-memory bandwidth per device, which an optimizer step run on the host is bound by."""
+    matrix_flops_per_s: tuple[tuple[str, float], ...] = ()
+    """Peak dense throughput of matrix products (matmuls, convolutions, attention) by the
+    format their multiply-adds run in (:func:`autopar.cost_model.compute.math_format`):
+    ``"float64"``, ``"float32"``, ``"tf32"`` (float32 operands on tensor cores, where torch
+    allows it), ``"bfloat16"``, ``"float16"``; a format not listed runs at ``flops_per_s``.
+    On a GPU these differ by 15x: an H100 multiplies float32 at 67 TFLOP/s and bfloat16 at 989."""
 
-    def compute_s(self, flops: float, bytes_moved: float) -> float:
-        return self.op_overhead_s + max(flops / self.flops_per_s, bytes_moved / self.memory_bytes_per_s) / self.efficiency
+    def compute_s(self, flops: float, bytes_moved: float, math: str | None = None) -> float:
+        """Roofline time of an op doing ``flops`` and moving ``bytes_moved``, its multiply-adds
+        in the format ``math`` (``None``: not a matrix product)."""
+        rate = dict(self.matrix_flops_per_s).get(math, self.flops_per_s) if math else self.flops_per_s
+        return self.op_overhead_s + max(flops / rate, bytes_moved / self.memory_bytes_per_s) / self.efficiency
 
     def host_update_s(self, bytes_moved: float) -> float | None:
         """Seconds the host takes to read and write ``bytes_moved`` bytes of optimizer state
@@ -173,7 +182,7 @@ class SyntheticProfile:
     host_s_per_byte_memory: float = 0.0
     """Seconds per byte an optimizer step on the host reads or writes."""
 
-    def compute_s(self, flops: float, bytes_moved: float) -> float:
+    def compute_s(self, flops: float, bytes_moved: float, math: str | None = None) -> float:
         return flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
 
     def host_update_s(self, bytes_moved: float) -> float | None:
@@ -190,27 +199,37 @@ class SyntheticProfile:
         return Link(self.latency_s, beta)
 
 
-# Figures: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 at
-# 450 GB/s per direction, 80 GB), ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU), PCIe
-# Gen5 x16 to the host (64 GB/s per direction, about 50 GB/s for pinned copies) and the DGX
-# H100's two Xeon 8480C sockets (8 channels of DDR5-4800 each, 614 GB/s for 8 GPUs).
+# Figures: NVIDIA H100 SXM5 datasheet (dense: 989 TFLOP/s BF16 and FP16, 495 TF32 and 67 FP64 on
+# tensor cores, 67 FP32 on CUDA cores; 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, 80 GB),
+# ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU), PCIe Gen5 x16 to the host (64 GB/s per
+# direction, about 50 GB/s for pinned copies) and the DGX H100's two Xeon 8480C sockets (8
+# channels of DDR5-4800 each, 614 GB/s for 8 GPUs).
+HOPPER_MATRIX_FLOPS = (("bfloat16", 989e12), ("float16", 989e12), ("tf32", 495e12), ("float32", 67e12),
+                       ("float64", 67e12))
 H100 = HardwareProfile(
     name="h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, efficiency=0.6,
     memory_bytes=80 * 10**9, devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 450e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 50e9),
     host_link=Link(latency_s=10e-6, s_per_byte=1 / 50e9), host_memory_bytes_per_s=614e9 / 8,
+    matrix_flops_per_s=HOPPER_MATRIX_FLOPS,
 )
-# NVIDIA A100 SXM4 80 GB datasheet (312 TFLOP/s dense BF16, 2.04 TB/s HBM2e, NVLink 3 at
-# 300 GB/s per direction), HDR InfiniBand (200 Gb/s = 25 GB/s per GPU), PCIe Gen4 x16 (32 GB/s
-# per direction, about 25 GB/s pinned) and the DGX A100's two EPYC 7742 sockets (8 channels of
-# DDR4-3200 each, 410 GB/s for 8 GPUs).
+# NVIDIA H200 SXM datasheet: the H100's compute (above), 4.8 TB/s of HBM3e, 141 GB; the same
+# NVLink 4, network, PCIe and host as the H100 in an HGX H200.
+H200 = dataclasses.replace(H100, name="h200", memory_bytes_per_s=4.8e12, memory_bytes=141 * 10**9)
+# NVIDIA A100 SXM4 80 GB datasheet (dense: 312 TFLOP/s BF16 and FP16, 156 TF32 and 19.5 FP64 on
+# tensor cores, 19.5 FP32 on CUDA cores; 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per direction),
+# HDR InfiniBand (200 Gb/s = 25 GB/s per GPU), PCIe Gen4 x16 (32 GB/s per direction, about 25
+# GB/s pinned) and the DGX A100's two EPYC 7742 sockets (8 channels of DDR4-3200 each, 410 GB/s
+# for 8 GPUs).
 A100 = HardwareProfile(
     name="a100", flops_per_s=312e12, memory_bytes_per_s=2.04e12, efficiency=0.6,
     memory_bytes=80 * 10**9, devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 300e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
     host_link=Link(latency_s=10e-6, s_per_byte=1 / 25e9), host_memory_bytes_per_s=410e9 / 8,
+    matrix_flops_per_s=(("bfloat16", 312e12), ("float16", 312e12), ("tf32", 156e12), ("float32", 19.5e12),
+                        ("float64", 19.5e12)),
 )
 # A small CPU host running gloo over loopback; order-of-magnitude figures for a 2-core VM.
 CPU = HardwareProfile(
@@ -220,13 +239,13 @@ CPU = HardwareProfile(
     inter_host=Link(latency_s=100e-6, s_per_byte=1 / 1e9),
 )
 
-PROFILES = {p.name: p for p in (H100, A100, CPU)}
+PROFILES = {p.name: p for p in (H100, H200, A100, CPU)}
 
 Profile = HardwareProfile | SyntheticProfile
 
 
 def resolve_profile(hardware: "str | os.PathLike | Profile") -> Profile:
-    """Return the profile named by ``hardware`` (``"h100"``, ``"a100"``, ``"cpu"``), the one saved
+    """Return the profile named by ``hardware`` (``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"``), the one saved
     in the JSON file it names (``autopar calibrate`` writes one), or ``hardware`` itself when it
     is already a profile."""
     if isinstance(hardware, (HardwareProfile, SyntheticProfile)):
@@ -273,6 +292,7 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     if data.get("format") != "autopar-hardware-profile" or data.get("version") != 1:
         raise ValueError(f"{path} is not an autopar hardware profile (version 1); write one with `autopar calibrate`")
     fields = dict(data["profile"])
+    fields["matrix_flops_per_s"] = tuple(tuple(rate) for rate in fields.get("matrix_flops_per_s", ()))
     for tier in ("intra_host", "inter_host", "host_link"):
         if fields.get(tier) is not None:
             fields[tier] = Link.from_dict(fields[tier])

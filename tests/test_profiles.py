@@ -1,6 +1,9 @@
 """Hardware profiles: saved and loaded, and used by collectives' α-β per kind."""
 
+import dataclasses
+
 import pytest
+import torch
 
 import autopar
 from autopar.cost_model.hardware import CPU, HardwareProfile, Link, load_profile, resolve_profile, save_profile
@@ -106,3 +109,65 @@ def test_the_collective_scale_lengthens_collectives_only():
     for src, dst in (((P,), (R,)), ((S(0),), (R,)), ((P,), (S(0),))):
         base = plain.transition_s(ref, src, dst)
         assert base > 0 and slow.transition_s(ref, src, dst) == pytest.approx(3.0 * base)
+
+
+@pytest.fixture
+def float32_matmul_precision():
+    """Restores torch's float32 matmul precision after a test that sets it."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def _graph_of(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return {n.target.overloadpacket.__name__: n for n in make_fx(fn, tracing_mode="fake")(*args).graph.nodes
+            if n.op == "call_function"}
+
+
+def test_a_matrix_product_runs_at_the_rate_of_its_format(float32_matmul_precision):
+    from autopar.cost_model.compute import math_format, node_work
+    from autopar.cost_model.hardware import H100
+
+    a, b = torch.randn(256, 512), torch.randn(512, 1024)
+    fp32 = _graph_of(lambda a, b: torch.relu(a @ b), a, b)
+    assert math_format(fp32["mm"]) == "float32" and math_format(fp32["relu"]) is None
+    assert math_format(_graph_of(torch.mm, a.bfloat16(), b.bfloat16())["mm"]) == "bfloat16"
+    float32_matmul_precision("high")
+    assert math_format(_graph_of(torch.mm, a, b)["mm"]) == "tf32"
+    conv = _graph_of(torch.nn.functional.conv2d, torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))["convolution"]
+    assert math_format(conv) == ("tf32" if torch.backends.cudnn.allow_tf32 else "float32")
+
+    flops, _ = node_work(fp32["mm"])
+    assert flops == 2 * 256 * 512 * 1024
+    assert H100.compute_s(flops, 0, "float32") == pytest.approx(flops / 67e12 / 0.6)
+    assert H100.compute_s(flops, 0, "tf32") == pytest.approx(flops / 495e12 / 0.6)
+    assert H100.compute_s(flops, 0, "bfloat16") == H100.compute_s(flops, 0) == pytest.approx(flops / 989e12 / 0.6)
+
+
+def test_a_float32_model_is_priced_slower_than_in_bfloat16_on_a_gpu(float32_matmul_precision):
+    from autopar.examples.mlp import MLP
+
+    model, inputs = MLP(1024, 4096), (torch.randn(256, 1024), torch.randn(256, 1024))
+    mesh = Mesh((4,), ("dp",))
+    fp32 = autopar.plan(model, mesh, inputs, hardware="h100", pins={"x": "S(0)"})
+    float32_matmul_precision("high")
+    tf32 = autopar.plan(model, mesh, inputs, hardware="h100", pins={"x": "S(0)"})
+    bf16 = autopar.plan(model.bfloat16(), mesh, tuple(t.bfloat16() for t in inputs), hardware="h100",
+                        pins={"x": "S(0)"})
+    assert fp32.compute_s > 2 * tf32.compute_s and tf32.compute_s > bf16.compute_s
+
+
+def test_a_profile_file_without_matrix_rates_loads_with_none(tmp_path):
+    import json
+
+    path = tmp_path / "old.json"
+    save_profile(_measured(), path)
+    data = json.loads(path.read_text())
+    del data["profile"]["matrix_flops_per_s"]
+    path.write_text(json.dumps(data))
+    assert load_profile(path) == _measured()
+    rated = dataclasses.replace(_measured(), matrix_flops_per_s=(("bfloat16", 4e10),))
+    save_profile(rated, path)
+    assert load_profile(path) == rated and load_profile(path).compute_s(4e10, 0, "bfloat16") == pytest.approx(1e-5 + 1.0)
