@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         "or a .py file defining make_model() -> (model, example_inputs)")
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
-    p.add_argument("--hardware", default="h100", help="h100, a100, cpu, or a profile file from `autopar calibrate` (default h100)")
+    p.add_argument("--hardware", default="h100", help="h100, h200, a100, cpu, or a profile file from `autopar calibrate` (default h100)")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=P0,P1",
                    help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)")
     p.add_argument("--memory-budget", default=None,

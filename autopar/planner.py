@@ -281,7 +281,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
             tensors; gradients are taken of the first output's tangent as torch does).
         mesh: the logical mesh, e.g. ``Mesh((2, 2), ("dp", "tp"))``.
         example_inputs: global-batch tensors with the shapes of training.
-        hardware: ``"h100"``, ``"a100"``, ``"cpu"`` or a profile object.
+        hardware: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` or a profile object.
         pins: fixed placements by parameter qualified name or forward argument name, one
             placement per mesh axis (a string for 1-D meshes): ``{"fc1.weight": ("R", "S(0)")}``.
         memory_budget: per-device bytes, or a size like ``"40GB"`` / ``"512MiB"``; the plan's

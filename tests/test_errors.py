@@ -61,7 +61,7 @@ def test_unknown_pin_names_list_the_known_ones():
 
 
 def test_unknown_hardware_lists_profiles():
-    with pytest.raises(ValueError, match=r"hardware='tpu' is not a known profile; use one of \['a100', 'cpu', 'h100'\]"):
+    with pytest.raises(ValueError, match=r"hardware='tpu' is not a known profile; use one of \['a100', 'cpu', 'h100', 'h200'\]"):
         autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware="tpu")
 
 
