@@ -19,7 +19,7 @@ from autopar.errors import RewriteError
 from autopar.mesh import Mesh
 from autopar.placement import Placements
 from autopar.passes.redistribute import Step, local_shape, transition
-from autopar.passes.rules import Split, shape_arg, split_op
+from autopar.passes.rules import Split, arg_layout, shape_arg, split_op
 from autopar.passes.strategy import Strategy
 
 aten = torch.ops.aten
@@ -186,9 +186,12 @@ def local_call(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy
 
 
 def _local_op(node: fx.Node, args: list):
-    """The op and arguments a rank runs for ``node``: views as reshapes, and a squeeze of every
+    """The op and arguments a rank runs for ``node``: views as reshapes, a squeeze of every
     size-1 dim as a squeeze of the dims of size 1 in the whole tensor (a split dim's piece may
-    have size 1 on a rank)."""
+    have size 1 on a rank), and arguments in the memory layout the op's kernel needs
+    (:func:`~autopar.passes.rules.register_arg_layout`)."""
+    if (fix := arg_layout(node.target)) is not None:
+        args = fix(args)
     if node.target is aten.squeeze.default:
         whole = _value(node.args[0]).shape
         return aten.squeeze.dims, [args[0], [d for d, n in enumerate(whole) if n == 1]]

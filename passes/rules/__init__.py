@@ -33,6 +33,7 @@ Rule = Callable[[fx.Node], list[Row]]
 _RULES: dict[object, Rule] = {}
 _SHAPE_ARGS: dict[object, tuple[int, int]] = {}
 _SPLIT_OPS: dict[object, "SplitOp"] = {}
+_ARG_LAYOUTS: dict[object, Callable[[list], list]] = {}
 
 
 class Split(Protocol):
@@ -128,6 +129,27 @@ def shape_arg(op) -> tuple[int, int] | None:
     """``(argument position, output index)`` of ``op``'s output-shape argument, if it has one."""
     _load()
     return _SHAPE_ARGS.get(op)
+
+
+def register_arg_layout(*ops) -> Callable:
+    """Register the decorated ``fix(args) -> args``: an op's positional arguments on a rank,
+    given the memory layouts its kernel needs. A piece moved between ranks or copied back from
+    host memory comes contiguous, whatever layout the op that made it gave it."""
+
+    def wrap(fix):
+        for op in ops:
+            if op in _ARG_LAYOUTS:
+                raise ValueError(f"argument layouts for {op} are already registered")
+            _ARG_LAYOUTS[op] = fix
+        return fix
+
+    return wrap
+
+
+def arg_layout(op) -> Callable[[list], list] | None:
+    """The argument-layout fix of ``op`` (:func:`register_arg_layout`), if it has one."""
+    _load()
+    return _ARG_LAYOUTS.get(op)
 
 
 def rule_for(op) -> Rule | None:

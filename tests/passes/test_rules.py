@@ -49,12 +49,15 @@ EVERY_ROW_CHECKED = {aten.topk.default, aten.cumsum.default, aten.new_zeros.defa
                      aten.embedding.default, aten.embedding_dense_backward.default, aten.gather.default,
                      aten.scatter.value, aten._log_softmax.default, aten._log_softmax_backward_data.default}
 # registered ops that neither validator can run, and why
-_CUDA_ONLY = "a CUDA kernel; this CPU build has none (the CPU flash attention op is validated)"
+_CUDA_ONLY = ("a CUDA kernel; this CPU build has none (the CPU flash attention op is validated, and "
+              "tests/passes/test_cuda_attention.py checks the CUDA kernels where a GPU is present)")
 _UNINITIALISED = "returns uninitialised memory: there are no values to compare"
 NOT_RUNNABLE = {aten._scaled_dot_product_efficient_attention.default: _CUDA_ONLY,
                 aten._scaled_dot_product_efficient_attention_backward.default: _CUDA_ONLY,
                 aten._scaled_dot_product_flash_attention.default: _CUDA_ONLY,
                 aten._scaled_dot_product_flash_attention_backward.default: _CUDA_ONLY,
+                aten._scaled_dot_product_cudnn_attention.default: _CUDA_ONLY,
+                aten._scaled_dot_product_cudnn_attention_backward.default: _CUDA_ONLY,
                 aten.empty.memory_format: _UNINITIALISED, aten.empty_like.default: _UNINITIALISED}
 # and in Hugging Face models: the indexing that builds attention masks, the padding of labels
 HF_EVERY_ROW_CHECKED = {aten.index.Tensor, aten.new_ones.default, aten.constant_pad_nd.default}
