@@ -20,6 +20,13 @@ def calibrated_profile(world: int) -> Path:
     return path
 
 
+def cuda_profile() -> str:
+    """The built-in profile of the CUDA device that runs: ``"h200"`` on an H200, else ``"h100"``."""
+    import torch
+
+    return "h200" if "H200" in torch.cuda.get_device_name() else "h100"
+
+
 def take_turns(steps: list, counts: list[int], rounds: int) -> list[list[list[float]]]:
     """Per function of ``steps`` (each runs one timed step and returns its seconds), the
     seconds of its ``counts[i]`` steps in each of ``rounds`` rounds, the functions taking turns

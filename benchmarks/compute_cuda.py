@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import write_results
+from benchmarks import cuda_profile, write_results
 
 RESULTS = Path(__file__).parent / "results" / "compute_cuda.json"
 FORMATS = ("float32", "tf32", "bfloat16")
@@ -125,7 +125,7 @@ def main() -> None:
 
     from autopar.cost_model.hardware import resolve_profile
 
-    hardware = "h200" if "H200" in torch.cuda.get_device_name() else "h100"
+    hardware = cuda_profile()
     peaks = dict(resolve_profile(hardware).matrix_flops_per_s)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29513")

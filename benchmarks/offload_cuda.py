@@ -1,8 +1,8 @@
 """Recomputation and offload on a CUDA device: does the plan's program run as planned?
 
-A GPT in fp32 on one GPU, planned with the ``h100`` profile without a budget and under budgets
-that only recomputation and copies to host memory can meet, each plan compiled by Inductor
-(Triton kernels) and trained for a few AdamW steps beside the same model trained eagerly. Per
+A GPT in fp32 on one GPU, planned with the profile of the GPU that runs (``h100`` or ``h200``)
+without a budget and under budgets that only recomputation and copies to host memory can meet,
+each plan compiled by Inductor (Triton kernels) and trained for a few AdamW steps beside the same model trained eagerly. Per
 budget the table gives the predicted and measured step time (median of the timed steps), the
 predicted peak and the peak of a whole step as the CUDA caching allocator saw it
 (``torch.cuda.max_memory_allocated``), of which "outside" was allocated before the model was
@@ -11,9 +11,6 @@ what the plan offloads and how many layers it prefetches, the largest loss and p
 differences from the eager run, and, from a profiler trace of one step, the time of the copies
 to and from the host, the streams they ran on, and how much of it ran while a compute kernel
 was running.
-
-The ``h100`` profile prices bf16 matrix work, so fp32 compute here is slower than predicted and
-hides more of the copies than the plan counts on.
 
 Writes ``benchmarks/results/offload_cuda.json``.
 
@@ -32,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import write_results
+from benchmarks import cuda_profile, write_results
 
 RESULTS = Path(__file__).parent / "results" / "offload_cuda.json"
 GIB = 2**30
@@ -124,6 +121,7 @@ def _profile(model, opt, batch) -> dict:
 def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float, backend: str) -> list[dict]:
     import autopar
 
+    hardware = cuda_profile()
     mesh = autopar.Mesh((1,), ("x",))
     cpu_model, cpu_batches = _model(layers)
     batches = [tuple(t.cuda() for t in b) for b in cpu_batches]
@@ -135,7 +133,7 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
     torch.cuda.empty_cache()
     print(f"eager reference: {ref_s * 1e3:.1f} ms per step, peak {ref_peak / GIB:.2f} GiB", flush=True)
 
-    unbudgeted = autopar.plan(copy.deepcopy(cpu_model).cuda(), mesh, batches[0], hardware="h100",
+    unbudgeted = autopar.plan(copy.deepcopy(cpu_model).cuda(), mesh, batches[0], hardware=hardware,
                               solver_time_limit_s=time_limit_s).peak_memory_bytes
     rows = [{"eager": True, "measured_s": ref_s, "forward_peak_bytes": ref_forward, "measured_peak_bytes": ref_peak}]
     for fraction in [None, *fractions]:
@@ -145,7 +143,7 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
         outside = torch.cuda.memory_allocated()  # the batches, cuBLAS's workspaces
         model = copy.deepcopy(cpu_model).cuda()
         try:
-            pmodel = autopar.compile(model, mesh, batches[0], hardware="h100", memory_budget=budget,
+            pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, memory_budget=budget,
                                      solver_time_limit_s=time_limit_s, backend=backend)
         except autopar.InfeasiblePlanError as exc:
             rows.append({"fraction": fraction, "budget_bytes": budget, "feasible": False, "reason": str(exc).splitlines()[0]})
@@ -177,7 +175,7 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
 def print_table(rows: list[dict], backend: str) -> None:
     header = (f"{'budget':>6} {'pred. ms':>8} {'meas. ms':>8} {'pred. GiB':>9} {'fwd GiB':>7} {'meas. GiB':>9} {'outside':>7} "
               f"{'offl. GiB':>9} {'recomp. GiB':>11} {'ahead':>5} {'loss rel':>8} {'param diff':>10}  host copies")
-    print(f"\nGPT on one GPU (fp32, {backend}), planned for the h100 profile\n{header}\n{'-' * len(header)}")
+    print(f"\nGPT on one GPU (fp32, {backend}), planned for the {cuda_profile()} profile\n{header}\n{'-' * len(header)}")
     for r in rows:
         if r.get("eager"):
             print(f"{'eager':>6} {'':>8} {r['measured_s'] * 1e3:>8.1f} {'':>9} {r['forward_peak_bytes'] / GIB:>7.2f} "
@@ -218,8 +216,8 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     print_table(rows, args.backend)
-    write_results(RESULTS, device=torch.cuda.get_device_name(), backend=args.backend, layers=args.layers, steps=args.steps,
-                  rows=rows)
+    write_results(RESULTS, device=torch.cuda.get_device_name(), hardware=cuda_profile(), backend=args.backend,
+                  layers=args.layers, steps=args.steps, rows=rows)
 
 
 if __name__ == "__main__":
