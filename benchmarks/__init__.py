@@ -20,6 +20,20 @@ def calibrated_profile(world: int) -> Path:
     return path
 
 
+FLOAT32_MATMULS = "high"
+
+
+def float32_matmuls_as_on_gpus() -> str:
+    """Have the float32 models that the benchmarks plan for GPUs priced as they would train
+    there: with TF32 matmuls (``torch.set_float32_matmul_precision("high")``, as PyTorch advises
+    on Ampere and later GPUs), so that the profiles price their matmuls and convolutions at the
+    TF32 rate and their attention at float32's. Returns the precision, for the results."""
+    import torch
+
+    torch.set_float32_matmul_precision(FLOAT32_MATMULS)
+    return FLOAT32_MATMULS
+
+
 def cuda_profile() -> str:
     """The built-in profile of the CUDA device that runs: ``"h200"`` on an H200, else ``"h100"``."""
     import torch

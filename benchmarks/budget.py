@@ -21,7 +21,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks import write_results
+from benchmarks import float32_matmuls_as_on_gpus, write_results
 from benchmarks.plan_quality import full_size
 
 RESULTS = Path(__file__).parent / "results" / "budget.json"
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=120.0, help="the solver's time limit per plan, seconds")
     args = parser.parse_args()
     models = args.models.split(",")
+    precision = float32_matmuls_as_on_gpus()
     rows = [r for name in models for r in sweep(name, args.devices, args.time_limit)]
     header = (f"{'model':8} {'budget':>6} {'GiB':>6} {'step ms':>8} {'x free':>6} {'peak GiB':>8} {'recomp. GiB':>11} "
               f"{'offl. GiB':>9} {'ahead':>9} {'state on host GiB':>17} {'stepped / in host':>17} {'split params':>12} {'plan s':>6}")
@@ -89,7 +90,7 @@ def main() -> None:
               f"{r['host_state_bytes'] / GIB:>17.2f} {r['host_optimizer']:>8} / {r['host_params']:<6} "
               f"{r['split_params']:>5} of {r['params']:<4} {r['plan_s']:>6.0f}")
     kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in models] if RESULTS.exists() else []
-    write_results(RESULTS, devices=args.devices, hardware="h100", rows=kept + rows)
+    write_results(RESULTS, devices=args.devices, hardware="h100", float32_matmul_precision=precision, rows=kept + rows)
 
 
 if __name__ == "__main__":

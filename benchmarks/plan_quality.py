@@ -32,7 +32,7 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks import write_results
+from benchmarks import float32_matmuls_as_on_gpus, write_results
 
 import torch
 
@@ -162,6 +162,7 @@ def main() -> None:
     from autopar.passes.capture import capture
 
     device_bytes = resolve_profile("h100").memory_bytes
+    precision = float32_matmuls_as_on_gpus()
     rows = []
     header = f"{'model':6} {'mesh':6} {'plan':9} {'step ms':>9} {'peak GiB':>9} {'fits':>4} {'vs autopar':>10}  status"
     print(f"H100 profile, {device_bytes / 2**30:.0f} GiB per device; autopar plans under that budget\n{header}\n{'-' * len(header)}")
@@ -191,7 +192,8 @@ def main() -> None:
             rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
     planned = {(r["model"], r["mesh"]) for r in rows}
     kept = [r for r in json.loads(RESULTS.read_text())["rows"] if (r["model"], r["mesh"]) not in planned] if RESULTS.exists() else []
-    write_results(RESULTS, hardware_profile="h100", device_memory_bytes=device_bytes, rows=kept + rows)
+    write_results(RESULTS, hardware_profile="h100", float32_matmul_precision=precision, device_memory_bytes=device_bytes,
+                  rows=kept + rows)
 
 
 if __name__ == "__main__":

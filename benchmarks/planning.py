@@ -18,7 +18,7 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
-from benchmarks import write_results
+from benchmarks import FLOAT32_MATMULS, float32_matmuls_as_on_gpus, write_results
 
 MODELS = ("mlp", "gpt", "bert", "llama")
 MESHES = ((8,), (2, 2), (2, 4))
@@ -45,6 +45,7 @@ def _plan_one(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str
     import autopar
     from autopar.examples import make_example
 
+    float32_matmuls_as_on_gpus()
     name, layers = model_spec
     started = time.perf_counter()
     model, inputs = llama3_8b_shaped(layers) if name == "llama3-8b" else make_example(name)
@@ -130,7 +131,8 @@ def main() -> None:
     for r in scale + budgeted:
         if "peak_memory_bytes" in r:
             print(f"{r['layers']:>3} layers: predicted step {r['predicted_step_s']:.3f} s, peak {r['peak_memory_bytes'] / 1e9:.1f} GB per device")
-    write_results(RESULTS, hardware_profile=args.hardware, solver_time_limit_s=args.limit_s, examples=zoo,
+    write_results(RESULTS, hardware_profile=args.hardware, float32_matmul_precision=FLOAT32_MATMULS,
+                  solver_time_limit_s=args.limit_s, examples=zoo,
                   llama3_8b_shaped=scale, llama3_8b_shaped_budget=budgeted, budget=args.budget, budget_gap=args.budget_gap)
 
 
