@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.mesh import Mesh
 from autopar.placement import R, S
 from autopar.passes.propagate import _op_strategies
-from autopar.passes.rules import rule_for
+from autopar.passes.rules import arg_layout, rule_for
 from tests.passes.rule_check import Recorder, check_row
 
 aten = torch.ops.aten
@@ -70,3 +70,14 @@ def test_every_row_of_a_cuda_attention_kernel_matches_the_kernel(kernel):
         checked += [check_row(node, recorder.values, row, gen, rtol=2e-2, atol=2e-2, skip=state)
                     for row in rule_for(node.target)(node)]
     assert len(checked) == 6 and all(checked)
+
+
+def test_the_memory_efficient_backward_gets_its_output_in_the_kernels_layout():
+    fix = arg_layout(aten._scaled_dot_product_efficient_attention_backward.default)
+    as_made = torch.empty(2, 64, 4, 32).transpose(1, 2)  # [batch, heads, query, head dim] over [b, q, h, d]
+    moved = as_made.contiguous()  # a piece as a move or a copy back from the host gives it
+    args = [None] * 5 + [moved]
+    fixed = fix(args)[5]
+    assert torch.equal(fixed, moved) and fixed.stride() == as_made.stride()
+    kept = fix([None] * 5 + [as_made])[5]
+    assert kept.data_ptr() == as_made.data_ptr() and kept.stride() == as_made.stride()  # no copy where it is
