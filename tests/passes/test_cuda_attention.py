@@ -74,7 +74,7 @@ def test_every_row_of_a_cuda_attention_kernel_matches_the_kernel(kernel):
 
 def test_the_memory_efficient_backward_gets_its_output_in_the_kernels_layout():
     fix = arg_layout(aten._scaled_dot_product_efficient_attention_backward.default)
-    as_made = torch.empty(2, 64, 4, 32).transpose(1, 2)  # [batch, heads, query, head dim] over [b, q, h, d]
+    as_made = torch.randn(2, 64, 4, 32).transpose(1, 2)  # [batch, heads, query, head dim] over [b, q, h, d]
     moved = as_made.contiguous()  # a piece as a move or a copy back from the host gives it
     args = [None] * 5 + [moved]
     fixed = fix(args)[5]
