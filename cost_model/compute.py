@@ -106,11 +106,11 @@ def work_divisor(strategy: Strategy, mesh: Mesh) -> int:
 
 
 def compute_s(work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile,
-              math: str | None = None) -> float:
+              fmt: str | None = None) -> float:
     """Roofline time of a rank's share of ``work`` (:func:`node_work`) under ``strategy``, its
-    multiply-adds in the format ``math`` (:func:`math_format`)."""
+    multiply-adds in the format ``fmt`` (:func:`math_format`)."""
     flops, nbytes = work
     if flops == 0 and nbytes == 0:
         return hardware.compute_s(0.0, 0.0)  # a view: no work, but a profile may charge running an op
     divisor = work_divisor(strategy, mesh)
-    return hardware.compute_s(flops / divisor, nbytes / divisor, math)
+    return hardware.compute_s(flops / divisor, nbytes / divisor, fmt)

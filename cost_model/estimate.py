@@ -48,8 +48,8 @@ class CostModel:
                 costs[n.name] = [0.0] * len(n.strategies)
                 continue
             node = self.graph_nodes[n.name]
-            work, math = node_work(node), math_format(node)
-            costs[n.name] = [self.scale * (self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware, math))
+            work, fmt = node_work(node), math_format(node)
+            costs[n.name] = [self.scale * (self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware, fmt))
                              for s in n.strategies]
         return costs
 

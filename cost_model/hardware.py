@@ -139,10 +139,10 @@ class HardwareProfile:
     allows it), ``"bfloat16"``, ``"float16"``; a format not listed runs at ``flops_per_s``.
     On a GPU these differ by 15x: an H100 multiplies float32 at 67 TFLOP/s and bfloat16 at 989."""
 
-    def compute_s(self, flops: float, bytes_moved: float, math: str | None = None) -> float:
+    def compute_s(self, flops: float, bytes_moved: float, fmt: str | None = None) -> float:
         """Roofline time of an op doing ``flops`` and moving ``bytes_moved``, its multiply-adds
-        in the format ``math`` (``None``: not a matrix product)."""
-        rate = dict(self.matrix_flops_per_s).get(math, self.flops_per_s) if math else self.flops_per_s
+        in the format ``fmt`` (``None``: not a matrix product)."""
+        rate = dict(self.matrix_flops_per_s).get(fmt, self.flops_per_s) if fmt else self.flops_per_s
         return self.op_overhead_s + max(flops / rate, bytes_moved / self.memory_bytes_per_s) / self.efficiency
 
     def host_update_s(self, bytes_moved: float) -> float | None:
@@ -182,7 +182,7 @@ class SyntheticProfile:
     host_s_per_byte_memory: float = 0.0
     """Seconds per byte an optimizer step on the host reads or writes."""
 
-    def compute_s(self, flops: float, bytes_moved: float, math: str | None = None) -> float:
+    def compute_s(self, flops: float, bytes_moved: float, fmt: str | None = None) -> float:
         return flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
 
     def host_update_s(self, bytes_moved: float) -> float | None:
