@@ -75,9 +75,9 @@ def plan_table(plan: ShardingPlan) -> str:
     lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
     heavy = [n for n in plan.nodes if any(h in n.op for h in _HEAVY)]
     lines += ["", "Heavy ops"]
-    lines += _table(["module", "op", "node", "phase", "inputs", "output", "compute"],
+    lines += _table(["module", "op", "node", "phase", "inputs", "output", "format", "compute"],
                     [[n.module or "-", n.op.removeprefix("aten.").removesuffix(".default"), n.name, n.phase,
-                      " ".join(n.inputs), str(n.outputs[0]), _time(n.compute_s)]
+                      " ".join(n.inputs), str(n.outputs[0]), n.fmt or "-", _time(n.compute_s)]
                      for n in heavy])
     lines += ["", "Activations by layer (kept from the forward, recomputed in the backward, or offloaded to host memory)"]
     lines += _table(["layer", "kept", "recomputed", "offloaded", "ops recomputed", "recompute time", "ops offloaded",

@@ -59,6 +59,9 @@ class NodePlan:
     """Per-device bytes of the outputs that choice concerns."""
     copy_s: float = 0.0
     """For an offloaded op: seconds of copying those bytes to host memory and back."""
+    fmt: str = ""
+    """For a matrix product (matmul, convolution, attention): the format of its multiply-adds,
+    whose rate its compute is priced at (``float32``, ``tf32``, ``bfloat16``, ...)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,6 +148,8 @@ def test_a_matrix_product_runs_at_the_rate_of_its_format(float32_matmul_precisio
 
 def test_a_float32_model_is_priced_slower_than_in_bfloat16_on_a_gpu(float32_matmul_precision):
     from autopar.examples.mlp import MLP
+    from autopar.explain import plan_table
+    from autopar.plan import ShardingPlan
 
     model, inputs = MLP(1024, 4096), (torch.randn(256, 1024), torch.randn(256, 1024))
     mesh = Mesh((4,), ("dp",))
@@ -157,6 +159,9 @@ def test_a_float32_model_is_priced_slower_than_in_bfloat16_on_a_gpu(float32_matm
     bf16 = autopar.plan(model.bfloat16(), mesh, tuple(t.bfloat16() for t in inputs), hardware="h100",
                         pins={"x": "S(0)"})
     assert fp32.compute_s > 2 * tf32.compute_s and tf32.compute_s > bf16.compute_s
+    for plan, fmt in ((fp32, "float32"), (tf32, "tf32"), (bf16, "bfloat16")):
+        assert {n.fmt for n in plan.nodes if n.op in ("aten.mm.default", "aten.addmm.default")} == {fmt}
+        assert f"  {fmt}  " in plan_table(plan) and ShardingPlan.from_json(plan.to_json()) == plan
 
 
 def test_a_profile_file_without_matrix_rates_loads_with_none(tmp_path):
