@@ -2,15 +2,15 @@
 
 A GPT in fp32 on one GPU, planned with the profile of the GPU that runs (``h100`` or ``h200``)
 without a budget and under budgets that only recomputation and copies to host memory can meet,
-each plan compiled by Inductor (Triton kernels) and trained for a few AdamW steps beside the same model trained eagerly. Per
-budget the table gives the predicted and measured step time (median of the timed steps), the
-predicted peak and the peak of a whole step as the CUDA caching allocator saw it
-(``torch.cuda.max_memory_allocated``), of which "outside" was allocated before the model was
-built (the batches, cuBLAS's workspaces; the reference run's results are kept on the host),
-what the plan offloads and how many layers it prefetches, the largest loss and parameter
-differences from the eager run, and, from a profiler trace of one step, the time of the copies
-to and from the host, the streams they ran on, and how much of it ran while a compute kernel
-was running.
+each plan compiled by Inductor (Triton kernels) and trained for a few AdamW steps beside the
+same model trained eagerly. Per budget the table gives the predicted and measured step time
+(median of the timed steps), the predicted peak and the peak of a whole step as the CUDA caching
+allocator saw it (``torch.cuda.max_memory_allocated``), of which "outside" was allocated before
+the model was built (the batches, cuBLAS's workspaces; the reference run's results are kept on
+the host), what the plan offloads and how many layers it prefetches, the largest loss and
+parameter differences from the eager run, and, from a profiler trace of one step, the time of
+the copies to and from the host, the streams they ran on, and how much of it ran while a
+compute kernel was running.
 
 Writes ``benchmarks/results/offload_cuda.json``.
 
@@ -118,10 +118,10 @@ def _profile(model, opt, batch) -> dict:
         return copy_overlap(json.loads(Path(path).read_text()))
 
 
-def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float, backend: str) -> list[dict]:
+def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float, backend: str,
+            hardware: str) -> list[dict]:
     import autopar
 
-    hardware = cuda_profile()
     mesh = autopar.Mesh((1,), ("x",))
     cpu_model, cpu_batches = _model(layers)
     batches = [tuple(t.cuda() for t in b) for b in cpu_batches]
@@ -172,10 +172,10 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
     return rows
 
 
-def print_table(rows: list[dict], backend: str) -> None:
+def print_table(rows: list[dict], backend: str, hardware: str) -> None:
     header = (f"{'budget':>6} {'pred. ms':>8} {'meas. ms':>8} {'pred. GiB':>9} {'fwd GiB':>7} {'meas. GiB':>9} {'outside':>7} "
               f"{'offl. GiB':>9} {'recomp. GiB':>11} {'ahead':>5} {'loss rel':>8} {'param diff':>10}  host copies")
-    print(f"\nGPT on one GPU (fp32, {backend}), planned for the {cuda_profile()} profile\n{header}\n{'-' * len(header)}")
+    print(f"\nGPT on one GPU (fp32, {backend}), planned for the {hardware} profile\n{header}\n{'-' * len(header)}")
     for r in rows:
         if r.get("eager"):
             print(f"{'eager':>6} {'':>8} {r['measured_s'] * 1e3:>8.1f} {'':>9} {r['forward_peak_bytes'] / GIB:>7.2f} "
@@ -205,6 +205,7 @@ def main() -> None:
         raise SystemExit("benchmarks.offload_cuda needs a CUDA device")
     import torch.distributed as dist
 
+    hardware = cuda_profile()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -212,11 +213,12 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     try:
-        rows = measure(args.layers, [float(f) for f in args.fractions.split(",")], args.steps, args.time_limit, args.backend)
+        rows = measure(args.layers, [float(f) for f in args.fractions.split(",")], args.steps, args.time_limit, args.backend,
+                       hardware)
     finally:
         dist.destroy_process_group()
-    print_table(rows, args.backend)
-    write_results(RESULTS, device=torch.cuda.get_device_name(), hardware=cuda_profile(), backend=args.backend,
+    print_table(rows, args.backend, hardware)
+    write_results(RESULTS, device=torch.cuda.get_device_name(), hardware=hardware, backend=args.backend,
                   layers=args.layers, steps=args.steps, rows=rows)
 
 

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autopar.cost_model.hardware import Profile
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
+from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy
 
 aten = torch.ops.aten
@@ -62,10 +63,10 @@ def math_format(node: fx.Node) -> str | None:
     packet = node.target.overloadpacket
     if packet not in flop_registry and node.target not in _CPU_ATTENTION:
         return None
-    operand = next((a.meta["val"] for a in tree_flatten((node.args, node.kwargs))[0]
-                    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)), None)
-    if operand is None:
+    operands = tensor_args(node)
+    if not operands:
         return None
+    operand = operands[0].meta["val"]
     if operand.dtype == torch.float32 and (allowed := _TF32_FLAGS.get(packet)) is not None and allowed():
         return "tf32"
     return str(operand.dtype).removeprefix("torch.")

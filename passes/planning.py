@@ -80,12 +80,11 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
             return "keep", kept_bytes(activations, name, choice, recomputed), 0.0
         return "", 0, 0.0
 
-    graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
     nodes = tuple(
         NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
                  tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
                  tuple(format_placements(p) for p in chosen[n.name].inputs),
-                 compute[n.name][choice[n.name]], *activation(n.name), math_format(graph_nodes[n.name]) or "")
+                 compute[n.name][choice[n.name]], *activation(n.name), math_format(costs.graph_nodes[n.name]) or "")
         for n in space.nodes if n.kind == "op"
     )
     gathers = parameter_gathers(captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes)
