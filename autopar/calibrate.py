@@ -11,10 +11,14 @@ time, so the figures include the ranks' contention for cores and memory:
 - α and β of each collective over the N ranks (the functional collectives the per-rank graph
   uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes (on the relative
   error, so that small messages weigh as much as large ones), with ``k`` the ring factor of
-  :func:`autopar.passes.redistribute.step_s`. Each time is that of a collective in a chain of
-  ``_CHAIN`` run back to back after one barrier, as a step runs them: with more ranks than
-  cores, a collective that follows another takes longer than one every rank starts at a
-  barrier (on 4 ranks sharing 2 cores, 1.4 to 1.8 times as long from 64 KiB to 1 MiB).
+  :func:`autopar.passes.redistribute.step_s`. Each collective is timed as a step runs it:
+  after the ops that make its input, on every rank. A chain of ``_CHAIN`` pairs of a few
+  matmuls and the collective, every rank starting at one barrier, less the same chain's
+  matmuls without the collectives. A collective that follows compute takes longer than one
+  that follows another collective, since ranks sharing cores finish their ops at different
+  times and sleep in the collective until the last arrives: on 4 ranks sharing 2 cores, an
+  all-gather of 32 KiB took 2.8 ms in a chain of collectives and 4.0 to 5.7 ms after 0.5 to
+  4 ms of matmuls; on 2 ranks, 0.55 ms and 0.7 to 1.5 ms.
 
 The profile also says that it describes the host that will run the plan, so that plans made
 with it time each op on this host (:mod:`autopar.cost_model.op_timing`) instead of using the
@@ -83,10 +87,33 @@ def _times_s(fn, repeats: int, warmup: int = 0, *, together: bool = True) -> lis
     return times
 
 
-def _chained_s(fn, repeats: int = 6) -> float:
-    """Seconds per call of collective ``fn`` in a chain of ``_CHAIN`` calls that every rank
-    starts at one barrier (the median over ``repeats`` chains)."""
-    return _median_s(lambda: [fn() for _ in range(_CHAIN)], repeats) / _CHAIN
+_WORK = 256, 3
+"""The matmuls before each collective timed: 3 of two 256 × 256 fp32 matrices (0.2 ms each on
+one of this machine's cores, a rank's thread)."""
+
+
+def _after_work_s(fn, repeats: int = 6) -> float:
+    """Seconds per call of collective ``fn`` where every rank runs the ``_WORK`` matmuls before
+    each call: the median of ``repeats`` chains of ``_CHAIN`` pairs that every rank starts at
+    one barrier, less the median of as many chains of the matmuls alone (timed in turn with
+    them, so that both see the same load)."""
+    size, count = _WORK
+    a, b = torch.randn(size, size), torch.randn(size, size)
+
+    def work():
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def paired():
+        for _ in range(_CHAIN):
+            work()
+            fn()
+
+    with_work, alone = [], []
+    for _ in range(repeats):
+        with_work += _times_s(paired, 1, 1 if not with_work else 0)
+        alone += _times_s(lambda: [work() for _ in range(_CHAIN)], 1, 1 if not alone else 0)
+    return max(statistics.median(with_work) - statistics.median(alone), 1e-6 * _CHAIN) / _CHAIN
 
 
 def _collective(kind: str, nbytes: int, world: int):
@@ -147,7 +174,7 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
         for size in _SIZES:
             fn, nbytes = _collective(kind, size, world)
             rounds = 2 if kind == "all_reduce" else 1
-            points.append((rounds * (world - 1) / world * nbytes, _chained_s(fn)))
+            points.append((rounds * (world - 1) / world * nbytes, _after_work_s(fn)))
         alpha, beta = _fit(points)
         collectives.append((kind, alpha, beta))
         raw[kind] = points

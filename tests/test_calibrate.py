@@ -1,8 +1,10 @@
 import statistics
+import time
 
 import pytest
 
-from autopar.calibrate import _fit, _fit_scales, oversubscribed
+from autopar import calibrate
+from autopar.calibrate import _after_work_s, _fit, _fit_scales, oversubscribed
 
 
 def test_fit_recovers_an_exact_alpha_beta_line():
@@ -50,3 +52,10 @@ def test_more_ranks_than_cores_is_said_to_share_them():
     assert oversubscribed(2, 2) is None and oversubscribed(2, 16) is None
     note = oversubscribed(4, 2)
     assert note is not None and note.startswith("4 ranks share 2 CPU cores")
+
+
+def test_a_collective_is_timed_without_the_compute_before_it(fake_world, monkeypatch):
+    fake_world(1)
+    monkeypatch.setattr(calibrate, "_WORK", (512, 3))  # several ms of matmuls before each call
+    seconds = _after_work_s(lambda: time.sleep(1e-3))
+    assert 0.8e-3 < seconds < 1.8e-3
