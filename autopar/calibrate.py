@@ -315,9 +315,10 @@ def _training_step(pmodel, x):
 
 def _fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """``(s, c)`` such that ``s · (rest + c · collectives)`` predicts each ``(rest, collectives,
-    measured)`` point best in relative error (least squares). Waiting for the other ranks only
-    lengthens a collective, so where the fit puts ``c`` below 1, or the points do not tell the
-    two apart (their shares of collectives alike), ``c`` is 1 and ``s`` the median of
+    measured)`` point best in relative error (least squares). ``c`` may come out below 1: the
+    collectives are timed after compute, waiting included, so a step can stretch its ops more
+    than its collectives. Where the points do not tell the two apart (their shares of
+    collectives alike) or the fit gives a scale of 0 or less, ``c`` is 1 and ``s`` the median of
     ``measured / (rest + collectives)``."""
     rows = [(rest / measured, collectives / measured) for rest, collectives, measured in points]
     uu, uv, vv = (sum(u * u for u, _ in rows), sum(u * v for u, v in rows), sum(v * v for _, v in rows))
@@ -325,7 +326,7 @@ def _fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]
     det = uu * vv - uv * uv
     if det > 1e-6 * uu * vv:
         s, sc = (u1 * vv - v1 * uv) / det, (v1 * uu - u1 * uv) / det
-        if s > 0 and sc >= s:
+        if s > 0 and sc > 0:
             return s, sc / s
     return statistics.median(m / (r + c) for r, c, m in points), 1.0
 

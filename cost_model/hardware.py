@@ -122,11 +122,11 @@ class HardwareProfile:
     prices, not copies to the host."""
     collective_scale: float = 1.0
     """How many times longer a collective runs inside a training step than as calibrated (after
-    a few matmuls on every rank), beyond ``step_scale``: in a step the ranks can reach it
-    further apart. ``autopar calibrate`` fits it with ``step_scale`` on the calibration model's
-    layouts, which spend different shares of their step in collectives (1.00 on this project's
-    2-core host, where the collectives' α and β already come from such timings). Multiplies
-    every collective, with the local ops around it, on top of ``step_scale``."""
+    a few matmuls on every rank), relative to ``step_scale``: above 1 where a step stretches its
+    collectives more than its ops (ranks reaching them further apart), below 1 where it
+    stretches its ops more. ``autopar calibrate`` fits it with ``step_scale`` on the
+    calibration model's layouts, which spend different shares of their step in collectives.
+    Multiplies every collective, with the local ops around it, on top of ``step_scale``."""
     host_link: Link | None = None
     """The copy link between a device and its host's memory (PCIe), for offloading activations
     and optimizer state; ``None`` where the device computes in host memory (a CPU), so that
