@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
                   f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one; a "
                   f"training step runs {profile.step_scale:.2f}x longer than these figures add up to, "
-                  f"its collectives {profile.collective_scale:.2f}x longer again")
+                  f"its collectives {profile.collective_scale:.2f}x that again")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
             print(f"wrote {args.out}; plan with hardware={args.out!r}")

@@ -196,7 +196,7 @@ def main() -> None:
               f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
     print("\n" + "; ".join(f"{world} ranks: a step runs {min(a for a, _ in s):.2f}x to {max(a for a, _ in s):.2f}x its ops "
                            f"and collectives timed alone, its collectives {min(c for _, c in s):.2f}x to "
-                           f"{max(c for _, c in s):.2f}x longer again (the profiles' scales)" for world, s in scales.items()))
+                           f"{max(c for _, c in s):.2f}x that again (the profiles' scales)" for world, s in scales.items()))
     print(f"forward+backward step time (mean of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
           f"with the median and quartiles) and peak "
           f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
