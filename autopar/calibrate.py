@@ -109,11 +109,17 @@ def _after_work_s(fn, repeats: int = 6) -> float:
             work()
             fn()
 
-    with_work, alone = [], []
+    def alone():
+        for _ in range(_CHAIN):
+            work()
+
+    _times_s(paired, 0, 1)
+    _times_s(alone, 0, 1)
+    with_work, without = [], []
     for _ in range(repeats):
-        with_work += _times_s(paired, 1, 1 if not with_work else 0)
-        alone += _times_s(lambda: [work() for _ in range(_CHAIN)], 1, 1 if not alone else 0)
-    return max(statistics.median(with_work) - statistics.median(alone), 1e-6 * _CHAIN) / _CHAIN
+        with_work += _times_s(paired, 1)
+        without += _times_s(alone, 1)
+    return max(statistics.median(with_work) - statistics.median(without), 1e-6 * _CHAIN) / _CHAIN
 
 
 def _collective(kind: str, nbytes: int, world: int):
