@@ -275,17 +275,33 @@ _STEP_ROUNDS, _STEPS_PER_ROUND = 4, 15
 
 def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, dict]:
     """How many times longer the forward and backward of a training step run than ``profile``
-    predicts, as ``(step_scale, collective_scale, points)``: a calibration model (four residual
-    blocks, unlike the example models) planned in data-parallel, fully sharded and
-    tensor-parallel layouts over every rank, on a small and a large batch (so that collectives
-    take from about a tenth to most of a step), each the mean of 60 steps on rank 0 (a run's
+    predicts, as ``(step_scale, collective_scale, points)``: the calibration model's
+    configurations (:func:`scale_configurations`), each the mean of 60 steps on rank 0 (a run's
     time per step: on ranks sharing cores, a plan's steps can fall into a fast and a slow mode,
     and a median then lands in either), and the two scales fitted to them
-    (:func:`_fit_scales`; broadcast to every rank). The six configurations take turns over
+    (:func:`fit_scales`; broadcast to every rank). The six configurations take turns over
     ``_STEP_ROUNDS`` rounds of ``_STEPS_PER_ROUND`` steps, so that a slow spell of the host
     stretches them alike instead of one of them."""
     import torch.distributed as dist
 
+    configurations = scale_configurations(profile, world)
+    times = {label: [] for label, _, _ in configurations}
+    for _ in range(_STEP_ROUNDS):
+        for label, _, step in configurations:
+            times[label] += _times_s(step, _STEPS_PER_ROUND)
+    points = scale_points(configurations, times)
+    scales = torch.tensor(fit_scales(list(points.values())), dtype=torch.float64)
+    dist.broadcast(scales, 0)
+    return float(scales[0]), float(scales[1]), points
+
+
+def scale_configurations(profile: HardwareProfile, world: int) -> list[tuple[str, object, object]]:
+    """The configurations that the step and collective scales are fitted to, as ``(label,
+    plan, step)``: a calibration model (four residual blocks, unlike the example models)
+    planned with ``profile`` in data-parallel, fully sharded and tensor-parallel layouts over
+    every rank, on a small and a large batch (so that collectives take from about a tenth to
+    most of a step), each with its training step (forward and backward; every rank calls it),
+    warmed up."""
     import autopar
 
     mesh = autopar.Mesh((world,), ("ranks",))
@@ -298,15 +314,16 @@ def _step_scales(profile: HardwareProfile, world: int) -> tuple[float, float, di
         local = pmodel.rank_part("x", x) if pmodel.passes_own_part("x") else x
         step = _training_step(pmodel, local)
         _times_s(step, 0, 3)
-        configurations.append((f"{layout}, batch {rows}", pmodel.plan, step, []))
-    for _ in range(_STEP_ROUNDS):
-        for _, _, step, times in configurations:
-            times += _times_s(step, _STEPS_PER_ROUND)
-    points = {label: (plan.predicted_step_s - plan.communication_s, plan.communication_s, statistics.mean(times))
-              for label, plan, _, times in configurations}
-    scales = torch.tensor(_fit_scales(list(points.values())), dtype=torch.float64)
-    dist.broadcast(scales, 0)
-    return float(scales[0]), float(scales[1]), points
+        configurations.append((f"{layout}, batch {rows}", pmodel.plan, step))
+    return configurations
+
+
+def scale_points(configurations: list, times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """Per configuration of :func:`scale_configurations`, ``(predicted seconds but for
+    collectives, predicted seconds of collectives, measured seconds)``, the measured the mean of
+    its ``times``: the points :func:`fit_scales` takes."""
+    return {label: (plan.predicted_step_s - plan.communication_s, plan.communication_s, statistics.mean(times[label]))
+            for label, plan, _ in configurations}
 
 
 def _training_step(pmodel, x):
@@ -319,7 +336,7 @@ def _training_step(pmodel, x):
     return step
 
 
-def _fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+def fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """``(s, c)`` such that ``s · (rest + c · collectives)`` predicts each ``(rest, collectives,
     measured)`` point best in relative error (least squares). ``c`` may come out below 1: the
     collectives are timed after compute, waiting included, so a step can stretch its ops more

@@ -15,11 +15,17 @@ profile, under autopar's own plan and hand-written layouts (pins), and measures:
   otherwise step their optimizers on the cores the others' last collectives wait for, which
   devices of their own do not (the MLP's data-parallel plan on 4 ranks, whose AdamW steps
   every parameter on every rank, measured 20.6 ms against 16.0 ms);
+- the steps of the calibration model that ``autopar calibrate`` fits the profile's step and
+  collective scales to (:func:`autopar.calibrate.scale_configurations`), taking turns with the
+  model's plans in the same rounds, and the scales fitted to them: the plans' step times
+  predicted with these scales (``alongside``) leave out how far the host's speed drifted
+  between the calibration and the measurement, so that what remains is the cost model's error;
 - the per-rank peak memory of a whole training step with AdamW (its state already built), by
   ``torch.distributed._tools.mem_tracker.MemTracker``, against the plan's predicted peak.
 
-Prints one row per model, plan and rank count, and per model whether the predicted order of the
-plans matches the measured one, and which pairs of plans the measurements order either way in
+Prints one row per model, plan and rank count with the error of the prediction under the
+profile's scales and under the scales fitted alongside, and per model whether the predicted
+order of the plans matches the measured one, and which pairs of plans the measurements order either way in
 every round (the others are too close to tell apart on this host). Writes
 ``benchmarks/results/fidelity.json``.
 
@@ -92,16 +98,30 @@ def _steps_per_round(warm_s: list[float], steps: int, round_s: float) -> int:
     return int(count)
 
 
+def _call_s(step) -> float:
+    """Seconds of one call of ``step``, every rank starting it at a barrier (as ``autopar
+    calibrate`` times the calibration model's steps)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
 def worker(profile: str, models: list[str], steps: int, round_s: float, out: str) -> None:
     import torch.distributed as dist
 
     import autopar
+    from autopar.calibrate import fit_scales, scale_configurations, scale_points
+    from autopar.cost_model.hardware import load_profile
     from autopar.examples import make_example
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = autopar.Mesh((world,), ("ranks",))
-    rows = []
+    unscaled = dataclasses.replace(load_profile(profile), step_scale=1.0, collective_scale=1.0)
+    rows, alongside = [], {}
     for name in models:
         runs = []
         for layout in _layouts(name):
@@ -114,8 +134,16 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
             warm = [_step_s(pmodel, opt, local) for _ in range(WARMUP)]
             runs.append((layout, pmodel, opt, local, _steps_per_round(warm, steps, round_s)))
-        measured = take_turns([functools.partial(_step_s, pmodel, opt, local) for _, pmodel, opt, local, _ in runs],
-                              [count for *_, count in runs], ROUNDS)
+        configurations = scale_configurations(unscaled, world)
+        calls = ([functools.partial(_step_s, pmodel, opt, local) for _, pmodel, opt, local, _ in runs]
+                 + [functools.partial(_call_s, step) for _, _, step in configurations])
+        counts = ([count for *_, count in runs]
+                  + [_steps_per_round([_call_s(step) for _ in range(WARMUP)], steps, round_s) for _, _, step in configurations])
+        measured = take_turns(calls, counts, ROUNDS)
+        points = scale_points(configurations, {label: [t for r in rounds for t in r]
+                                               for (label, _, _), rounds in zip(configurations, measured[len(runs):])})
+        step_scale, collective_scale = fit_scales(list(points.values()))
+        alongside[name] = {"step_scale": step_scale, "collective_scale": collective_scale, "points": points}
         for (layout, pmodel, opt, local, _), rounds in zip(runs, measured):
             times = [t for r in rounds for t in r]
             quartiles = statistics.quantiles(times, n=4)
@@ -131,14 +159,15 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
         if rank == 0:
             print(f"  {name} on {world} ranks done", file=sys.stderr, flush=True)
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"rows": rows, "alongside": alongside}))
     dist.destroy_process_group()
 
 
-def _predicted_pairs(rows: list[dict], margin: float = 0.05) -> list[tuple[dict, dict]]:
-    """The ``(faster, slower)`` plans of every two whose predicted times differ by more than
-    ``margin`` (plans predicted alike, such as autopar choosing the DDP layout, are not ordered)."""
-    return [(a, b) for a in rows for b in rows if a["predicted_s"] < b["predicted_s"] * (1 - margin)]
+def _predicted_pairs(rows: list[dict], key: str = "predicted_s", margin: float = 0.05) -> list[tuple[dict, dict]]:
+    """The ``(faster, slower)`` plans of every two whose predicted times (``key``) differ by
+    more than ``margin`` (plans predicted alike, such as autopar choosing the DDP layout, are
+    not ordered)."""
+    return [(a, b) for a in rows for b in rows if a[key] < b[key] * (1 - margin)]
 
 
 def _faster_every_round(a: dict, b: dict) -> bool:
@@ -147,17 +176,21 @@ def _faster_every_round(a: dict, b: dict) -> bool:
     return all(x < y for x, y in zip(a["measured_round_s"], b["measured_round_s"], strict=True))
 
 
-def _order(rows: list[dict]) -> dict:
+def _order(rows: list[dict], key: str = "predicted_s") -> dict:
     """How the predicted order of a model's plans compares with the measured one: ``matches``,
     whether every pair of plans predicted apart is measured (by mean step time) in the same
     order; ``contradicted``, the pairs whose order the measurements reverse in every round;
     ``unresolved``, the pairs predicted apart that neither plan measured faster in every round
     (the measurements do not order them, so no prediction can match or contradict them)."""
-    pairs = _predicted_pairs(rows)
+    pairs = _predicted_pairs(rows, key)
     return {"matches": all(a["measured_s"] < b["measured_s"] for a, b in pairs),
             "contradicted": [[a["layout"], b["layout"]] for a, b in pairs if _faster_every_round(b, a)],
             "unresolved": [[a["layout"], b["layout"]] for a, b in pairs
                            if not _faster_every_round(a, b) and not _faster_every_round(b, a)]}
+
+
+def _span(scales: list[tuple[float, ...]], i: int) -> str:
+    return f"{min(s[i] for s in scales):.2f} to {max(s[i] for s in scales):.2f}"
 
 
 def main() -> None:
@@ -178,59 +211,75 @@ def main() -> None:
 
     from autopar.cost_model.hardware import load_profile
 
-    rows, profiles, scales = [], {}, {}
+    rows, profiles, scales, alongside = [], {}, {}, {}
     for world in (int(n) for n in args.ranks.split(",")):
         for name in models:
             path = calibrated_profile(world)
             profile = load_profile(path)
             profiles[f"{name}@{world}"] = dataclasses.asdict(profile)
-            scales.setdefault(world, []).append((profile.step_scale, profile.collective_scale))
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rows.json")
                 if torchrun(world, ["-m", "benchmarks.fidelity", "--models", name, "--steps", str(args.steps),
                                     "--round-s", str(args.round_s), "--worker", str(path), out]):
                     raise SystemExit(f"the benchmark failed for {name} on {world} ranks")
-                rows += [{**r, "step_scale": profile.step_scale, "collective_scale": profile.collective_scale}
-                         for r in json.loads(Path(out).read_text())]
-    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'median ms':>9} {'quartiles ms':>13} {'error':>7} {'unscaled':>8} "
-              f"{'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
-    print("\n" + "; ".join(f"{world} ranks: a step runs {min(a for a, _ in s):.2f}x to {max(a for a, _ in s):.2f}x its ops "
-                           f"and collectives timed alone, its collectives {min(c for _, c in s):.2f}x to "
-                           f"{max(c for _, c in s):.2f}x that again (the profiles' scales)" for world, s in scales.items()))
+                result = json.loads(Path(out).read_text())
+            fit = alongside[f"{name}@{world}"] = result["alongside"][name]
+            scales.setdefault(world, []).append((profile.step_scale, profile.collective_scale,
+                                                 fit["step_scale"], fit["collective_scale"]))
+            rows += [{**r, "step_scale": profile.step_scale, "collective_scale": profile.collective_scale,
+                      "alongside_step_scale": fit["step_scale"], "alongside_collective_scale": fit["collective_scale"]}
+                     for r in result["rows"]]
+    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'median ms':>9} {'quartiles ms':>13} {'error':>7} "
+              f"{'alongside':>9} {'unscaled':>8} {'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
+    print()
+    for world, s in scales.items():
+        print(f"{world} ranks: a step runs {_span(s, 0)}x its ops and collectives timed alone, its collectives "
+              f"{_span(s, 1)}x that again (the profiles' scales); {_span(s, 2)}x and {_span(s, 3)}x fitted alongside")
     print(f"forward+backward step time (mean of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
-          f"with the median and quartiles) and peak "
-          f"memory of a training step, gloo on this machine\n{header}\n{'-' * len(header)}")
+          f"with the median and quartiles) and peak memory of a training step, gloo on this machine; the error of the "
+          f"prediction with the profile's scales, and with the scales fitted to the calibration model's steps taken in "
+          f"the same rounds as the plans' (alongside)\n{header}\n{'-' * len(header)}")
     for r in rows:
-        r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
-        r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
         parts = r["predicted_parts_s"]
-        unscaled = (parts["compute"] + parts["overhead"] + parts["communication"] / r["collective_scale"]) / r["step_scale"]
-        r["unscaled_error"] = unscaled / r["measured_s"] - 1
+        rest = (parts["compute"] + parts["overhead"]) / r["step_scale"]
+        collectives = parts["communication"] / (r["step_scale"] * r["collective_scale"])
+        r["alongside_s"] = r["alongside_step_scale"] * (rest + r["alongside_collective_scale"] * collectives)
+        r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
+        r["alongside_error"] = r["alongside_s"] / r["measured_s"] - 1
+        r["unscaled_error"] = (rest + collectives) / r["measured_s"] - 1
+        r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
         print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} {r['measured_median_s'] * 1e3:>9.2f} "
-              f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['unscaled_error']:>+8.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
+              f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['alongside_error']:>+9.0%} "
+              f"{r['unscaled_error']:>+8.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
               f"{r['memory_error']:>+7.0%}")
     orders = {}
     for r in rows:
         orders.setdefault((r["model"], r["ranks"]), []).append(r)
     print()
     compared = {key: _order(group) for key, group in orders.items()}
+    compared_alongside = {key: _order(group, "alongside_s") for key, group in orders.items()}
     for (name, world), group in orders.items():
         order = compared[name, world]
         print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if order['matches'] else 'DIFFERS FROM'} the measured one "
               f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)"
               + "".join(f"; {a} predicted faster than {b}, measured slower in every round" for a, b in order["contradicted"])
-              + "".join(f"; {a} predicted faster than {b}, neither faster in every round" for a, b in order["unresolved"]))
+              + "".join(f"; {a} predicted faster than {b}, neither faster in every round" for a, b in order["unresolved"])
+              + ("" if compared_alongside[name, world]["matches"] else "; with the scales fitted alongside, it differs"))
     within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
+    within_alongside = sum(abs(r["alongside_error"]) <= 0.3 for r in rows)
     unscaled = sum(abs(r["unscaled_error"]) <= 0.3 for r in rows)
-    print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({unscaled} without the step and collective scales)")
+    print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({within_alongside} with the scales fitted alongside, "
+          f"{unscaled} without the step and collective scales)")
     pairs = sum(len(_predicted_pairs(g)) for g in orders.values())
     contradicted = sum(len(c["contradicted"]) for c in compared.values())
     unresolved = sum(len(c["unresolved"]) for c in compared.values())
     print(f"plan order: {sum(c['matches'] for c in compared.values())} of {len(orders)} models and rank counts measured in the "
-          f"predicted order; of {pairs} pairs of plans predicted more than 5% apart, {pairs - contradicted - unresolved} measured in that "
+          f"predicted order ({sum(c['matches'] for c in compared_alongside.values())} with the scales fitted alongside); of "
+          f"{pairs} pairs of plans predicted more than 5% apart, {pairs - contradicted - unresolved} measured in that "
           f"order in every round, {contradicted} in the reverse order in every round, {unresolved} in neither")
-    write_results(RESULTS, profiles=profiles, steps=args.steps, round_s=args.round_s, rounds=ROUNDS, warmup=WARMUP, rows=rows,
-                  order={f"{k[0]}@{k[1]}": c for k, c in compared.items()})
+    write_results(RESULTS, profiles=profiles, alongside=alongside, steps=args.steps, round_s=args.round_s, rounds=ROUNDS,
+                  warmup=WARMUP, rows=rows, order={f"{k[0]}@{k[1]}": c for k, c in compared.items()},
+                  order_alongside={f"{k[0]}@{k[1]}": c for k, c in compared_alongside.items()})
 
 
 if __name__ == "__main__":

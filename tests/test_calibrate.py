@@ -4,7 +4,7 @@ import time
 import pytest
 
 from autopar import calibrate
-from autopar.calibrate import _after_work_s, _fit, _fit_scales, oversubscribed
+from autopar.calibrate import _after_work_s, _fit, fit_scales, oversubscribed
 
 
 def test_fit_recovers_an_exact_alpha_beta_line():
@@ -34,20 +34,20 @@ def test_fit_clamps_at_zero():
 
 def test_the_step_and_collective_scales_are_recovered_from_layouts_that_differ_in_collectives():
     points = [(rest, coll, 1.2 * (rest + 2.5 * coll)) for rest, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
-    step, collective = _fit_scales(points)
+    step, collective = fit_scales(points)
     assert step == pytest.approx(1.2) and collective == pytest.approx(2.5)
 
 
 def test_layouts_alike_in_collectives_or_a_negative_scale_give_one_scale():
     alike = [(2e-3, 1e-3, 4.5e-3), (4e-3, 2e-3, 7.8e-3), (6e-3, 3e-3, 13.5e-3)]  # every point a third collectives
-    assert _fit_scales(alike) == (pytest.approx(1.5), 1.0)  # the median of 1.5, 1.3 and 1.5
+    assert fit_scales(alike) == (pytest.approx(1.5), 1.0)  # the median of 1.5, 1.3 and 1.5
     negative = [(4e-3, 1e-3, 9e-3), (1e-3, 4e-3, 1e-3)]  # more collectives, less time: a negative collective scale
-    assert _fit_scales(negative) == (pytest.approx((9 / 5 + 1 / 5) / 2), 1.0)
+    assert fit_scales(negative) == (pytest.approx((9 / 5 + 1 / 5) / 2), 1.0)
 
 
 def test_a_step_may_stretch_its_ops_more_than_its_collectives():
     faster = [(rest, coll, 1.5 * (rest + 0.8 * coll)) for rest, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
-    step, collective = _fit_scales(faster)
+    step, collective = fit_scales(faster)
     assert step == pytest.approx(1.5) and collective == pytest.approx(0.8)
 
 
