@@ -301,12 +301,13 @@ def scale_configurations(profile: HardwareProfile, world: int) -> list[tuple[str
     planned with ``profile`` in data-parallel, fully sharded and tensor-parallel layouts over
     every rank, on a small and a large batch (so that collectives take from about a tenth to
     most of a step), each with its training step (forward and backward; every rank calls it),
-    warmed up."""
+    warmed up. On one rank the layouts are one plan, and only the first is planned."""
     import autopar
 
     mesh = autopar.Mesh((world,), ("ranks",))
+    layouts = list(_STEP_LAYOUTS.items())[: len(_STEP_LAYOUTS) if world > 1 else 1]
     configurations = []
-    for (layout, pin), rows in itertools.product(_STEP_LAYOUTS.items(), _STEP_BATCHES):
+    for (layout, pin), rows in itertools.product(layouts, _STEP_BATCHES):
         torch.manual_seed(0)
         model, x = _CalibrationModel(128, _STEP_LAYERS, 1), torch.randn(rows, 128)
         pins = {name: pin(name) for name in ["x", *(k for k, _ in model.named_parameters())]}
@@ -508,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         from autopar.runtime.launch import torchrun
 
-        print(f"autopar calibrate: measuring on {args.ranks} local ranks", flush=True)
+        print(f"autopar calibrate: measuring on {args.ranks} local rank{'s' * (args.ranks != 1)}", flush=True)
         if note := oversubscribed(args.ranks, len(os.sched_getaffinity(0))):
             print(f"autopar calibrate: {note}", flush=True)
         return torchrun(args.ranks, ["-m", "autopar.calibrate", *(argv if argv is not None else sys.argv[1:])])
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
                   f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
                   f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
-                  f"{args.ranks} ranks computing together run {profile.contention:.2f}x slower than one; a "
+                  f"{args.ranks} rank{'s' * (args.ranks != 1)} computing together run {profile.contention:.2f}x slower than one; a "
                   f"training step runs {profile.step_scale:.2f}x longer than these figures add up to, "
                   f"its collectives {profile.collective_scale:.2f}x that again")
             for kind, alpha, beta in profile.intra_host.per_kind:

@@ -1,9 +1,11 @@
 """Does the cost model predict this machine? Predicted against measured step time and memory.
 
-For each rank count (2 and 4 local ranks) and each example model: calibrates this machine
+For each rank count (1, 2 and 4 local ranks) and each example model: calibrates this machine
 (``autopar calibrate``, into ``benchmarks/results/``) just before measuring the model, since this
 host's speed drifts within minutes; then on those ranks plans the model with the calibrated
-profile, under autopar's own plan and hand-written layouts (pins), and measures:
+profile, under autopar's own plan and hand-written layouts (pins; on one rank they are all one
+plan, without collectives, which tells how well the cost model prices the ops alone), and
+measures:
 
 - the step time the plan models: forward and backward of the per-rank program (the mean, a
   training run's time per step, of ``ROUNDS`` rounds of at least ``--steps`` steps, and of as
@@ -29,7 +31,7 @@ order of the plans matches the measured one, and which pairs of plans the measur
 every round (the others are too close to tell apart on this host). Writes
 ``benchmarks/results/fidelity.json``.
 
-    python -m benchmarks.fidelity [--ranks 2,4] [--models mlp,gpt,bert,llama] [--steps 4] [--round-s 0.2]
+    python -m benchmarks.fidelity [--ranks 1,2,4] [--models mlp,gpt,bert,llama] [--steps 4] [--round-s 0.2]
 """
 
 import argparse
@@ -71,7 +73,10 @@ def _pins(layout: str, model_name: str, model, input_names, world: int) -> dict 
     return split[model_name]
 
 
-def _layouts(model_name: str) -> tuple[str, ...]:
+def _layouts(model_name: str, world: int) -> tuple[str, ...]:
+    """The plans measured: autopar's and the hand-written ones (on one rank, they are one plan)."""
+    if world == 1:
+        return ("auto",)
     return ("auto", "ddp", "fsdp", "megatron") if model_name in ("mlp", "gpt") else ("auto", "ddp", "fsdp")
 
 
@@ -124,7 +129,7 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
     rows, alongside = [], {}
     for name in models:
         runs = []
-        for layout in _layouts(name):
+        for layout in _layouts(name, world):
             torch.manual_seed(0)
             model, batch = make_example(name)
             input_names = list(inspect.signature(model.forward).parameters)[: len(batch)]
@@ -189,13 +194,17 @@ def _order(rows: list[dict], key: str = "predicted_s") -> dict:
                            if not _faster_every_round(a, b) and not _faster_every_round(b, a)]}
 
 
+def _ranks(world: int) -> str:
+    return f"{world} rank{'s' * (world != 1)}"
+
+
 def _span(scales: list[tuple[float, ...]], i: int) -> str:
     return f"{min(s[i] for s in scales):.2f} to {max(s[i] for s in scales):.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round, at least")
     parser.add_argument("--round-s", type=float, default=0.2, help="seconds of timed steps per plan and round, at least")
@@ -233,7 +242,7 @@ def main() -> None:
               f"{'alongside':>9} {'unscaled':>8} {'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
     print()
     for world, s in scales.items():
-        print(f"{world} ranks: a step runs {_span(s, 0)}x its ops and collectives timed alone, its collectives "
+        print(f"{_ranks(world)}: a step runs {_span(s, 0)}x its ops and collectives timed alone, its collectives "
               f"{_span(s, 1)}x that again (the profiles' scales); {_span(s, 2)}x and {_span(s, 3)}x fitted alongside")
     print(f"forward+backward step time (mean of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
           f"with the median and quartiles) and peak memory of a training step, gloo on this machine; the error of the "
@@ -255,6 +264,7 @@ def main() -> None:
     orders = {}
     for r in rows:
         orders.setdefault((r["model"], r["ranks"]), []).append(r)
+    orders = {key: group for key, group in orders.items() if len(group) > 1}
     print()
     compared = {key: _order(group) for key, group in orders.items()}
     compared_alongside = {key: _order(group, "alongside_s") for key, group in orders.items()}
@@ -265,11 +275,13 @@ def main() -> None:
               + "".join(f"; {a} predicted faster than {b}, measured slower in every round" for a, b in order["contradicted"])
               + "".join(f"; {a} predicted faster than {b}, neither faster in every round" for a, b in order["unresolved"])
               + ("" if compared_alongside[name, world]["matches"] else "; with the scales fitted alongside, it differs"))
-    within = sum(abs(r["time_error"]) <= 0.3 for r in rows)
-    within_alongside = sum(abs(r["alongside_error"]) <= 0.3 for r in rows)
-    unscaled = sum(abs(r["unscaled_error"]) <= 0.3 for r in rows)
-    print(f"\n{within} of {len(rows)} step-time predictions within ±30% ({within_alongside} with the scales fitted alongside, "
-          f"{unscaled} without the step and collective scales)")
+    print()
+    for world in scales:
+        group = [r for r in rows if r["ranks"] == world]
+        within = {key: sum(abs(r[key]) <= 0.3 for r in group) for key in ("time_error", "alongside_error", "unscaled_error")}
+        print(f"{_ranks(world)}: {within['time_error']} of {len(group)} step-time predictions within ±30% "
+              f"({within['alongside_error']} with the scales fitted alongside, {within['unscaled_error']} without the step and "
+              f"collective scales), median error {statistics.median(r['time_error'] for r in group):+.0%}")
     pairs = sum(len(_predicted_pairs(g)) for g in orders.values())
     contradicted = sum(len(c["contradicted"]) for c in compared.values())
     unresolved = sum(len(c["unresolved"]) for c in compared.values())
