@@ -11,12 +11,9 @@ measures:
   training run's time per step, of ``ROUNDS`` rounds of at least ``--steps`` steps, and of as
   many as take ``--round-s`` seconds (the MLP's steps of a few ms swing by 2x from one step to
   the next, so 20 of them gave medians up to 1.9x apart from one run to the next), the plans
-  of a model taking turns round by round; the median and quartiles are printed beside it; the
-  optimizer step is not part of the plan's prediction and is left out, and starts at a barrier
-  once every rank has run its backward: on ranks sharing cores, the ranks done first would
-  otherwise step their optimizers on the cores the others' last collectives wait for, which
-  devices of their own do not (the MLP's data-parallel plan on 4 ranks, whose AdamW steps
-  every parameter on every rank, measured 20.6 ms against 16.0 ms);
+  of a model taking turns round by round; the median and quartiles are printed beside it; an
+  AdamW step runs between steps, untimed, once every rank has run its backward
+  (:func:`autopar.calibrate.training_step`, as the calibration trains its calibration model);
 - the steps of the calibration model that ``autopar calibrate`` fits the profile's step and
   collective scales to (:func:`autopar.calibrate.scale_configurations`), taking turns with the
   model's plans in the same rounds, and the scales fitted to them: the plans' step times
@@ -44,7 +41,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import calibrated_profile, step_peak_bytes, take_turns, write_results
@@ -80,19 +76,6 @@ def _layouts(model_name: str, world: int) -> tuple[str, ...]:
     return ("auto", "ddp", "fsdp", "megatron") if model_name in ("mlp", "gpt") else ("auto", "ddp", "fsdp")
 
 
-def _step_s(pmodel, opt, batch) -> float:
-    import torch.distributed as dist
-
-    opt.zero_grad()
-    dist.barrier()
-    started = time.perf_counter()
-    pmodel(*batch).backward()
-    elapsed = time.perf_counter() - started
-    dist.barrier()
-    opt.step()
-    return elapsed
-
-
 def _steps_per_round(warm_s: list[float], steps: int, round_s: float) -> int:
     """At least ``steps``, and enough steps of the warm-up's median time to take ``round_s``:
     the largest count of any rank, so that every rank runs the same collectives."""
@@ -103,22 +86,11 @@ def _steps_per_round(warm_s: list[float], steps: int, round_s: float) -> int:
     return int(count)
 
 
-def _call_s(step) -> float:
-    """Seconds of one call of ``step``, every rank starting it at a barrier (as ``autopar
-    calibrate`` times the calibration model's steps)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    started = time.perf_counter()
-    step()
-    return time.perf_counter() - started
-
-
 def worker(profile: str, models: list[str], steps: int, round_s: float, out: str) -> None:
     import torch.distributed as dist
 
     import autopar
-    from autopar.calibrate import fit_scales, scale_configurations, scale_points
+    from autopar.calibrate import fit_scales, scale_configurations, scale_points, training_step
     from autopar.cost_model.hardware import load_profile
     from autopar.examples import make_example
 
@@ -137,19 +109,19 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
             local = [pmodel.rank_part(k, x) if pmodel.passes_own_part(k) else x for k, x in zip(input_names, batch)]
             opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4)
-            warm = [_step_s(pmodel, opt, local) for _ in range(WARMUP)]
-            runs.append((layout, pmodel, opt, local, _steps_per_round(warm, steps, round_s)))
+            step = functools.partial(training_step, pmodel, local, opt)
+            warm = [step() for _ in range(WARMUP)]
+            runs.append((layout, pmodel, opt, local, step, _steps_per_round(warm, steps, round_s)))
         configurations = scale_configurations(unscaled, world)
-        calls = ([functools.partial(_step_s, pmodel, opt, local) for _, pmodel, opt, local, _ in runs]
-                 + [functools.partial(_call_s, step) for _, _, step in configurations])
+        calls = [step for *_, step, _ in runs] + [step for _, _, step in configurations]
         counts = ([count for *_, count in runs]
-                  + [_steps_per_round([_call_s(step) for _ in range(WARMUP)], steps, round_s) for _, _, step in configurations])
+                  + [_steps_per_round([step() for _ in range(WARMUP)], steps, round_s) for _, _, step in configurations])
         measured = take_turns(calls, counts, ROUNDS)
         points = scale_points(configurations, {label: [t for r in rounds for t in r]
                                                for (label, _, _), rounds in zip(configurations, measured[len(runs):])})
         step_scale, collective_scale = fit_scales(list(points.values()))
         alongside[name] = {"step_scale": step_scale, "collective_scale": collective_scale, "points": points}
-        for (layout, pmodel, opt, local, _), rounds in zip(runs, measured):
+        for (layout, pmodel, opt, local, _, _), rounds in zip(runs, measured):
             times = [t for r in rounds for t in r]
             quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan
