@@ -2,9 +2,10 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from autopar import calibrate
-from autopar.calibrate import _after_work_s, _fit, fit_scales, oversubscribed
+from autopar.calibrate import _after_work_s, _fit, fit_scales, oversubscribed, training_step
 
 
 def test_fit_recovers_an_exact_alpha_beta_line():
@@ -62,3 +63,24 @@ def test_a_collective_is_timed_without_the_compute_before_it(fake_world, monkeyp
     monkeypatch.setattr(calibrate, "_WORK", (512, 3))  # several ms of matmuls before each call
     seconds = _after_work_s(lambda: time.sleep(1e-3))
     assert 0.8e-3 < seconds < 1.8e-3
+
+
+def test_a_training_step_times_its_forward_and_backward_and_not_its_optimizer(fake_world):
+    fake_world(1)
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 1), torch.randn(8, 4)
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.05)
+            return super().step(closure)
+
+    opt = SlowSGD(model.parameters(), lr=0.1)
+    model.weight.grad = torch.full_like(model.weight, 1e6)  # a stale gradient, to be dropped
+    before = model.weight.detach().clone()
+    expected = torch.autograd.grad(model(x).sum(), model.weight)[0]
+
+    seconds = training_step(lambda v: model(v).sum(), (x,), opt)
+
+    assert seconds < 0.05  # the optimizer's sleep is not counted
+    assert torch.allclose(model.weight, before - 0.1 * expected)  # stepped once, on this step's gradient alone
