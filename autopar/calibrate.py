@@ -303,7 +303,8 @@ def scale_configurations(profile: HardwareProfile, world: int) -> list[tuple[str
     planned with ``profile`` in data-parallel, fully sharded and tensor-parallel layouts over
     every rank, on a small and a large batch (so that collectives take from about a tenth to
     most of a step), each with its training step (:func:`training_step` with AdamW; every rank
-    calls it, and it returns the seconds of the forward and backward), warmed up. On one rank the layouts are one plan, and only the first is planned."""
+    calls it, and it returns the seconds of the forward and backward), warmed up. On one rank
+    the layouts are one plan, and only the first is planned."""
     import autopar
 
     mesh = autopar.Mesh((world,), ("ranks",))

@@ -24,8 +24,8 @@ measures:
 
 Prints one row per model, plan and rank count with the error of the prediction under the
 profile's scales and under the scales fitted alongside, and per model whether the predicted
-order of the plans matches the measured one, and which pairs of plans the measurements order either way in
-every round (the others are too close to tell apart on this host). Writes
+order of the plans matches the measured one, and which pairs of plans the measurements order
+either way in every round (the others are too close to tell apart on this host). Writes
 ``benchmarks/results/fidelity.json``.
 
     python -m benchmarks.fidelity [--ranks 1,2,4] [--models mlp,gpt,bert,llama] [--steps 4] [--round-s 0.2]
