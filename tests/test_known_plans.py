@@ -50,6 +50,20 @@ def test_pins_fix_parameters_and_the_solver_plans_the_rest():
     assert plan.pinned == ("layers.0.weight",)
 
 
+def test_a_split_pinned_over_an_axis_of_one_rank_is_the_whole_tensor_and_moves_nothing():
+    batch, dim, hidden = 64, 32, 64
+    inputs = (torch.randn(batch, dim), torch.randn(batch, dim))
+    plan = autopar.plan(MLP(dim, hidden), Mesh((1,), ("dp",)), inputs, hardware=FLOP_EQ_BYTE,
+                        pins={"x": "S(0)", "target": "S(0)", "layers.0.weight": "S(0)"})
+    assert plan.inputs == {"x": ("R",), "target": ("R",)}
+    assert plan.placements["layers.0.weight"] == ("R",)
+    assert plan.collectives == ()
+    plan = autopar.plan(MLP(dim, hidden), Mesh((1, 4), ("a", "b")), inputs, hardware=FLOP_EQ_BYTE,
+                        pins={"x": ("S(0)", "S(0)"), "target": ("S(0)", "S(0)")})
+    assert plan.inputs == {"x": ("R", "S(0)"), "target": ("R", "S(0)")}
+    assert plan.collectives and all(c.axis == "b" for c in plan.collectives)
+
+
 def test_memory_budget_below_replicated_state_flips_data_parallel_to_sharded_parameters():
     # batch-heavy MLP fed by a per-rank data loader: data parallel, unless its replicated
     # parameters, gradients and Adam state do not fit
