@@ -13,9 +13,9 @@ measures:
   the next, so 20 of them gave medians up to 1.9x apart from one run to the next), the plans
   of a model taking turns round by round; the median and quartiles are printed beside it; an
   AdamW step runs between steps, untimed, once every rank has run its backward
-  (:func:`autopar.calibrate.training_step`, as the calibration trains its calibration model);
+  (:func:`autopar.step_scales.training_step`, as the calibration trains its calibration model);
 - the steps of the calibration model that ``autopar calibrate`` fits the profile's step and
-  collective scales to (:func:`autopar.calibrate.scale_configurations`), taking turns with the
+  collective scales to (:func:`autopar.step_scales.scale_configurations`), taking turns with the
   model's plans in the same rounds, and the scales fitted to them: the plans' step times
   predicted with these scales (``alongside``) leave out how far the host's speed drifted
   between the calibration and the measurement, so that what remains is the cost model's error;
@@ -90,7 +90,7 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
     import torch.distributed as dist
 
     import autopar
-    from autopar.calibrate import fit_scales, scale_configurations, scale_points, training_step
+    from autopar.step_scales import fit_scales, scale_configurations, scale_points, training_step
     from autopar.cost_model.hardware import load_profile
     from autopar.examples import make_example
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from autopar import calibrate
-from autopar.calibrate import _after_work_s, _fit, fit_scales, oversubscribed, training_step
+from autopar.calibrate import _after_work_s, _fit, oversubscribed
+from autopar.step_scales import fit_scales, training_step
 
 
 def test_fit_recovers_an_exact_alpha_beta_line():
