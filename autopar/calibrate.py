@@ -379,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--ranks", type=int, default=4, help="local ranks to measure with (default 4)")
     parser.add_argument("--out", default="cpu-profile.json", help="where to write the profile (default cpu-profile.json)")
     args = parser.parse_args(argv)
+    ranks = f"{args.ranks} rank{'s' * (args.ranks != 1)}"
     if "RANK" not in os.environ:
         from autopar.runtime.launch import torchrun
 
-        print(f"autopar calibrate: measuring on {args.ranks} local rank{'s' * (args.ranks != 1)}", flush=True)
+        print(f"autopar calibrate: measuring with {ranks} on this host", flush=True)
         if note := oversubscribed(args.ranks, len(os.sched_getaffinity(0))):
             print(f"autopar calibrate: {note}", flush=True)
         return torchrun(args.ranks, ["-m", "autopar.calibrate", *(argv if argv is not None else sys.argv[1:])])
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
                   f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
                   f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
-                  f"{args.ranks} rank{'s' * (args.ranks != 1)} computing together run {profile.contention:.2f}x slower than one; a "
+                  f"{ranks} computing together run {profile.contention:.2f}x slower than one; a "
                   f"training step runs {profile.step_scale:.2f}x longer than these figures add up to, "
                   f"its collectives {profile.collective_scale:.2f}x that again")
             for kind, alpha, beta in profile.intra_host.per_kind:
