@@ -125,11 +125,10 @@ def training_step(pmodel, inputs, opt):
     rank starting the forward at a barrier, then ``opt`` stepped once every rank has run its
     backward. An optimizer step between steps changes what the next one finds in the cache (on
     one rank the MLP example's forward and backward took 2.42 and 2.44 ms with none, 2.53 and
-    2.67 ms with AdamW, in two runs of 200 steps each);
-    the barrier before it keeps ranks done first from stepping their optimizers on the cores
-    the others' last collectives wait for, which devices of their own do not do (the MLP's
-    data-parallel plan on 4 ranks, whose AdamW steps every parameter on every rank, measured
-    20.6 ms without it against 16.0 ms)."""
+    2.67 ms with AdamW, in two runs of 200 steps each); the barrier before it keeps ranks done
+    first from stepping their optimizers on the cores the others' last collectives wait for,
+    which devices of their own do not do (the MLP's data-parallel plan on 4 ranks, whose AdamW
+    steps every parameter on every rank, measured 20.6 ms without it against 16.0 ms)."""
     import torch.distributed as dist
 
     opt.zero_grad()
