@@ -7,7 +7,7 @@ import torch
 
 from autopar.cost_model.compute import compute_s, math_format, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
-from autopar.cost_model.op_timing import OpTimer, cache_bytes
+from autopar.cost_model.op_timing import OpTimer
 from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
 from autopar.passes.capture import Captured
@@ -28,7 +28,7 @@ class CostModel:
         self.links = mesh_links(hardware, mesh)
         self.bucket_bytes = bucket_bytes
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
-        self.timer = OpTimer(mesh, cold=_overflows_cache(captured, mesh)) if getattr(hardware, "timed_ops", False) else None
+        self.timer = OpTimer(mesh, working_set=step_working_set(captured, mesh)) if getattr(hardware, "timed_ops", False) else None
         self.scale = getattr(hardware, "step_scale", 1.0)
         self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
         self._local_bytes: dict[tuple, int] = {}
@@ -155,12 +155,14 @@ class CostModel:
         return found
 
 
-def _overflows_cache(captured: Captured, mesh: Mesh) -> bool:
-    """Whether the model's parameters and their gradients, whole, take more than a rank's share
-    of this host's last-level cache (its ranks sharing it), so that a step reads them from
-    memory (:class:`~autopar.cost_model.op_timing.OpTimer` then times large ops cold)."""
+def step_working_set(captured: Captured, mesh: Mesh, optimizer_slots: int = 2) -> int:
+    """Bytes a training step touches on this host between two reads of one weight: on every
+    rank, the model's parameters whole (gathered where a plan shards them), their gradients and
+    ``optimizer_slots`` optimizer states each (2 for Adam), which the optimizer step walks through
+    after the backward (:class:`~autopar.cost_model.op_timing.OpTimer` times large ops on copies
+    spanning it)."""
     params = sum(n.meta["val"].nbytes for n, kind in zip(captured.placeholders, captured.inputs) if kind.kind == "param")
-    return 2 * params * mesh.size > cache_bytes()[1]
+    return (2 + optimizer_slots) * params * mesh.size
 
 
 @dataclass(frozen=True, slots=True)

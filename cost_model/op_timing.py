@@ -9,12 +9,15 @@ on tensors of those shapes, the way the per-rank program runs it
 (:func:`autopar.passes.rank_ops.local_call`), and the median per call is kept. Integer and
 boolean arguments are zeros (a valid index everywhere), floating ones uniform in [0, 1).
 
-For a model whose parameters and gradients do not fit in a rank's share of the last-level cache
-(``cold=True``), an op whose arguments and outputs do not fit in a core's L2 cache is timed
-cold: the calls cycle through copies of its arguments that together exceed the last-level
-cache, so that each call reads them from memory, as in a training step of such a model, where
-the weights and activations an op reads were last touched many ops before (a 4 MiB weight read
-hot runs about twice as fast here). A smaller model's step stays in the cache.
+An op whose arguments and outputs overflow a core's L2 cache is timed on copies of its arguments
+that together span the training step's working set on this host (every rank's parameters,
+gradients and optimizer state: what a step touches between two reads of one weight), calls
+cycling through them, so that each call reads its arguments from the level of the memory
+hierarchy where a step finds them: a cache that holds the working set, or memory past the
+last-level cache. A 4 MiB weight read hot runs about twice as fast here as read from memory, and
+where the cache really ends varies by host (Linux reports 480 MiB of last-level cache on this
+one, but a thread's read bandwidth halves between 64 and 128 MiB), which cycling through the
+working set measures instead of assuming.
 
 Ops whose pieces would take more than ``TIMED_BYTES_LIMIT`` keep the roofline estimate, as do
 ops that do not run on such inputs (the error is logged at debug level).
@@ -48,6 +51,8 @@ _MAX_COPIES = 64
 """Most copies of an op's arguments that a cold timing cycles through."""
 _MAX_WARMUP_CALLS = 16
 """Most untimed calls of an op before it is timed (:func:`_warm_up`)."""
+_MAX_SAMPLES = 12
+"""Most samples of an op taken to find its clean ones (:func:`_samples`)."""
 
 
 @functools.cache
@@ -79,19 +84,19 @@ class _Alone:
 
 class OpTimer:
     """Times ops under strategies on this host, each distinct call once per process (plans
-    made one after another price an op alike); ``cold``, ops that overflow L2 read their
-    arguments from memory. A ``fresh`` timer keeps times of its own and times every call
-    again, leaving the process's times untouched."""
+    made one after another price an op alike), ops that overflow L2 reading their arguments
+    from copies spanning the step's ``working_set`` bytes (:meth:`_copies`). A ``fresh`` timer
+    keeps times of its own and times every call again, leaving the process's times untouched."""
 
     times: dict[tuple, float | None] = {}
     """Seconds per distinct call, shared by every timer of the process."""
 
-    def __init__(self, mesh: Mesh, repeats: int = 3, *, cold: bool = False, fresh: bool = False):
+    def __init__(self, mesh: Mesh, repeats: int = 3, *, working_set: int = 0, fresh: bool = False):
         if fresh:
             self.times = {}
         self.mesh = mesh
         self.repeats = repeats
-        self.cold = cold
+        self.working_set = working_set
 
     def node_s(self, node: fx.Node, strategy: Strategy) -> float | None:
         """Seconds per call of ``node`` under ``strategy`` on one rank, or ``None`` where it is
@@ -103,7 +108,7 @@ class OpTimer:
             return None
         others = repr([a for a in tree_flatten((node.args, node.kwargs))[0] if not isinstance(a, fx.Node)])
         wholes = tuple(tuple(a.meta["val"].shape) for a in args)
-        key = (node.target, wholes, tuple(shapes), tuple(dtypes), others, strategy, self.mesh, self.cold)
+        key = (node.target, wholes, tuple(shapes), tuple(dtypes), others, strategy, self.mesh, self.working_set)
         if key not in self.times:
             self.times[key] = self._time(node, strategy, shapes, dtypes)
         return self.times[key]
@@ -119,34 +124,51 @@ class OpTimer:
         try:
             with torch.no_grad():
                 call = call_on(local)
-                copies = self._copies(local, call()) if self.cold else 1
+                copies = self._copies(local, call(), self.working_set)
                 calls = [call, *(call_on([t.clone() for t in local]) for _ in range(copies - 1))]
                 _warm_up(calls)
                 started = time.perf_counter()
                 call()
                 once = max(time.perf_counter() - started, 1e-7)
                 batch = max(1, min(100, int(_BATCH_S / once)))
-                samples = []
-                for _ in range(self.repeats):
-                    started = time.perf_counter()
-                    for i in range(batch):
-                        calls[i % len(calls)]()
-                    samples.append((time.perf_counter() - started) / batch)
+                samples = _samples(calls, batch, self.repeats)
         except Exception as exc:  # an op that does not run on synthetic inputs keeps its roofline cost
             log.debug("could not time %s on %s: %s", node.target, shapes, exc)
             return None
         return statistics.median(samples)
 
     @staticmethod
-    def _copies(args: list[torch.Tensor], outputs) -> int:
+    def _copies(args: list[torch.Tensor], outputs, working_set: int) -> int:
         """How many copies of ``args`` a timing cycles through: one for an op whose arguments
-        and outputs fit in L2, else enough to exceed the last-level cache."""
+        and outputs fit in L2, else enough to span ``working_set`` bytes, up to one copy past
+        the last-level cache (more would read from memory alike) and ``_MAX_COPIES``."""
         l2, last_level = cache_bytes()
         inputs = sum(t.nbytes for t in args)
         made = sum(t.nbytes for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor))
         if inputs == 0 or inputs + made <= l2:
             return 1
-        return min(_MAX_COPIES, math.ceil(last_level / inputs) + 1)
+        return max(1, min(_MAX_COPIES, math.ceil(min(working_set, last_level + inputs) / inputs)))
+
+
+def _samples(calls: list, batch: int, repeats: int) -> list[float]:
+    """``repeats`` seconds per call, each the mean of ``batch`` calls of ``calls`` in turn, of
+    samples that faulted in no fresh memory pages, taking up to ``_MAX_SAMPLES`` samples (all of
+    them where none was clean). The allocator can give back the memory of a large output it
+    frees, so that a later call maps its pages afresh, which a step, allocating the same sizes
+    every step, does not: timed on copies spanning 32 MiB, a matmul writing a 4 MiB output took
+    0.20–0.28 ms a call in four timings out of six and 1.2–1.4 ms in the two whose calls faulted
+    2,000 to 3,000 pages."""
+    clean, faulted = [], []
+    for _ in range(_MAX_SAMPLES):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        started = time.perf_counter()
+        for i in range(batch):
+            calls[i % len(calls)]()
+        seconds = (time.perf_counter() - started) / batch
+        (faulted if resource.getrusage(resource.RUSAGE_SELF).ru_minflt > before else clean).append(seconds)
+        if len(clean) == repeats:
+            break
+    return clean or faulted
 
 
 def _warm_up(calls: list) -> None:

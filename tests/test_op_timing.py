@@ -1,6 +1,7 @@
 """Op times measured on this host, for profiles that describe the host that runs."""
 
 import dataclasses
+import time
 
 import torch
 
@@ -68,22 +69,52 @@ def test_ops_too_big_to_time_keep_the_roofline(monkeypatch):
     assert OpTimer(Mesh((4,), ("x",))).node_s(addmm, Strategy(((R,),), ((R,), (R,), (R,)))) is None
 
 
-def test_ops_that_overflow_l2_are_timed_on_copies_that_overflow_the_last_level_cache(monkeypatch):
-    from autopar.cost_model import estimate, op_timing
+def test_ops_that_overflow_l2_are_timed_on_copies_spanning_the_step_working_set_up_to_past_the_last_level_cache(
+        monkeypatch):
+    from autopar.cost_model import op_timing
+    from autopar.cost_model.estimate import step_working_set
 
     l2, last_level = op_timing.cache_bytes()
     assert 0 < l2 <= last_level
     monkeypatch.setattr(op_timing, "cache_bytes", lambda: (2**20, 8 * 2**20))
     weight, rows = torch.empty(1024, 1024), torch.empty(8, 1024)  # 4 MiB and 32 KiB
-    assert OpTimer._copies([rows, weight], torch.empty(8, 1024)) == 3  # 3 x 4 MiB > 8 MiB
-    assert OpTimer._copies([rows, rows], torch.empty(8, 8)) == 1
-    assert OpTimer._copies([rows], torch.empty(1024, 1024)) == op_timing._MAX_COPIES  # a 4 MiB output of small arguments
-    monkeypatch.setattr(estimate, "cache_bytes", lambda: (2**20, 8 * 2**20))
-    small = capture(MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16)))
+    mib = 2**20
+    assert OpTimer._copies([rows, weight], torch.empty(8, 1024), 0) == 1
+    assert OpTimer._copies([rows, weight], torch.empty(8, 1024), 8 * mib) == 2  # 2 x 4 MiB span 8 MiB
+    assert OpTimer._copies([rows, weight], torch.empty(8, 1024), 64 * mib) == 3  # 3 x 4 MiB > 8 MiB + 4 MiB
+    assert OpTimer._copies([rows, rows], torch.empty(8, 8), 64 * mib) == 1  # fits in L2
+    assert OpTimer._copies([rows], torch.empty(1024, 1024), 64 * mib) == op_timing._MAX_COPIES  # a 4 MiB output
     large = capture(MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256)))  # 8 MiB of parameters
+    params = sum(p.nbytes for p in MLP(256, 4096).parameters())
+    assert step_working_set(large, Mesh((2,), ("x",))) == 2 * 4 * params  # per rank: weights, gradients, Adam's 2
     timed = dataclasses.replace(CPU, timed_ops=True)
-    assert not CostModel(small, Mesh((4,), ("x",)), timed).timer.cold
-    assert CostModel(large, Mesh((2,), ("x",)), timed).timer.cold
+    assert CostModel(large, Mesh((2, 2), ("x", "y")), timed).timer.working_set == 4 * 4 * params
+
+
+def test_an_op_is_timed_on_samples_that_map_no_fresh_pages_or_on_all_where_none_is_clean():
+    import mmap
+
+    from autopar.cost_model import op_timing
+
+    kept, calls = [], []
+
+    def slow_fresh_pages():  # 2 MiB newly mapped and written: a fault per page, whatever the allocator holds
+        pages = mmap.mmap(-1, 2**21)
+        pages[::mmap.PAGESIZE] = b"x" * (2**21 // mmap.PAGESIZE)
+        kept.append(pages)
+        time.sleep(0.01)
+
+    def faults_every_other_call():
+        calls.append(None)
+        if len(calls) % 2:
+            slow_fresh_pages()
+
+    samples = op_timing._samples([faults_every_other_call], 1, 3)
+    assert len(samples) == 3 and max(samples) < 0.01  # the three calls that faulted are left out
+    assert len(calls) >= 6  # 6, unless another thread faults meanwhile
+    calls.clear()
+    samples = op_timing._samples([lambda: (calls.append(None), slow_fresh_pages())], 1, 3)
+    assert len(samples) == len(calls) == op_timing._MAX_SAMPLES and min(samples) >= 0.01
 
 
 def test_an_op_is_timed_only_once_its_calls_map_no_fresh_pages():
