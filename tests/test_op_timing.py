@@ -1,6 +1,7 @@
 """Op times measured on this host, for profiles that describe the host that runs."""
 
 import dataclasses
+import mmap
 import time
 
 import torch
@@ -91,17 +92,20 @@ def test_ops_that_overflow_l2_are_timed_on_copies_spanning_the_step_working_set_
     assert CostModel(large, Mesh((2, 2), ("x", "y")), timed).timer.working_set == 4 * 4 * params
 
 
-def test_an_op_is_timed_on_samples_that_map_no_fresh_pages_or_on_all_where_none_is_clean():
-    import mmap
+def _map_fresh_pages(kept: list) -> None:
+    """Map and write 2 MiB afresh: a fault per page, whatever the allocator holds."""
+    pages = mmap.mmap(-1, 2**21)
+    pages[::mmap.PAGESIZE] = b"x" * (2**21 // mmap.PAGESIZE)
+    kept.append(pages)
 
+
+def test_an_op_is_timed_on_samples_that_map_no_fresh_pages_or_on_all_where_none_is_clean():
     from autopar.cost_model import op_timing
 
     kept, calls = [], []
 
-    def slow_fresh_pages():  # 2 MiB newly mapped and written: a fault per page, whatever the allocator holds
-        pages = mmap.mmap(-1, 2**21)
-        pages[::mmap.PAGESIZE] = b"x" * (2**21 // mmap.PAGESIZE)
-        kept.append(pages)
+    def slow_fresh_pages():
+        _map_fresh_pages(kept)
         time.sleep(0.01)
 
     def faults_every_other_call():
@@ -118,24 +122,17 @@ def test_an_op_is_timed_on_samples_that_map_no_fresh_pages_or_on_all_where_none_
 
 
 def test_an_op_is_timed_only_once_its_calls_map_no_fresh_pages():
-    import mmap
-
     from autopar.cost_model import op_timing
 
     kept, calls = [], []
 
-    def fresh_pages():  # 2 MiB newly mapped and written: a fault per page, whatever the allocator holds
-        pages = mmap.mmap(-1, 2**21)
-        pages[::mmap.PAGESIZE] = b"x" * (2**21 // mmap.PAGESIZE)
-        kept.append(pages)
-
     def settles_after_three():
         calls.append(None)
         if len(calls) <= 3:
-            fresh_pages()
+            _map_fresh_pages(kept)
 
     op_timing._warm_up([settles_after_three])
     assert 4 <= len(calls) < op_timing._MAX_WARMUP_CALLS  # 4, unless another thread faults meanwhile
     calls.clear()
-    op_timing._warm_up([lambda: (calls.append(None), fresh_pages())])  # never settles
+    op_timing._warm_up([lambda: (calls.append(None), _map_fresh_pages(kept))])  # never settles
     assert len(calls) == op_timing._MAX_WARMUP_CALLS
