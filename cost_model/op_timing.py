@@ -151,18 +151,20 @@ class OpTimer:
 
 
 def _samples(calls: list, batch: int, repeats: int) -> list[float]:
-    """``repeats`` seconds per call, each the mean of ``batch`` calls of ``calls`` in turn, of
-    samples that faulted in no fresh memory pages, taking up to ``_MAX_SAMPLES`` samples (all of
+    """``repeats`` seconds per call, each the mean of ``batch`` calls of ``calls`` in turn (the
+    turn going on from one sample to the next, so that an op slow enough to take one call a
+    sample still reads a different copy each time), of samples that faulted in no fresh memory
+    pages, taking up to ``_MAX_SAMPLES`` samples (all of
     them where none was clean). The allocator can give back the memory of a large output it
     frees, so that a later call maps its pages afresh, which a step, allocating the same sizes
     every step, does not: timed on copies spanning 32 MiB, a matmul writing a 4 MiB output took
     0.20–0.28 ms a call in four timings out of six and 1.2–1.4 ms in the two whose calls faulted
     2,000 to 3,000 pages."""
     clean, faulted = [], []
-    for _ in range(_MAX_SAMPLES):
+    for sample in range(_MAX_SAMPLES):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
-        for i in range(batch):
+        for i in range(sample * batch, (sample + 1) * batch):
             calls[i % len(calls)]()
         seconds = (time.perf_counter() - started) / batch
         (faulted if resource.getrusage(resource.RUSAGE_SELF).ru_minflt > before else clean).append(seconds)

@@ -119,6 +119,9 @@ def test_an_op_is_timed_on_samples_that_map_no_fresh_pages_or_on_all_where_none_
     calls.clear()
     samples = op_timing._samples([lambda: (calls.append(None), slow_fresh_pages())], 1, 3)
     assert len(samples) == len(calls) == op_timing._MAX_SAMPLES and min(samples) >= 0.01
+    called = []
+    op_timing._samples([lambda i=i: called.append(i) for i in range(4)], 1, 3)
+    assert called[:3] == [0, 1, 2]  # one call a sample still goes through the copies in turn
 
 
 def test_an_op_is_timed_only_once_its_calls_map_no_fresh_pages():
