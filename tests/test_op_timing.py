@@ -124,7 +124,7 @@ def test_an_op_is_timed_on_samples_that_map_no_fresh_pages_or_on_all_where_none_
     assert called[:3] == [0, 1, 2]  # one call a sample still goes through the copies in turn
 
 
-def test_an_op_is_timed_only_once_its_calls_map_no_fresh_pages():
+def test_an_op_is_timed_only_once_every_copy_was_read_and_its_calls_map_no_fresh_pages():
     from autopar.cost_model import op_timing
 
     kept, calls = [], []
@@ -138,4 +138,7 @@ def test_an_op_is_timed_only_once_its_calls_map_no_fresh_pages():
     assert 4 <= len(calls) < op_timing._MAX_WARMUP_CALLS  # 4, unless another thread faults meanwhile
     calls.clear()
     op_timing._warm_up([lambda: (calls.append(None), _map_fresh_pages(kept))])  # never settles
-    assert len(calls) == op_timing._MAX_WARMUP_CALLS
+    assert len(calls) == 1 + op_timing._MAX_WARMUP_CALLS
+    called = []
+    op_timing._warm_up([lambda i=i: called.append(i) for i in range(5)])
+    assert called[:6] == [0, 1, 2, 3, 4, 0]  # every copy read once before the calls that may settle
