@@ -156,6 +156,10 @@ class ShardingPlan:
     recompute_s: float = 0.0
     """Compute time of the ops the backward runs again (their collectives are in
     ``communication_s``)."""
+    node_overhead_s: float = 0.0
+    """The part of ``compute_s`` and ``recompute_s`` that the per-rank program's nodes take
+    beyond their ops (a profile's ``node_overhead_s`` per timed op), which its step scale does
+    not stretch."""
     overhead_s: float = 0.0
     """Time per step of the work around the per-rank program (autograd, one gradient per
     parameter), as the hardware profile measured it."""
@@ -218,6 +222,7 @@ class ShardingPlan:
             "solver": asdict(self.solver),
             "stage_s": dict(self.stage_s),
             "recompute_s": self.recompute_s,
+            "node_overhead_s": self.node_overhead_s,
             "overhead_s": self.overhead_s,
             "offload_s": self.offload_s,
             "host_optimizer": list(self.host_optimizer),
@@ -252,6 +257,7 @@ class ShardingPlan:
             solver=SolverInfo(**data["solver"]),
             stage_s=data["stage_s"],
             recompute_s=data["recompute_s"],
+            node_overhead_s=data.get("node_overhead_s", 0.0),
             overhead_s=data["overhead_s"],
             offload_s=data["offload_s"],
             host_optimizer=tuple(data["host_optimizer"]),

@@ -4,11 +4,14 @@ this host runs than its ops and collectives timed alone.
 Every rank trains a calibration model of four residual blocks (no model of the zoo) in
 data-parallel, fully sharded and tensor-parallel layouts, planned with the profile's other
 figures, and its measured forward and backward times (an AdamW step between steps, as in
-training: :func:`training_step`) are fitted as ``step scale × (ops + collective scale ×
-collectives)`` of the predicted ones (:func:`fit_scales`; each the mean of its steps, the time a
-training run takes per step). A step runs longer than its ops and collectives measured alone,
-and its collectives longer still: ranks drift apart between collectives, the first to reach one
-waits for the last, and a rank waiting in one sleeps and must be woken. ``autopar calibrate``
+training: :func:`training_step`) are fitted as ``overheads + step scale × (ops + collective
+scale × collectives)`` of the predicted ones (:func:`fit_scales`; each the mean of its steps,
+the time a training run takes per step). A step runs its ops and collectives longer than they
+take measured alone, and its collectives longer still: ops run colder between other ops than in
+a loop of one, ranks drift apart between collectives, the first to reach one waits for the
+last, and a rank waiting in one sleeps and must be woken. The overheads (the step's around the
+per-rank program, each node's beyond its op) are measured as a program runs them, and are not
+stretched. ``autopar calibrate``
 (:mod:`autopar.calibrate`) fits them last; the fidelity benchmark fits them again alongside the
 plans it measures.
 """
@@ -111,12 +114,25 @@ def scale_configurations(profile: HardwareProfile, world: int) -> list[tuple[str
     return configurations
 
 
-def scale_points(configurations: list, times: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
-    """Per configuration of :func:`scale_configurations`, ``(predicted seconds but for
-    collectives, predicted seconds of collectives, measured seconds)``, the measured the mean of
-    its ``times``: the points :func:`fit_scales` takes."""
-    return {label: (plan.predicted_step_s - plan.communication_s, plan.communication_s, statistics.mean(times[label]))
-            for label, plan, _ in configurations}
+def scale_points(configurations: list, times: dict[str, list[float]]) -> dict[str, tuple[float, float, float, float]]:
+    """Per configuration of :func:`scale_configurations`, ``(predicted seconds of ops,
+    predicted seconds of collectives, predicted seconds of overheads, measured seconds)``: the
+    overheads the step overhead and every program node's (:func:`fixed_s`), the ops the rest
+    but for collectives, the measured the mean of its ``times``: the points :func:`fit_scales`
+    takes."""
+    points = {}
+    for label, plan, _ in configurations:
+        fixed = fixed_s(plan)
+        points[label] = (plan.predicted_step_s - plan.communication_s - fixed, plan.communication_s, fixed,
+                         statistics.mean(times[label]))
+    return points
+
+
+def fixed_s(plan) -> float:
+    """The part of ``plan``'s predicted step that the step scale does not stretch: the step's
+    overhead around the per-rank program and every node's beyond its op, measured by
+    ``autopar calibrate`` as a program runs them (:mod:`autopar.calibrate`)."""
+    return plan.overhead_s + plan.node_overhead_s
 
 
 def training_step(pmodel, inputs, opt):
@@ -141,19 +157,19 @@ def training_step(pmodel, inputs, opt):
     return elapsed
 
 
-def fit_scales(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """``(s, c)`` such that ``s · (rest + c · collectives)`` predicts each ``(rest, collectives,
-    measured)`` point best in relative error (least squares). ``c`` may come out below 1: the
-    collectives are timed after compute, waiting included, so a step can stretch its ops more
-    than its collectives. Where the points do not tell the two apart (their shares of
-    collectives alike) or the fit gives a scale of 0 or less, ``c`` is 1 and ``s`` the median of
-    ``measured / (rest + collectives)``."""
-    rows = [(rest / measured, collectives / measured) for rest, collectives, measured in points]
-    uu, uv, vv = (sum(u * u for u, _ in rows), sum(u * v for u, v in rows), sum(v * v for _, v in rows))
-    u1, v1 = sum(u for u, _ in rows), sum(v for _, v in rows)
+def fit_scales(points: list[tuple[float, float, float, float]]) -> tuple[float, float]:
+    """``(s, c)`` such that ``fixed + s · (ops + c · collectives)`` predicts each ``(ops,
+    collectives, fixed, measured)`` point best in relative error (least squares). ``c`` may
+    come out below 1: the collectives are timed after compute, waiting included, so a step can
+    stretch its ops more than its collectives. Where the points do not tell the two apart
+    (their shares of collectives alike) or the fit gives a scale of 0 or less, ``c`` is 1 and
+    ``s`` the median of ``(measured - fixed) / (ops + collectives)``."""
+    rows = [(ops / measured, collectives / measured, 1 - fixed / measured) for ops, collectives, fixed, measured in points]
+    uu, uv, vv = (sum(u * u for u, _, _ in rows), sum(u * v for u, v, _ in rows), sum(v * v for _, v, _ in rows))
+    uy, vy = sum(u * y for u, _, y in rows), sum(v * y for _, v, y in rows)
     det = uu * vv - uv * uv
     if det > 1e-6 * uu * vv:
-        s, sc = (u1 * vv - v1 * uv) / det, (v1 * uu - u1 * uv) / det
+        s, sc = (uy * vv - vy * uv) / det, (vy * uu - uy * uv) / det
         if s > 0 and sc > 0:
             return s, sc / s
-    return statistics.median(m / (r + c) for r, c, m in points), 1.0
+    return statistics.median((measured - fixed) / (ops + collectives) for ops, collectives, fixed, measured in points), 1.0

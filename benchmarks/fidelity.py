@@ -90,7 +90,7 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
     import torch.distributed as dist
 
     import autopar
-    from autopar.step_scales import fit_scales, scale_configurations, scale_points, training_step
+    from autopar.step_scales import fit_scales, fixed_s, scale_configurations, scale_points, training_step
     from autopar.cost_model.hardware import load_profile
     from autopar.examples import make_example
 
@@ -125,8 +125,8 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             times = [t for r in rounds for t in r]
             quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan
-            parts = {"compute": plan.compute_s + plan.recompute_s, "communication": plan.communication_s,
-                     "overhead": plan.overhead_s}
+            parts = {"compute": plan.compute_s + plan.recompute_s - plan.node_overhead_s,
+                     "communication": plan.communication_s, "overhead": fixed_s(plan)}
             rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
                          "predicted_parts_s": parts, "collectives": len(plan.collectives),
                          "measured_s": statistics.mean(times), "measured_median_s": statistics.median(times), "measured_steps": len(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
@@ -222,12 +222,12 @@ def main() -> None:
           f"the same rounds as the plans' (alongside)\n{header}\n{'-' * len(header)}")
     for r in rows:
         parts = r["predicted_parts_s"]
-        rest = (parts["compute"] + parts["overhead"]) / r["step_scale"]
+        ops = parts["compute"] / r["step_scale"]
         collectives = parts["communication"] / (r["step_scale"] * r["collective_scale"])
-        r["alongside_s"] = r["alongside_step_scale"] * (rest + r["alongside_collective_scale"] * collectives)
+        r["alongside_s"] = parts["overhead"] + r["alongside_step_scale"] * (ops + r["alongside_collective_scale"] * collectives)
         r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
         r["alongside_error"] = r["alongside_s"] / r["measured_s"] - 1
-        r["unscaled_error"] = (rest + collectives) / r["measured_s"] - 1
+        r["unscaled_error"] = (parts["overhead"] + ops + collectives) / r["measured_s"] - 1
         r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
         print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} {r['measured_median_s'] * 1e3:>9.2f} "
               f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['alongside_error']:>+9.0%} "

@@ -41,7 +41,8 @@ class CostModel:
     def compute_costs(self, space: StrategySpace) -> dict[str, list[float]]:
         """Node → compute seconds under each of its strategies: timed on this host when the
         profile says it is the host that runs (:mod:`~autopar.cost_model.op_timing`), else
-        the roofline; scaled by the profile's ``step_scale``."""
+        the roofline; scaled by the profile's ``step_scale``, but for the node overhead a
+        timed op adds (:meth:`node_overhead_s`), measured as a program runs it."""
         costs = {}
         for n in space.nodes:
             if n.kind != "op":
@@ -49,9 +50,20 @@ class CostModel:
                 continue
             node = self.graph_nodes[n.name]
             work, fmt = node_work(node), math_format(node)
-            costs[n.name] = [self.scale * (self._timed(node, s) or compute_s(work, s, self.mesh, self.hardware, fmt))
-                             for s in n.strategies]
+            costs[n.name] = []
+            for s in n.strategies:
+                timed = self._timed(node, s)
+                costs[n.name].append(self.scale * compute_s(work, s, self.mesh, self.hardware, fmt) if timed is None
+                                     else self.scale * timed + self.node_overhead_s(n.name, s))
         return costs
+
+    def node_overhead_s(self, name: str, strategy: Strategy) -> float:
+        """What node ``name`` under ``strategy`` costs beyond its op, where the op is timed:
+        the profile's node overhead under the ranks' contention (0 for an op priced by the
+        roofline, whose profile has no node overhead)."""
+        if self.timer is None or self._timed(self.graph_nodes[name], strategy) is None:
+            return 0.0
+        return self.hardware.node_overhead_s * self.hardware.contention
 
     def host(self) -> Host | None:
         """What offloading to host memory costs,
@@ -61,16 +73,19 @@ class CostModel:
 
     def step_overhead_s(self, num_params: int) -> float:
         """The profile's time per step around the per-rank program, for ``num_params``
-        parameters (the same under every plan, so the solver leaves it out)."""
+        parameters, under the ranks' contention (the same under every plan, so the solver
+        leaves it out; measured as a step runs it, so not stretched by the step scale)."""
         fixed = getattr(self.hardware, "step_overhead_s", 0.0)
         per_param = getattr(self.hardware, "param_overhead_s", 0.0)
-        return (fixed + num_params * per_param) * getattr(self.hardware, "contention", 1.0) * self.scale
+        return (fixed + num_params * per_param) * getattr(self.hardware, "contention", 1.0)
 
     def _timed(self, node, strategy: Strategy) -> float | None:
+        """Seconds of ``node``'s op under ``strategy`` timed on this host, under the ranks'
+        contention; ``None`` where it is not timed."""
         if self.timer is None:
             return None
         seconds = self.timer.node_s(node, strategy)
-        return None if seconds is None else (seconds + self.hardware.node_overhead_s) * self.hardware.contention
+        return None if seconds is None else seconds * self.hardware.contention
 
     def node_costs(self, space: StrategySpace, compute: dict[str, list[float]]) -> dict[str, list[float]]:
         """Node → seconds under each of its strategies: its ``compute`` (:meth:`compute_costs`),

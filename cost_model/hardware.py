@@ -115,11 +115,12 @@ class HardwareProfile:
     does (ranks sharing cores or memory bandwidth); multiplies the timed ops, which are timed
     on one rank."""
     step_scale: float = 1.0
-    """How many times longer a training step runs than the sum of its ops, collectives and
-    step overhead measured alone (ranks drifting apart between collectives, a rank woken from
+    """How many times longer a training step runs its ops and collectives than they take
+    measured alone (ranks drifting apart between collectives, a rank woken from
     its wait, caches shared with the other ranks); ``autopar calibrate`` measures it on a
-    calibration model's steps. Multiplies every op, collective and step overhead the cost model
-    prices, not copies to the host."""
+    calibration model's steps. Multiplies every op and collective the cost model prices, not
+    the node and step overheads (measured as a program and a step run them) nor copies to the
+    host."""
     collective_scale: float = 1.0
     """How many times longer a collective runs inside a training step than as calibrated (after
     a few matmuls on every rank), relative to ``step_scale``: above 1 where a step stretches its

@@ -115,6 +115,8 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         solver=solution.info,
         stage_s=stage_s,
         recompute_s=sum(compute[name][choice[name]] for name in recomputed),
+        node_overhead_s=sum(costs.node_overhead_s(n.name, chosen[n.name]) for n in space.nodes if n.kind == "op")
+        + sum(costs.node_overhead_s(name, chosen[name]) for name in recomputed),
         overhead_s=costs.step_overhead_s(sum(n.kind == "param" for n in space.nodes)),
         offload_s=offload_s(activations, solution, memory, host, {n: c[choice[n]] for n, c in compute.items()}),
         host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),

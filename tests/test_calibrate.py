@@ -35,20 +35,29 @@ def test_fit_clamps_at_zero():
 
 
 def test_the_step_and_collective_scales_are_recovered_from_layouts_that_differ_in_collectives():
-    points = [(rest, coll, 1.2 * (rest + 2.5 * coll)) for rest, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
+    points = [(ops, coll, 0.0, 1.2 * (ops + 2.5 * coll)) for ops, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
     step, collective = fit_scales(points)
     assert step == pytest.approx(1.2) and collective == pytest.approx(2.5)
 
 
+def test_the_overheads_are_not_stretched_by_the_scales():
+    points = [(ops, coll, fixed, fixed + 1.2 * (ops + 2.5 * coll))
+              for ops, coll, fixed in ((4e-3, 1e-3, 2e-3), (3e-3, 6e-3, 1e-3), (5e-3, 3e-3, 4e-3))]
+    step, collective = fit_scales(points)
+    assert step == pytest.approx(1.2) and collective == pytest.approx(2.5)
+    alike = [(2e-3, 1e-3, 1e-3, 5.5e-3), (4e-3, 2e-3, 1e-3, 8.8e-3), (6e-3, 3e-3, 1e-3, 14.5e-3)]
+    assert fit_scales(alike) == (pytest.approx(1.5), 1.0)  # the median of 1.5, 1.3 and 1.5, the overhead left out
+
+
 def test_layouts_alike_in_collectives_or_a_negative_scale_give_one_scale():
-    alike = [(2e-3, 1e-3, 4.5e-3), (4e-3, 2e-3, 7.8e-3), (6e-3, 3e-3, 13.5e-3)]  # every point a third collectives
+    alike = [(2e-3, 1e-3, 0.0, 4.5e-3), (4e-3, 2e-3, 0.0, 7.8e-3), (6e-3, 3e-3, 0.0, 13.5e-3)]  # every point a third collectives
     assert fit_scales(alike) == (pytest.approx(1.5), 1.0)  # the median of 1.5, 1.3 and 1.5
-    negative = [(4e-3, 1e-3, 9e-3), (1e-3, 4e-3, 1e-3)]  # more collectives, less time: a negative collective scale
+    negative = [(4e-3, 1e-3, 0.0, 9e-3), (1e-3, 4e-3, 0.0, 1e-3)]  # more collectives, less time: a negative collective scale
     assert fit_scales(negative) == (pytest.approx((9 / 5 + 1 / 5) / 2), 1.0)
 
 
 def test_a_step_may_stretch_its_ops_more_than_its_collectives():
-    faster = [(rest, coll, 1.5 * (rest + 0.8 * coll)) for rest, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
+    faster = [(ops, coll, 0.0, 1.5 * (ops + 0.8 * coll)) for ops, coll in ((4e-3, 1e-3), (3e-3, 6e-3), (5e-3, 3e-3))]
     step, collective = fit_scales(faster)
     assert step == pytest.approx(1.5) and collective == pytest.approx(0.8)
 

@@ -4,6 +4,7 @@ import dataclasses
 import mmap
 import time
 
+import pytest
 import torch
 
 from autopar import Mesh
@@ -52,14 +53,16 @@ def test_a_profile_of_this_host_prices_ops_by_their_timing_plus_the_node_overhea
     mesh = Mesh((2,), ("x",))
     space = propagate(captured, mesh)
     node = next(n for n in space.nodes if n.name == addmm.name)
-    host = dataclasses.replace(CPU, timed_ops=True, node_overhead_s=1e-3, contention=2.0)
+    host = dataclasses.replace(CPU, timed_ops=True, node_overhead_s=1e-3, contention=2.0, step_scale=1.5)
     roofline = CostModel(captured, mesh, CPU).compute_costs(space)[node.name]
     model = CostModel(captured, mesh, host)
     timed = model.compute_costs(space)[node.name]
     for strategy, seconds, estimate in zip(node.strategies, timed, roofline):
         alone = model.timer.node_s(addmm, strategy)
-        assert alone is not None and seconds == (alone + 1e-3) * 2.0
+        assert alone is not None and seconds == pytest.approx(1.5 * alone * 2.0 + 1e-3 * 2.0)  # the step scale stretches the op alone
+        assert model.node_overhead_s(node.name, strategy) == 1e-3 * 2.0
         assert seconds != estimate
+    assert CostModel(captured, mesh, CPU).node_overhead_s(node.name, node.strategies[0]) == 0.0  # priced by the roofline
 
 
 def test_ops_too_big_to_time_keep_the_roofline(monkeypatch):
