@@ -34,8 +34,8 @@ roofline. More figures serve those timings:
   autograd step and compares each with its forward and backward programs run directly; a line
   through them gives a fixed time per step and a time per parameter,
 - the step and collective scales (:mod:`autopar.step_scales`): how much longer the calibration
-  model's training steps, planned with the figures above, run than those figures add up to, and
-  its collectives than theirs.
+  model's training steps, planned with the figures above, run their ops than those figures
+  price them (the node and step overheads aside), and their collectives than theirs.
 
 Rank 0 writes the profile as JSON; ``hardware="that.json"`` plans with it.
 
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
                   f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
                   f"{ranks} computing together run {profile.contention:.2f}x slower than one; a "
-                  f"training step runs {profile.step_scale:.2f}x longer than these figures add up to, "
+                  f"training step runs its ops {profile.step_scale:.2f}x longer than these figures price them, "
                   f"its collectives {profile.collective_scale:.2f}x that again")
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
