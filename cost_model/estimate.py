@@ -54,15 +54,17 @@ class CostModel:
             for s in n.strategies:
                 timed = self._timed(node, s)
                 costs[n.name].append(self.scale * compute_s(work, s, self.mesh, self.hardware, fmt) if timed is None
-                                     else self.scale * timed + self.node_overhead_s(n.name, s))
+                                     else self.scale * timed + self._per_node_s())
         return costs
 
     def node_overhead_s(self, name: str, strategy: Strategy) -> float:
-        """What node ``name`` under ``strategy`` costs beyond its op, where the op is timed:
-        the profile's node overhead under the ranks' contention (0 for an op priced by the
-        roofline, whose profile has no node overhead)."""
-        if self.timer is None or self._timed(self.graph_nodes[name], strategy) is None:
-            return 0.0
+        """What node ``name`` under ``strategy`` costs beyond its op, where the op is timed
+        (:meth:`_per_node_s`); 0 for an op priced by the roofline, whose profile has no node
+        overhead."""
+        return 0.0 if self._timed(self.graph_nodes[name], strategy) is None else self._per_node_s()
+
+    def _per_node_s(self) -> float:
+        """The profile's node overhead under the ranks' contention."""
         return self.hardware.node_overhead_s * self.hardware.contention
 
     def host(self) -> Host | None:
