@@ -6,6 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
+from autopar.errors import AutoparError
+
 
 def _load_model(spec: str):
     """A built-in example (``autopar.examples.EXAMPLES``) or a Python file defining
@@ -134,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("torch").setLevel(logging.WARNING)
-    return {"plan": _plan, "explain": _explain}[args.command](args)
+    try:
+        return {"plan": _plan, "explain": _explain}[args.command](args)
+    except (AutoparError, ValueError, TypeError, OSError) as exc:
+        if args.verbose:
+            raise
+        raise SystemExit(f"autopar {args.command}: {exc}\n(run with -v for the traceback)") from None
 
 
 if __name__ == "__main__":

@@ -39,6 +39,17 @@ def test_plan_takes_the_solver_gap_and_time_limit_and_refuses_a_gap_above_one():
     assert bad.returncode != 0 and "solver_gap=2.0 is not a fraction in [0, 1)" in bad.stderr
 
 
+def test_bad_input_is_one_line_naming_the_cause_and_the_traceback_is_behind_verbose(tmp_path):
+    pin = _autopar("plan", "mlp", "--mesh", "4", "--pin", "x=S0")
+    assert pin.returncode != 0 and "Traceback" not in pin.stderr, pin.stderr
+    assert "autopar plan: cannot read placement 'S0': write 'S(<dim>)', 'R' or 'P'" in pin.stderr
+    missing = _autopar("explain", str(tmp_path / "none.json"))
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert missing.stderr.startswith("autopar explain: ") and "none.json" in missing.stderr
+    verbose = _autopar("-v", "plan", "mlp", "--mesh", "4", "--pin", "x=S0")
+    assert verbose.returncode != 0 and "Traceback" in verbose.stderr and "ValueError" in verbose.stderr
+
+
 def test_plan_can_share_repeated_layers():
     shared = _autopar("plan", "gpt", "--mesh", "4", "--share-layers", "on")
     assert shared.returncode == 0, shared.stderr
