@@ -134,7 +134,7 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
                          "predicted_peak_bytes": plan.peak_memory_bytes,
                          "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
         if rank == 0:
-            print(f"  {name} on {world} ranks done", file=sys.stderr, flush=True)
+            print(f"  {name} on {_ranks(world)} done", file=sys.stderr, flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps({"rows": rows, "alongside": alongside}))
     dist.destroy_process_group()

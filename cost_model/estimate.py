@@ -7,6 +7,7 @@ import torch
 
 from autopar.cost_model.compute import compute_s, math_format, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
+from autopar.cost_model.liveness import ADAM_SLOTS
 from autopar.cost_model.op_timing import OpTimer
 from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
@@ -172,7 +173,7 @@ class CostModel:
         return found
 
 
-def step_working_set(captured: Captured, mesh: Mesh, optimizer_slots: int = 2) -> int:
+def step_working_set(captured: Captured, mesh: Mesh, optimizer_slots: int = ADAM_SLOTS) -> int:
     """Bytes a training step touches on this host between two reads of one weight: on every
     rank, the model's parameters whole (gathered where a plan shards them), their gradients and
     ``optimizer_slots`` optimizer states each (2 for Adam), which the optimizer step walks through
@@ -222,7 +223,7 @@ class MemoryTerms:
                               total(self.activations, chosen) + kept, int(temporaries), recomputed, offloaded + on_host)
 
 
-def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = 2) -> MemoryTerms:
+def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = ADAM_SLOTS) -> MemoryTerms:
     """Parameters, their gradients and ``optimizer_slots`` optimizer states each (2 for Adam),
     the forward values the backward reads, and the largest temporary."""
     by_name = space.index()

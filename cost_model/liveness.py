@@ -22,6 +22,9 @@ from autopar.runtime.offload import OFFLOAD_OPS
 _ALIASES = {torch.ops._c10d_functional.wait_tensor.default}
 """Ops whose result is their input (a collective's result is the buffer it was launched into)."""
 
+ADAM_SLOTS = 2
+"""Optimizer states per parameter that memory is planned for: Adam's two moments."""
+
 
 @dataclass(frozen=True, slots=True)
 class Liveness:
@@ -37,7 +40,7 @@ class Liveness:
 
 
 def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list[str], *,
-                  optimizer_slots: int = 2, on_host: list[bool] | None = None,
+                  optimizer_slots: int = ADAM_SLOTS, on_host: list[bool] | None = None,
                   host_inputs: list[bool] | None = None) -> Liveness:
     """The peaks of one step of a partitioned per-rank program (see
     :func:`autopar.runtime.partition.partition`). ``kinds`` says what each input of the forward
