@@ -39,7 +39,7 @@ def test_plan_takes_the_solver_gap_and_time_limit_and_refuses_a_gap_above_one():
     assert bad.returncode != 0 and "solver_gap=2.0 is not a fraction in [0, 1)" in bad.stderr
 
 
-def test_bad_input_is_one_line_naming_the_cause_and_the_traceback_is_behind_verbose(tmp_path):
+def test_bad_input_prints_its_message_alone_and_the_traceback_is_behind_verbose(tmp_path):
     pin = _autopar("plan", "mlp", "--mesh", "4", "--pin", "x=S0")
     assert pin.returncode != 0 and "Traceback" not in pin.stderr, pin.stderr
     assert "autopar plan: cannot read placement 'S0': write 'S(<dim>)', 'R' or 'P'" in pin.stderr
