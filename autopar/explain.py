@@ -58,7 +58,9 @@ def plan_table(plan: ShardingPlan) -> str:
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables"
-        + (f" ({plan.solver.shared_nodes} nodes of repeated layers share the first layer's)" if plan.solver.shared_nodes else "")
+        + (f" ({plan.solver.shared_layers} repeated layers in {plan.solver.layer_classes} "
+           f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's, "
+           f"{plan.solver.shared_nodes} nodes)" if plan.solver.shared_nodes else "")
         + f", solved in {plan.solver.solve_s:.2f} s; "
         f"planning took {sum(plan.stage_s.values()):.2f} s ("
         + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_s.items()) + ")",

@@ -73,7 +73,11 @@ class SolverInfo:
     num_variables: int
     num_constraints: int
     shared_nodes: int = 0
-    """Nodes of repeated layers that took the choice of the first layer of their stack."""
+    """Nodes of repeated layers that took the choice of the first layer of their class."""
+    layer_classes: int = 0
+    """Classes of two or more identical layers (:mod:`autopar.passes.layers`)."""
+    shared_layers: int = 0
+    """Layers that took the choice of the first layer of their class."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.buckets import BUCKET_BYTES
 from autopar.passes.capture import Captured, capture, module_paths, segment_of
-from autopar.passes.layers import repeated_layers
+from autopar.passes.layers import LayerClasses, repeated_layers
 from autopar.passes.planning import build_plan, moment_bytes
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
@@ -103,7 +103,11 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     host = costs.host()
     activations = activation_space(captured, space, costs, recompute, offload=host is not None)
     chooses = budget is not None or recompute == "layers"
-    shared = _shared_layers(captured, space, node_costs, memory, share_layers)
+    classes = _layer_classes(captured, space, node_costs, memory, share_layers)
+    shared = classes.template
+    if classes.num_classes:
+        log.info("%d repeated layers in %d classes share the choice of their class's first layer",
+                 classes.num_shared_layers, classes.num_classes)
     log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
              sum(len(n.strategies) for n in space.nodes), mesh)
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
@@ -132,6 +136,8 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
                                                budget, mesh, shared, host, solver_time_limit_s, segments)) from None
     result = dataclasses.replace(
         result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
+        solver=dataclasses.replace(result.solver, layer_classes=classes.num_classes,
+                                   shared_layers=classes.num_shared_layers),
         stage_s={**stages, **times})
     log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
     log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
@@ -229,10 +235,10 @@ def _over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:
     )
 
 
-def _shared_layers(captured: Captured, space, node_costs, memory, share_layers: bool | None) -> dict[str, str]:
+def _layer_classes(captured: Captured, space, node_costs, memory, share_layers: bool | None) -> LayerClasses:
     """Repeated layers share variables when asked, or by default when the program would be large."""
     if share_layers is False or (share_layers is None and program_size(space) < SHARE_ABOVE):
-        return {}
+        return LayerClasses({}, 0, 0)
     return repeated_layers(captured, space, node_costs, memory)
 
 

@@ -25,6 +25,11 @@ import highspy
 from ortools.linear_solver import linear_solver_pb2
 
 OPTIMAL, FEASIBLE, INFEASIBLE, NOT_SOLVED = 0, 1, 2, 6  # pywraplp.Solver's status codes
+LARGEST_COST = 2.0**20
+"""The largest objective coefficient HiGHS is given, after scaling by a power of two
+(``user_objective_scale``). The plan's program prices in nanoseconds, so its costs span nine
+orders of magnitude; past about a million, the dual simplex of the relaxation slows several-fold
+against HiGHS's tolerances."""
 DIVE_SHARE = 0.5
 """The share of the time limit a dive may take, the relaxation and the search it leaves."""
 
@@ -53,6 +58,23 @@ def program(model: linear_solver_pb2.MPModelProto) -> highspy.HighsLp:
     return lp
 
 
+def objective_scale(lp: highspy.HighsLp) -> int:
+    """The power of two that brings the largest cost of ``lp`` to at most ``LARGEST_COST``
+    (HiGHS reports objectives and bounds unscaled)."""
+    largest = max((abs(c) for c in lp.col_cost_), default=0.0)
+    return min(0, -math.ceil(math.log2(largest / LARGEST_COST))) if largest > 0 else 0
+
+
+def _highs(lp: highspy.HighsLp, time_limit_s: float) -> highspy.Highs:
+    """A quiet HiGHS instance holding ``lp``, stopping at ``time_limit_s``."""
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", max(time_limit_s, 0.0))
+    highs.setOptionValue("user_objective_scale", objective_scale(lp))
+    highs.passModel(lp)
+    return highs
+
+
 def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: float) -> list[float] | None:
     """A plan to start the search from: the linear relaxation of the program ``lp`` solved, the integer
     ``columns`` it sets to 0 or 1 fixed there, and the program left searched within ``gap``
@@ -65,10 +87,7 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
     or 1), the search it leaves 5 to 8 s, and from that plan the whole search 5 s to prove it
     within 0.5 to 0.8%."""
     started = time.perf_counter()
-    relaxed = highspy.Highs()
-    relaxed.setOptionValue("output_flag", False)
-    relaxed.setOptionValue("time_limit", time_limit_s)
-    relaxed.passModel(lp)
+    relaxed = _highs(lp, time_limit_s)
     integers = [i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger]
     relaxed.changeColsIntegrality(len(integers), integers, [highspy.HighsVarType.kContinuous] * len(integers))
     relaxed.run()
@@ -78,11 +97,8 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
     fixed = [c for c in columns if abs(x[c] - round(x[c])) <= 1e-6]
     values = [float(round(x[c])) for c in fixed]
     del relaxed
-    rest = highspy.Highs()
-    rest.setOptionValue("output_flag", False)
-    rest.setOptionValue("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.0))
+    rest = _highs(lp, time_limit_s - (time.perf_counter() - started))
     rest.setOptionValue("mip_rel_gap", gap)
-    rest.passModel(lp)
     rest.changeColsBounds(len(fixed), fixed, values, values)
     rest.run()
     if rest.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
@@ -107,12 +123,9 @@ def main() -> None:
     lp = program(model)
     start = dive(lp, columns, gap, DIVE_SHARE * time_limit_s) if columns else None
     spent = time.perf_counter() - started
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("time_limit", max(time_limit_s - spent, 0.0))
+    highs = _highs(lp, time_limit_s - spent)
     highs.setOptionValue("mip_rel_gap", gap)
     highs.setOptionValue("mip_heuristic_effort", heuristic_effort)
-    highs.passModel(lp)
     if start is not None:
         solution = highspy.HighsSolution()
         solution.col_value, solution.value_valid = start, True

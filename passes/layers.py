@@ -1,17 +1,23 @@
 """Find repeated layers, so that the solver gives every copy of a layer one set of variables.
 
-Models stack identical blocks (``layers.0`` … ``layers.31``). The nodes of the joint graph that
-come from ``<prefix>.<i>`` (forward ops by their module, backward ops by the forward op they
-differentiate, parameters by name) form layer ``i``. A layer matches the first layer of its
-stack when, node by node in graph order, the ops, shapes, strategies, costs and memory agree
-and every value read inside the layer comes from the same position in it. Matching layers then
-share the first layer's choice, so the program grows with the distinct layers instead of all of
-them. Layers that differ keep their own variables.
+Models stack blocks (``layers.0`` … ``layers.31``, ``encoder.layer.5``, ``decoder.block.2``,
+``transformer.h.7``; a model may hold several stacks). The nodes of the joint graph that come
+from ``<prefix>.<i>`` (forward ops by their module, backward ops by the forward op they
+differentiate, parameters by name) form layer ``i`` of stack ``<prefix>``.
+
+The layers of a stack fall into classes of identical layers: node by node in graph order, the
+ops, shapes, strategies, costs and memory agree, and every value read inside the layer comes
+from the same position in it. Layers are compared by that signature, not with the first layer,
+so a first layer whose input needs no gradient (it computes none), a last layer that feeds the
+output or the loss, or a layer with an extra op keeps its own variables while the others share.
+Every layer of a class takes the choice of the class's first layer (its representative), so the
+program grows with the distinct layers instead of all of them.
 """
 
 import re
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.passes.capture import Captured, module_paths
@@ -20,12 +26,21 @@ from autopar.passes.strategy import NodeSpace, StrategySpace
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
-def repeated_layers(captured: Captured, space: StrategySpace, node_costs: dict[str, list[float]],
-                    memory: MemoryTerms) -> dict[str, str]:
-    """Each node of a repeated layer → its counterpart in the first layer of the stack.
+@dataclass(frozen=True, slots=True)
+class LayerClasses:
+    """Which nodes take which node's choice, and how the layers grouped."""
 
-    Nodes outside any stack, and the nodes of the first layer itself, are not in the map.
-    """
+    template: dict[str, str]
+    """Each node of a layer that is not its class's representative → its counterpart there."""
+    num_classes: int
+    """Classes of two or more identical layers."""
+    num_shared_layers: int
+    """Layers that take their representative's choice (the layers of those classes, less one each)."""
+
+
+def repeated_layers(captured: Captured, space: StrategySpace, node_costs: dict[str, list[float]],
+                    memory: MemoryTerms) -> LayerClasses:
+    """Group the layers of every stack into classes of identical layers (see the module)."""
     paths = module_paths(captured)
     groups: dict[tuple[str, int], list[NodeSpace]] = defaultdict(list)
     for n in space.nodes:
@@ -33,39 +48,37 @@ def repeated_layers(captured: Captured, space: StrategySpace, node_costs: dict[s
         match = _LAYER.match(where) if where else None
         if match:
             groups[match.group(1), int(match.group(2))].append(n)
-    stacks: dict[str, list[int]] = defaultdict(list)
-    for prefix, index in groups:
-        stacks[prefix].append(index)
     values = {node.name: node.meta.get("val") for node in captured.graph.graph.nodes}
+    classes: dict[tuple, list[list[NodeSpace]]] = defaultdict(list)
+    for (prefix, _), layer in sorted(groups.items()):
+        classes[prefix, _layer_signature(layer, values, node_costs, memory)].append(layer)
     template: dict[str, str] = {}
-    for prefix, indices in stacks.items():
-        first = groups[prefix, min(indices)]
-        for index in sorted(indices)[1:]:
-            layer = groups[prefix, index]
-            if _same_layer(layer, first, values, node_costs, memory):
-                template.update((n.name, t.name) for n, t in zip(layer, first))
-    return template
+    num_classes = num_shared = 0
+    for layers in classes.values():
+        if len(layers) < 2:
+            continue
+        num_classes += 1
+        num_shared += len(layers) - 1
+        for layer in layers[1:]:
+            template.update((n.name, t.name) for n, t in zip(layer, layers[0]))
+    return LayerClasses(template, num_classes, num_shared)
 
 
-def _same_layer(layer: Sequence[NodeSpace], first: Sequence[NodeSpace], values: dict, node_costs, memory) -> bool:
-    if len(layer) != len(first):
-        return False
+def _layer_signature(layer: Sequence[NodeSpace], values: dict, node_costs, memory: MemoryTerms) -> tuple:
+    """What must agree for two layers to share a choice: per node, its kind, phase, op,
+    strategies, value shapes, costs, memory, and where each value it reads comes from (a
+    position in the layer, or outside it)."""
     position = {n.name: k for k, n in enumerate(layer)}
-    first_position = {n.name: k for k, n in enumerate(first)}
-    for n, t in zip(layer, first):
-        if (n.kind, n.phase, n.strategies, len(n.args)) != (t.kind, t.phase, t.strategies, len(t.args)):
-            return False
-        if n.kind == "op" and n.target != t.target:
-            return False
-        if _signature(values.get(n.name)) != _signature(values.get(t.name)) or node_costs[n.name] != node_costs[t.name]:
-            return False
-        for part in (memory.params, memory.grads, memory.optimizer, memory.activations, memory.temporaries):
-            if part.get(n.name) != part.get(t.name):
-                return False
-        for (name, index), (first_name, first_index) in zip(n.args, t.args):
-            if index != first_index or position.get(name) != first_position.get(first_name):
-                return False
-    return True
+    parts = (memory.params, memory.grads, memory.optimizer, memory.activations, memory.temporaries)
+    return tuple(
+        (n.kind, n.phase, n.target if n.kind == "op" else None, n.strategies, _signature(values.get(n.name)),
+         tuple(node_costs[n.name]), tuple(_hashable(part.get(n.name)) for part in parts),
+         tuple((position.get(name), index) for name, index in n.args))
+        for n in layer)
+
+
+def _hashable(value) -> object:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _signature(value) -> object:

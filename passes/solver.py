@@ -32,7 +32,7 @@ needs no ``y``: its transport carries the cost, or, when fewer, it moves as a un
 the one-axis moves between layouts (``Σ_out f − Σ_in f = z_v,u − w_c,u`` at every layout ``u``,
 each move priced by its step), whose cheapest path is the transition's cost. An op whose cost
 is the same under every layout and that has one strategy per operand layout takes its operand's
-variables. Nodes of repeated layers take the first layer's variables, and each tensor's moves
+variables. Nodes of repeated layers take the variables of the first layer of their class, and each tensor's moves
 are priced once per copy.
 """
 
@@ -110,8 +110,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     ``memory.activations`` of those ops. ``host`` adds, under a memory budget, offload to host
     memory of activations (with ``choose_recompute``), of optimizer state and of parameters.
 
-    ``shared`` maps nodes of repeated layers to their counterpart in the first layer
-    (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
+    ``shared`` maps nodes of repeated layers to their counterpart in the representative layer
+    of their class (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
     variables, and the costs of every copy add up on the shared variables.
 
     With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
@@ -139,7 +139,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("HIGHS")
     shared = dict(shared or {})
-    first_layers = set(shared.values())
+    copies: dict[str, list[str]] = defaultdict(list)
+    for name, first in shared.items():
+        copies[first].append(name)
     by_name = space.index()
     followed: set[tuple[str, ValueRef]] = set()
     ind: dict[str, list[list]] = {}
@@ -148,7 +150,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         if n.name in shared:
             continue
         follow = None
-        if len(set(node_costs[n.name])) == 1 and _copied_with_operand(n, shared, first_layers):
+        if len(set(node_costs[n.name])) == 1 and _copied_with_operand(n, shared, copies, by_name):
             follow = _follow_operand(n, by_name, ind)
         if follow is not None:
             followed.add((n.name, n.args[0]))
@@ -324,13 +326,17 @@ def _follow_operand(node: NodeSpace, by_name: dict[str, NodeSpace], ind: dict[st
     return [[v for terms in groups.get(s.inputs[0], []) for v in terms] for s in node.strategies]
 
 
-def _copied_with_operand(node: NodeSpace, shared: dict[str, str], first_layers: set[str]) -> bool:
+def _copied_with_operand(node: NodeSpace, shared: dict[str, str], copies: dict[str, list[str]],
+                         by_name: dict[str, NodeSpace]) -> bool:
     """Whether following its operand means the same for every copy of ``node``: the operand
-    is not itself a copy, and a node of a first layer only follows an operand of that layer."""
+    is not itself a copy, and the operand of each copy of ``node`` is a copy of that operand
+    (a layer's node reading the layer before it does not follow, since its copies read other
+    layers)."""
     if len(node.args) != 1:
         return False
-    operand = node.args[0][0]
-    return operand not in shared and (node.name not in first_layers or operand in first_layers)
+    operand = node.args[0]
+    return operand[0] not in shared and all(
+        (shared.get(by_name[c].args[0][0]), by_name[c].args[0][1]) == operand for c in copies.get(node.name, ()))
 
 
 def program_size(space: StrategySpace) -> int:

@@ -106,3 +106,37 @@ def test_a_dim_cut_by_two_axes_is_gathered_inner_cut_first():
     # a cut on the first axis goes outside the second axis' cut, so the second must be undone first
     deeper = transition(inner, both, (8, 8), 4, True, mesh, links)
     assert [(s.kind, s.axis) for s in deeper] == [("all_gather", 1), ("slice", 0), ("slice", 1)]
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_layers_that_differ_at_the_ends_keep_their_own_choice_and_the_rest_share(input_grad):
+    from autopar.examples.stack import BlockStack, StackConfig
+
+    mesh = Mesh((2,), ("dp",))
+    plans = {}
+    for n in (4, 6):
+        torch.manual_seed(0)
+        model = BlockStack(StackConfig(dim=32, hidden=64, num_heads=4, num_layers=n))
+        x = torch.randn(8, 16, 32, requires_grad=input_grad)
+        plans[n] = autopar.plan(model, mesh, (x,), hardware="h100", share_layers=True)
+    # the last block feeds the output; the first differs too when it computes no input gradient
+    own = 1 if input_grad else 2
+    for n, p in plans.items():
+        assert p.solver.layer_classes == 1 and p.solver.shared_layers == n - own - 1
+        assert p.solver.status == "OPTIMAL"
+    assert plans[4].solver.num_variables == plans[6].solver.num_variables
+    assert "repeated layers in 1 class share" in str(plans[6])
+
+
+def test_shared_classes_find_the_plan_of_unshared_layers():
+    from autopar.examples.stack import BlockStack, StackConfig
+
+    torch.manual_seed(0)
+    model = BlockStack(StackConfig(dim=32, hidden=64, num_heads=4, num_layers=4))
+    captured = capture(model, (torch.randn(8, 16, 32),))
+    mesh = Mesh((2,), ("tp",))
+    shared = plan_captured(captured, mesh, hardware="h100", share_layers=True)
+    alone = plan_captured(captured, mesh, hardware="h100", share_layers=False)
+    assert shared.solver.shared_layers == 1 and alone.solver.shared_layers == 0
+    assert shared.predicted_step_s == pytest.approx(alone.predicted_step_s, rel=1e-3)
+    assert shared.solver.objective_s == pytest.approx(shared.predicted_step_s, rel=1e-6)
