@@ -53,7 +53,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
         raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
     check_mesh(mesh)
     resolve_profile(hardware)
-    parse_pins(pins, mesh)
+    parsed = parse_pins(pins, mesh)
     parse_memory(memory_budget)
     check_recompute(recompute)
     check_gap(solver_gap)
@@ -68,7 +68,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
                              share_layers=share_layers, recompute=recompute)
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
-                          backend=backend or default_backend(model), planner=planner)
+                          backend=backend or default_backend(model), planner=planner, pins=parsed)
 
 
 def _decorate(target, *, mesh: Mesh, example_inputs, options):

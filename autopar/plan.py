@@ -8,7 +8,7 @@ from typing import Mapping
 from autopar.cost_model.hardware import Link
 from autopar.mesh import Mesh
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +182,9 @@ class ShardingPlan:
     """Segments (layers, or top-level modules) whose offloaded activations are copied back
     ahead, while the backward of the segment after them runs; the others' are copied back when
     the backward first reads them."""
+    graph_lines: tuple[str, ...] = ()
+    """One line per node of the captured graph (:func:`autopar.passes.capture.graph_lines`): a
+    plan refused as stale names the first line that differs."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -232,6 +235,7 @@ class ShardingPlan:
             "host_optimizer": list(self.host_optimizer),
             "host_params": list(self.host_params),
             "prefetched": list(self.prefetched),
+            "graph_lines": list(self.graph_lines),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -267,6 +271,7 @@ class ShardingPlan:
             host_optimizer=tuple(data["host_optimizer"]),
             host_params=tuple(data["host_params"]),
             prefetched=tuple(data["prefetched"]),
+            graph_lines=tuple(data["graph_lines"]),
         )
 
     def _decisions(self) -> tuple:

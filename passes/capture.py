@@ -110,9 +110,11 @@ class Captured:
     out_spec: object
     """Pytree spec that rebuilds the model's return value from the forward outputs."""
     graph_hash: str
-    """Fingerprint of the graph's ops and shapes, used to refuse stale plans."""
+    """Fingerprint of :attr:`graph_lines`, used to refuse stale plans."""
     capture_s: float
     """Wall time the capture took."""
+    graph_lines: tuple[str, ...] = ()
+    """One line per node of the graph (:func:`graph_lines`), whose fingerprint is :attr:`graph_hash`."""
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -164,7 +166,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
             "training step to parallelize; return the loss from forward()"
         )
     inputs, outputs = _merge_tied(graph, inputs, outputs, _tied_names(model))
-    captured = Captured(graph, inputs, outputs, out_spec, _fingerprint(graph), time.perf_counter() - started)
+    lines = graph_lines(graph)
+    captured = Captured(graph, inputs, outputs, out_spec, fingerprint(lines), time.perf_counter() - started, lines)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
     return captured
 
@@ -405,10 +408,28 @@ def _capture_message(model: torch.nn.Module, stage: str, exc: Exception, names: 
     )
 
 
-def _fingerprint(graph: fx.GraphModule) -> str:
-    digest = hashlib.sha256()
-    for node in graph.graph.nodes:
-        val = node.meta.get("val")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        digest.update(f"{node.op}|{node.target}|{shape}|{len(node.args)}\n".encode())
-    return digest.hexdigest()[:16]
+def graph_lines(graph: fx.GraphModule) -> tuple[str, ...]:
+    """One line per node saying everything that changes what the program computes: the op,
+    every argument (other nodes by name, and the values of dims, scalars, flags, dtypes) and
+    the shape, dtype and device type of each value it makes. Devices of models planned on the
+    meta device are left out, so that a plan made there serves the real model."""
+    return tuple(f"{node.name} = {node.op} {node.target}({_describe(node.args)}, {_describe(node.kwargs)}) "
+                 f"-> {_describe(node.meta.get('val'))}" for node in graph.graph.nodes)
+
+
+def fingerprint(lines: tuple[str, ...]) -> str:
+    """A short hash of :func:`graph_lines`."""
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _describe(value) -> str:
+    if isinstance(value, fx.Node):
+        return value.name
+    if isinstance(value, torch.Tensor):
+        device = "" if value.device.type == "meta" else f" {value.device.type}"
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}{device}"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in value.items()) + "}"
+    return repr(value)

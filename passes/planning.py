@@ -97,6 +97,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         hardware=hardware_name,
         links=costs.links,
         graph_hash=captured.graph_hash,
+        graph_lines=captured.graph_lines,
         placements=placements,
         inputs=inputs,
         pinned=pinned,

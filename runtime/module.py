@@ -2,7 +2,7 @@
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_unflatten
 from autopar.cost_model.liveness import forward_made
 from autopar.errors import StalePlanError
 from autopar.mesh import Mesh
-from autopar.placement import Shard, format_placements
+from autopar.placement import Placements, Shard, format_placement, format_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
 from autopar.passes.redistribute import local_shape
@@ -123,7 +123,7 @@ class ParallelModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
-                 plan: ShardingPlan | None, backend: str, planner):
+                 plan: ShardingPlan | None, backend: str, planner, pins: Mapping[str, Placements] | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -132,6 +132,7 @@ class ParallelModule(torch.nn.Module):
         self._plan = plan
         self._backend = backend
         self._planner = planner
+        self._pins = dict(pins or {})
         self._built = False
         self._optimizer_checked = False
         if example_inputs is not None:
@@ -203,7 +204,7 @@ class ParallelModule(torch.nn.Module):
         self._device_mesh = device_mesh(self._mesh, device_type)
         captured = capture(self.module, inputs)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
-        check_plan(plan, captured, self._mesh)
+        check_plan(plan, captured, self._mesh, self._pins)
         rank = dist.get_rank()
         coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
         groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
@@ -312,14 +313,30 @@ class ParallelModule(torch.nn.Module):
         return {} if rank0_only and dist.get_rank() != 0 else state
 
 
-def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh) -> None:
+def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None) -> None:
+    """Refuse a plan made for another mesh, another graph (any op, argument, shape or dtype),
+    or with other placements than ``pins`` asks for, naming the difference."""
     if plan.mesh != mesh:
         raise StalePlanError(f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}")
+    for name, placements in (pins or {}).items():
+        planned = plan.placements.get(name, plan.inputs.get(name))
+        asked = tuple(format_placement(p) for p in placements)
+        if planned is not None and tuple(planned) != asked:
+            raise StalePlanError(
+                f"the plan places {name!r} as ({', '.join(planned)}) but pins ask for ({', '.join(asked)}). "
+                "Fix: plan again with these pins, or drop the pins to run the plan as it is")
     if plan.graph_hash != captured.graph_hash:
         raise StalePlanError(
-            f"the plan was made for another graph (plan {plan.graph_hash}, this model {captured.graph_hash}): "
-            "the model, its input shapes or autopar changed since planning. Fix: plan this model again"
+            f"the plan was made for another graph (plan {plan.graph_hash}, this model {captured.graph_hash})"
+            + _first_difference(plan.graph_lines, captured.graph_lines)
+            + ": the model, its input shapes or dtypes, or autopar changed since planning. Fix: plan this model again"
         )
 
 
-
+def _first_difference(planned: Sequence[str], captured: Sequence[str]) -> str:
+    for k, (a, b) in enumerate(zip(planned, captured)):
+        if a != b:
+            return f"; node {k} differs, planned as `{a}`, now `{b}`"
+    if len(planned) != len(captured):
+        return f"; the plan's graph has {len(planned)} nodes, this model's {len(captured)}"
+    return ""

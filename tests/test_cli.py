@@ -53,7 +53,7 @@ def test_bad_input_prints_its_message_alone_and_the_traceback_is_behind_verbose(
 def test_plan_can_share_repeated_layers():
     shared = _autopar("plan", "gpt", "--mesh", "4", "--share-layers", "on")
     assert shared.returncode == 0, shared.stderr
-    assert "nodes of repeated layers share the first layer's" in shared.stdout
+    assert "repeated layers in 1 class share their first layer's" in shared.stdout
     alone = _autopar("plan", "gpt", "--mesh", "4", "--share-layers", "off")
     assert alone.returncode == 0 and "repeated layers" not in alone.stdout
 

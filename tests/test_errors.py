@@ -82,6 +82,42 @@ def test_plan_for_another_model_is_refused(fake_world):
         autopar.compile(MLP(16, 64), Mesh((2,)), _inputs(), plan=plan)
 
 
+class _Scan(nn.Module):
+    def __init__(self, dim: int, softmax_dim: int = -1):
+        super().__init__()
+        self.dim, self.softmax_dim = dim, softmax_dim
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return ((self.fc(x).cumsum(self.dim).softmax(self.softmax_dim) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("planned, compiled, difference", [
+    (_Scan(1), _Scan(0), r"cumsum.default\(\[addmm, 1\].*now `cumsum.*\(\[addmm, 0\]"),
+    (_Scan(1, softmax_dim=-1), _Scan(1, softmax_dim=0), r"_softmax.default\(\[cumsum, -1, False\].*now `.*_softmax.default\(\[cumsum, 0, False\]"),
+])
+def test_a_plan_for_other_op_arguments_is_refused_naming_the_node(fake_world, planned, compiled, difference):
+    fake_world(2)
+    plan = autopar.plan(planned, Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE)
+    with pytest.raises(autopar.StalePlanError, match=r"(?s)plan was made for another graph.*node \d+ differs.*" + difference):
+        autopar.compile(compiled, Mesh((2,)), _inputs(), plan=plan)
+
+
+def test_a_float32_plan_is_refused_for_a_bfloat16_model(fake_world):
+    fake_world(2)
+    plan = autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE)
+    x, y = _inputs()
+    with pytest.raises(autopar.StalePlanError, match=r"(?s)node \d+ differs, planned as `.*float32.*`, now `.*bfloat16"):
+        autopar.compile(MLP(16, 32).to(torch.bfloat16), Mesh((2,)), (x.bfloat16(), y.bfloat16()), plan=plan)
+
+
+def test_a_plan_with_other_input_placements_than_the_pins_is_refused(fake_world):
+    fake_world(2)
+    plan = autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE, pins={"x": "S(0)"})
+    with pytest.raises(autopar.StalePlanError, match=r"plan places 'x' as \(S\(0\)\) but pins ask for \(R\).*Fix: plan again"):
+        autopar.compile(MLP(16, 32), Mesh((2,)), _inputs(), plan=plan, pins={"x": "R"})
+
+
 def test_plan_for_another_mesh_is_refused(fake_world):
     fake_world(2)
     plan = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), _inputs(), hardware=FLOP_EQ_BYTE)
