@@ -22,6 +22,10 @@ class InfeasiblePlanError(AutoparError):
     """No placement of the graph satisfies the constraints (pins, divisibility)."""
 
 
+class SolverTimeoutError(InfeasiblePlanError):
+    """The search found no plan within its time limit (which says nothing of whether one exists)."""
+
+
 class StalePlanError(AutoparError):
     """A plan was made for another model, input shape or mesh."""
 

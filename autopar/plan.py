@@ -62,6 +62,9 @@ class NodePlan:
     fmt: str = ""
     """For a matrix product (matmul, convolution, attention): the format of its multiply-adds,
     whose rate its compute is priced at (``float32``, ``tf32``, ``bfloat16``, ...)."""
+    flops: float = 0.0
+    """For a matrix product: the FLOPs one rank runs, by :mod:`torch.utils.flop_counter`'s
+    formulas on the rank's local shapes (what its compute is priced from)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,10 @@ class SolverInfo:
     """Classes of two or more identical layers (:mod:`autopar.passes.layers`)."""
     shared_layers: int = 0
     """Layers that took the choice of the first layer of their class."""
+    layout: str = ""
+    """With status ``LAYOUT``: the standard layout returned (``data parallel``, ``fully
+    sharded``, …, :mod:`autopar.passes.layouts`), predicted faster than any plan the search found
+    in its time limit, or the search found none."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,14 +12,15 @@ import torch
 from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.cost_model.liveness import Liveness, plan_liveness
-from autopar.errors import InfeasiblePlanError
+from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.explain import format_bytes
 from autopar.mesh import Mesh
 from autopar.placement import Placement, Placements, parse_placements
-from autopar.plan import ShardingPlan
+from autopar.plan import ShardingPlan, SolverInfo
 from autopar.passes.buckets import BUCKET_BYTES
 from autopar.passes.capture import Captured, capture, module_paths, segment_of
 from autopar.passes.layers import LayerClasses, repeated_layers
+from autopar.passes.layouts import standard_layouts
 from autopar.passes.planning import build_plan, moment_bytes
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
@@ -112,8 +113,14 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
              sum(len(n.strategies) for n in space.nodes), mesh)
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
 
-    sharded = _sharded_parameters(space, memory) if budget is not None else None
     segments = {name: segment_of(path) for name, path in module_paths(captured).items()}
+
+    def priced(solution: Solution) -> ShardingPlan:
+        return build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
+                          pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
+
+    layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget)
+    start = layout[1] if layout is not None else _sharded_parameters(space, memory) if budget is not None else None
 
     def attempt(solver_budget: float | None, start: Solution | None):
         started = time.perf_counter()
@@ -121,19 +128,28 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
                          one_step_moves=costs.one_step_moves, memory=memory if budget else None,
                          budget_bytes=solver_budget, shared=shared, activations=activations,
                          choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s, relative_gap=solver_gap,
-                         start=start or sharded, bucket_bytes=bucket_bytes)
+                         start=start, bucket_bytes=bucket_bytes)
         solved = time.perf_counter()
-        plan = build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
-                          pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
+        plan = priced(solution)
         planned = time.perf_counter()
         live = plan_liveness(captured, plan)
         return plan, live, {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}, solution
 
     try:
-        result, live, times, _ = _within_budget(attempt, budget, mesh)
+        result, live, times, _ = _within_budget(lambda b, s: attempt(b, s or start), budget, mesh)
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
                                                budget, mesh, shared, host, solver_time_limit_s, segments)) from None
+    if layout is not None and (result.solver.status == "START" or (
+            result.solver.status == "FEASIBLE" and layout[0].predicted_step_s < result.predicted_step_s)):
+        layout_live = live if result.solver.status == "START" else plan_liveness(captured, layout[0])
+        if budget is None or layout_live.peak_bytes <= budget:
+            log.warning("the solver found %s within solver_time_limit_s=%g; returning the %s layout",
+                        "no plan" if result.solver.status == "START" else "only slower plans", solver_time_limit_s,
+                        layout[0].solver.layout)
+            result, live = dataclasses.replace(layout[0], solver=dataclasses.replace(
+                layout[0].solver, num_variables=result.solver.num_variables, num_constraints=result.solver.num_constraints,
+                solve_s=result.solver.solve_s)), layout_live
     result = dataclasses.replace(
         result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
         solver=dataclasses.replace(result.solver, layer_classes=classes.num_classes,
@@ -149,6 +165,22 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
                     "memory left out; pass memory_budget=%d (%s) for one that fits", format_bytes(result.peak_memory_bytes),
                     format_bytes(device), profile.name, device, format_bytes(device))
     return result
+
+
+def _best_layout(space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None):
+    """The fastest standard layout (:mod:`autopar.passes.layouts`) whose predicted peak fits
+    ``budget``: its plan (status ``LAYOUT``) and every node's strategy index; ``None`` when none fits."""
+    best = None
+    for name, choice in standard_layouts(space, mesh, node_costs, costs.transition_s):
+        info = SolverInfo(status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, solve_s=0.0, num_variables=0,
+                          num_constraints=0, layout=name)
+        plan = priced(Solution(choice, info, recomputed=activations.param_views))
+        if (budget is None or plan.peak_memory_bytes <= budget) and (best is None or plan.predicted_step_s < best[0].predicted_step_s):
+            best = plan, choice
+    if best is not None:
+        log.info("the fastest standard layout that fits is %s, predicted at %.3g s per step", best[0].solver.layout,
+                 best[0].predicted_step_s)
+    return best
 
 
 def _sharded_parameters(space, memory) -> dict[str, int]:
@@ -190,7 +222,7 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
             plan, live, times, solution = attempt(solver_budget, best[3] if best else None)
         except InfeasiblePlanError as exc:
             spent["solve"] = spent.get("solve", 0.0) + time.perf_counter() - started
-            if "time limit" in str(exc):
+            if isinstance(exc, SolverTimeoutError):
                 if best is not None:
                     break  # keep the plan that fits
                 raise

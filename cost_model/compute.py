@@ -5,9 +5,10 @@ and its attention formulas for the CPU flash-attention kernels a model captured 
 which the flop counter does not list); other ops count one FLOP per output element. Bytes moved are the op's inputs and outputs.
 A matrix product's FLOPs run at the profile's rate for the format of its multiply-adds
 (:func:`math_format`): on a GPU, float32 without TF32 is 15 times slower than bfloat16.
-Views and other metadata-only ops are free. A mesh axis on which the strategy splits or
-partially sums anything divides the work by its size; on an axis where everything is replicated
-every rank does the whole op, so redundant compute costs what it costs.
+Views and other metadata-only ops are free. A rank's share is what its local shapes hold: a mesh
+axis on which the strategy splits (``S``) an input or output divides the work by its size. On an
+axis where the operands are replicated (``R``) or partial sums (``P``) every rank holds them whole
+and runs the whole op, so redundant compute costs its full price.
 """
 
 import math
@@ -19,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.cost_model.hardware import Profile
 from autopar.mesh import Mesh
-from autopar.placement import Replicate
+from autopar.placement import Shard
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy
 
@@ -98,12 +99,21 @@ def node_work(node: fx.Node) -> tuple[float, float]:
 
 
 def work_divisor(strategy: Strategy, mesh: Mesh) -> int:
-    """How many ranks share the op's work under ``strategy``."""
+    """How many ranks share the op's work under ``strategy``: the product of the axes on which
+    it splits an input or output."""
     placements = [p for p in strategy.outputs + strategy.inputs if p is not None]
     return math.prod(
         n for axis, n in enumerate(mesh.shape)
-        if any(not isinstance(p[axis], Replicate) for p in placements)
+        if any(isinstance(p[axis], Shard) for p in placements)
     )
+
+
+def rank_flops(node: fx.Node, strategy: Strategy, mesh: Mesh) -> float:
+    """FLOPs one rank runs for ``node`` under ``strategy``, counted as
+    :mod:`torch.utils.flop_counter` counts them (0 for ops it has no formula for)."""
+    if math_format(node) is None:
+        return 0.0
+    return node_work(node)[0] / work_divisor(strategy, mesh)
 
 
 def compute_s(work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile,

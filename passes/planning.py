@@ -3,7 +3,7 @@
 import dataclasses
 from collections import defaultdict
 
-from autopar.cost_model.compute import math_format
+from autopar.cost_model.compute import math_format, rank_flops
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.mesh import Mesh
@@ -84,7 +84,8 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
                  tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
                  tuple(format_placements(p) for p in chosen[n.name].inputs),
-                 compute[n.name][choice[n.name]], *activation(n.name), math_format(costs.graph_nodes[n.name]) or "")
+                 compute[n.name][choice[n.name]], *activation(n.name), math_format(costs.graph_nodes[n.name]) or "",
+                 rank_flops(costs.graph_nodes[n.name], chosen[n.name], mesh))
         for n in space.nodes if n.kind == "op"
     )
     gathers = parameter_gathers(captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes)

@@ -36,6 +36,7 @@ variables. Nodes of repeated layers take the variables of the first layer of the
 are priced once per copy.
 """
 
+import dataclasses
 import logging
 import math
 import time
@@ -47,7 +48,7 @@ from ortools.linear_solver import pywraplp
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.errors import InfeasiblePlanError
+from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.passes.memory_choices import host_state, keep_recompute_or_offload
 from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
 from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
@@ -134,7 +135,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
     another budget, say), or strategy indices of some nodes, which the solver completes. A start
     that satisfies the program makes the result at least as fast as the start; one that does not
-    is dropped.
+    is dropped. When the search finds no plan in its time limit and ``start`` gives every node's
+    strategy, the start comes back with status ``START`` (its objective unknown: NaN).
     """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("HIGHS")
@@ -232,8 +234,16 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
                                  started + time_limit_s, hint)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE):
-        raise InfeasiblePlanError(
+    if status not in answered and (whole := _complete_start(start, ind)) is not None:
+        log.warning("the solver found no plan within its time limit (%.0f s); keeping the plan it started from", elapsed)
+        info = SolverInfo(status="START", objective_s=math.nan, bound_s=-math.inf, solve_s=elapsed,
+                          num_variables=solver.NumVariables(), num_constraints=solver.NumConstraints(), shared_nodes=len(shared))
+        if isinstance(start, Solution):
+            return dataclasses.replace(start, info=info)
+        views = activations.param_views if activations is not None else frozenset()
+        return Solution(whole, info, recomputed=views)
+    if status not in answered:
+        raise SolverTimeoutError(
             f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
             f"its time limit ({elapsed:.0f} s).\nFix: raise solver_time_limit_s, pin the large tensors, or plan "
             "for a 1-D mesh"
@@ -293,6 +303,14 @@ def _hint(start: "Solution | Mapping[str, int] | None", ind: dict, own: set[str]
             chosen = {shared.get(name, name) for name in getattr(start, field)}
             hint.extend((var, float(name in chosen)) for name, var in variables.items())
     return hint
+
+
+def _complete_start(start: "Solution | Mapping[str, int] | None", ind: dict) -> dict[str, int] | None:
+    """The strategy of every node from ``start``, when it gives one for each."""
+    if start is None:
+        return None
+    choice = start.choice if isinstance(start, Solution) else start
+    return dict(choice) if all(name in choice for name in ind) else None
 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:

@@ -1,5 +1,4 @@
 import statistics
-import time
 
 import pytest
 import torch
@@ -68,21 +67,41 @@ def test_more_ranks_than_cores_is_said_to_share_them():
     assert note is not None and note.startswith("4 ranks share 2 CPU cores")
 
 
+class _Clock:
+    """A clock that moves only when told: timings independent of the host's load."""
+
+    def __init__(self):
+        self.now_s = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
 def test_a_collective_is_timed_without_the_compute_before_it(fake_world, monkeypatch):
     fake_world(1)
-    monkeypatch.setattr(calibrate, "_WORK", (512, 3))  # several ms of matmuls before each call
-    seconds = _after_work_s(lambda: time.sleep(1e-3))
-    assert 0.8e-3 < seconds < 1.8e-3
+    clock = _Clock()
+    monkeypatch.setattr(calibrate, "time", clock)
+    monkeypatch.setattr(calibrate, "_WORK", (8, 3))
+    monkeypatch.setattr(calibrate.torch, "mm", lambda a, b: clock.advance(0.5e-3))  # each matmul "takes" 0.5 ms
+    seconds = _after_work_s(lambda: clock.advance(1e-3))
+    assert seconds == pytest.approx(1e-3)
 
 
-def test_a_training_step_times_its_forward_and_backward_and_not_its_optimizer(fake_world):
+def test_a_training_step_times_its_forward_and_backward_and_not_its_optimizer(fake_world, monkeypatch):
+    from autopar import step_scales
+
     fake_world(1)
+    clock = _Clock()
+    monkeypatch.setattr(step_scales, "time", clock)
     torch.manual_seed(0)
     model, x = torch.nn.Linear(4, 1), torch.randn(8, 4)
 
     class SlowSGD(torch.optim.SGD):
         def step(self, closure=None):
-            time.sleep(0.05)
+            clock.advance(1.0)
             return super().step(closure)
 
     opt = SlowSGD(model.parameters(), lr=0.1)
@@ -92,5 +111,5 @@ def test_a_training_step_times_its_forward_and_backward_and_not_its_optimizer(fa
 
     seconds = training_step(lambda v: model(v).sum(), (x,), opt)
 
-    assert seconds < 0.05  # the optimizer's sleep is not counted
+    assert seconds == 0.0  # the optimizer's second is not counted
     assert torch.allclose(model.weight, before - 0.1 * expected)  # stepped once, on this step's gradient alone

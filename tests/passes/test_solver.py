@@ -94,32 +94,38 @@ def test_repeated_solves_choose_the_same_plan():
 
 def test_a_search_stopped_early_keeps_the_plan_it_started_from():
     """A program that takes seconds to solve, stopped after 0.3 s: started from a random plan,
-    the solver returns a plan no slower than it (without the start, HiGHS has none by then on a
-    2-core host), and started from the optimum, the optimum."""
+    the solver returns a plan no slower than it (a better one it found, or the start itself,
+    status ``START``, however busy the host), and started from the optimum, the optimum."""
     space, costs, transition = _random_space(3000, 1, chain=False)
     rng = random.Random(0)
     start = {n.name: rng.randrange(len(n.strategies)) for n in space.nodes}
     started = solve(space, costs, transition, time_limit_s=0.3, start=start)
-    assert started.info.status in ("FEASIBLE", "OPTIMAL")
+    assert started.info.status in ("FEASIBLE", "OPTIMAL", "START")
     assert _plan_cost(space, costs, transition, started.choice) <= _plan_cost(space, costs, transition, start) + 1e-6
     best = solve(space, costs, transition)
     again = solve(space, costs, transition, time_limit_s=0.3, start=best)
-    assert again.info.objective_s <= best.info.objective_s + 1e-6
+    assert _plan_cost(space, costs, transition, again.choice) <= _plan_cost(space, costs, transition, best.choice) + 1e-6
 
 
-@pytest.mark.slow
-def test_a_program_too_big_to_solve_stops_at_the_deadline_with_a_clear_error():
-    import time
+def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_hand_layouts():
+    import torch
 
     import autopar
-    from autopar.examples import make_example
+    from autopar.examples.llama import Llama, LlamaConfig
 
-    model, inputs = make_example("llama")  # about 165k variables on a 2x2 mesh with every layer its own
-    started = time.perf_counter()
-    with pytest.raises(autopar.InfeasiblePlanError, match=r"(?s)no plan for .* within its time limit.*Fix: raise solver_time_limit_s"):
-        autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), inputs, hardware="cpu", solver_time_limit_s=0.5,
-                     share_layers=False)
-    assert time.perf_counter() - started < 60
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=4, max_seq=32)
+    model, inputs = Llama(cfg), (torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32)))
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"))
+    plan = autopar.plan(model, mesh, inputs, hardware="cpu", solver_time_limit_s=1.0, share_layers=False)
+    assert plan.solver.num_variables > 300_000
+    assert plan.solver.status in ("LAYOUT", "FEASIBLE", "OPTIMAL")
+    assert plan.solver.status != "LAYOUT" or plan.solver.layout in ("data parallel", "fully sharded")
+    batch = {"idx": ("S(0)", "S(0)"), "targets": ("S(0)", "S(0)")}
+    for params in (("R", "R"), ("S(0)", "S(0)")):  # DDP and FSDP by hand, their other ops planned by the solver
+        pins = {**batch, **{name: params for name, _ in model.named_parameters()}}
+        hand = autopar.plan(model, mesh, inputs, hardware="cpu", pins=pins, share_layers=True)
+        assert plan.predicted_step_s <= hand.predicted_step_s * (1 + 1e-6), params
 
 
 def test_a_search_under_a_budget_gives_up_only_while_it_has_no_plan():
