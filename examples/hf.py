@@ -3,9 +3,9 @@ downloaded. Each is wrapped in :class:`CausalLMLoss`, whose ``forward(input_ids,
 returns the loss, as autopar's other examples do.
 
 What capture needs from such a model, set in its configuration here: ``use_cache=False`` (a
-key-value cache is for generation and is no tensor), dropout probabilities 0 (dropout has no
-sharding rule, and its random masks would differ from one device's), and an attention kernel
-that ``torch.export`` traces (``attn_implementation="sdpa"`` or ``"eager"``).
+key-value cache is for generation and is no tensor) and an attention kernel that
+``torch.export`` traces (``attn_implementation="sdpa"`` or ``"eager"``). Dropout is off unless
+asked for; on several ranks it draws the masks one device draws from the same seed.
 """
 
 from torch import nn
@@ -32,12 +32,14 @@ _TRAINABLE = {"use_cache": False, "attn_implementation": "sdpa", "bos_token_id":
 the small vocabularies (transformers warns about its defaults otherwise)."""
 
 
-def gpt2(*, vocab_size: int = 256, seq: int = 32, dim: int = 64, num_heads: int = 4, num_layers: int = 2) -> CausalLMLoss:
-    """``GPT2LMHeadModel`` (learned positions, tied output head, GELU MLP) without dropout."""
+def gpt2(*, vocab_size: int = 256, seq: int = 32, dim: int = 64, num_heads: int = 4, num_layers: int = 2,
+         dropout: float = 0.0) -> CausalLMLoss:
+    """``GPT2LMHeadModel`` (learned positions, tied output head, GELU MLP), with ``dropout`` on
+    the embeddings, the attention weights and the residual branches."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=seq, n_embd=dim, n_head=num_heads, n_layer=num_layers,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_TRAINABLE)
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **_TRAINABLE)
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"  # the class name does not name its loss; transformers warns and picks this one
     return CausalLMLoss(model)

@@ -63,6 +63,18 @@ def _var_mean_by_sums(x: torch.Tensor, dim=None, *, correction=None, keepdim: bo
     return var, (mean if keepdim else mean.squeeze(dims))
 
 
+def _dropout_drawn_whole(x: torch.Tensor, p: float, train: bool | None):
+    """``native_dropout`` as torch's CPU kernel computes it: a mask the shape of ``x`` drawn by
+    ``bernoulli`` from the generator, ``x * mask * 1/(1-p)``. The draw is its own node, which
+    runs whole on every rank (:func:`autopar.passes.rules.pointwise.drawn_whole_rule`), so each
+    rank draws the mask one device draws and keeps its piece."""
+    if train is not None and not train:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    kept = 1.0 - p
+    mask = aten.bernoulli.p(torch.empty(x.shape, dtype=x.dtype, device=x.device), kept)
+    return x * mask * (0.0 if kept == 0 else 1.0 / kept), mask.to(torch.bool)
+
+
 # Losses, means and batch norm are decomposed into sums, divisions, gathers and masks so that a
 # batch split turns them into partial sums that one all-reduce makes whole.
 _DECOMPOSITIONS = {
@@ -73,6 +85,7 @@ _DECOMPOSITIONS = {
         aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
     ]),
     aten.var_mean.correction: _var_mean_by_sums,
+    aten.native_dropout.default: _dropout_drawn_whole,
 }
 
 

@@ -52,7 +52,7 @@ from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.passes.memory_choices import host_state, keep_recompute_or_offload
 from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
 from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
-                                SCALE, solve_before_deadline)
+                                SCALE, START_HINT_ABOVE, solve_before_deadline)
 from autopar.passes.remat import ActivationSpace, backward_view_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 from autopar.passes.transport import (GradientCost, OneStepMoves, TransitionCost, enough_buckets, gathered, gradient_transport,
@@ -135,8 +135,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
     another budget, say), or strategy indices of some nodes, which the solver completes. A start
     that satisfies the program makes the result at least as fast as the start; one that does not
-    is dropped. When the search finds no plan in its time limit and ``start`` gives every node's
-    strategy, the start comes back with status ``START`` (its objective unknown: NaN).
+    is dropped. Without a budget, HiGHS gets the start only in programs of more than
+    ``START_HINT_ABOVE`` variables. When the search finds no plan in its time limit and ``start``
+    gives every node's strategy, the start comes back with status ``START`` (its objective
+    unknown: NaN).
     """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("HIGHS")
@@ -218,7 +220,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
     effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
     strategy_vars = [var for name in own for terms in ind[name] for var in terms] if large else []
-    outcome = solve_before_deadline(solver, params, time_limit_s, () if priced else hint,
+    given = () if priced or solver.NumVariables() <= START_HINT_ABOVE else hint
+    outcome = solve_before_deadline(solver, params, time_limit_s, given,
                                     give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
                                     heuristic_effort=effort, dive=strategy_vars)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED

@@ -42,11 +42,14 @@ def make_model(name: str):
                         expert_hidden=32, group_size=8)
         model = MoEGPT(cfg)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
-    elif name in ("hf-gpt2", "hf-llama"):  # Hugging Face transformers, built from a configuration
+    elif name in ("hf-gpt2", "hf-gpt2-dropout", "hf-llama"):  # Hugging Face transformers, built from a configuration
         from autopar.examples import hf
 
         sizes = {"vocab_size": 64, "seq": 8, "dim": 16, "num_heads": 4, "num_layers": 1}
-        model = hf.gpt2(**sizes) if name == "hf-gpt2" else hf.llama(**sizes, hidden=32)
+        if name == "hf-llama":
+            model = hf.llama(**sizes, hidden=32)
+        else:
+            model = hf.gpt2(**sizes, dropout=0.1 if name == "hf-gpt2-dropout" else 0.0)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
     elif name == "convnet":
         # 8x8 images: at 16x16 this seed gives one filter weight a first gradient of 6e-8, so near
@@ -117,10 +120,16 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6 if name == "adamw-eps1e-6" else 1e-8)
 
 
+STEP_SEED = 1000
+"""Each training step ``k`` starts from ``torch.manual_seed(STEP_SEED + k)``, on one device and
+on every rank, so that models with dropout draw the same masks."""
+
+
 def _train(model, batches, optimizer_name):
     opt = make_optimizer(optimizer_name, model.parameters())
     losses, grads = [], None
-    for batch in batches:
+    for step, batch in enumerate(batches):
+        torch.manual_seed(STEP_SEED + step)
         opt.zero_grad()
         loss = model(*batch)
         loss.backward()
@@ -144,7 +153,8 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
     pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, pins=pins, backend=backend, recompute=recompute)
     opt = make_optimizer(optimizer_name, pmodel.parameters())
     losses, first_grads = [], None
-    for batch in batches:
+    for step, batch in enumerate(batches):
+        torch.manual_seed(STEP_SEED + step)
         opt.zero_grad()
         loss = pmodel(*_rank_inputs(pmodel, batch))
         loss.backward()

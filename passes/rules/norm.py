@@ -51,6 +51,14 @@ def softmax_rule(node: fx.Node) -> list[Row]:
     return [((R,), (R,))] + [((S(d),), (S(d),)) for d in range(x.ndim)]  # the softmax dim too: _softmax_split
 
 
+@register(aten._safe_softmax.default)
+def safe_softmax_rule(node: fx.Node) -> list[Row]:
+    """``_safe_softmax(x, dim, dtype)``: a softmax that gives 0 where a row is all ``-inf``."""
+    x = val(node.args[0])
+    dim = node.args[1] % x.ndim
+    return [((R,), (R,))] + [((S(d),), (S(d),)) for d in range(x.ndim) if d != dim]  # split another dim
+
+
 def _softmax_dim(node: fx.Node) -> int:
     return node.args[1] % val(node.args[0]).ndim
 

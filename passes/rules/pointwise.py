@@ -21,13 +21,13 @@ _LINEAR: dict[object, object] = {
     aten.gelu_backward.default: {0},
     aten.where.self: {1, 2},
     aten.detach.default: "all", aten.clone.default: "all", aten.alias.default: "all",
-    aten._to_copy.default: "all",
+    aten._to_copy.default: "all", aten.lift_fresh_copy.default: "all",
 }
 
 _IDENTITY = (
     aten.detach.default, aten.clone.default, aten.alias.default, aten._to_copy.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default,
+    aten.full_like.default, aten.lift_fresh_copy.default,
 )
 
 
@@ -72,3 +72,10 @@ def tensor_positions(node: fx.Node) -> list[int]:
 
 
 register(*_IDENTITY, prims.div.default)(pointwise_rule)
+
+
+@register(aten.bernoulli.p)
+def drawn_whole_rule(node: fx.Node) -> list[Row]:
+    """A random draw runs whole on every rank, each drawing what one device draws from the same
+    generator state; readers that need a piece slice it locally (dropout's mask)."""
+    return [((R,), (R,))]

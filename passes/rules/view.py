@@ -12,7 +12,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 register_shape_arg(1, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-                   aten.slice_backward.default, prims.broadcast_in_dim.default)
+                   aten.slice_backward.default, aten.select_backward.default, prims.broadcast_in_dim.default)
 
 
 def reshape_dim_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
@@ -111,6 +111,40 @@ def slice_backward_rule(node: fx.Node) -> list[Row]:
     dim = node.args[2] % grad.ndim
     rows: list[Row] = [((R,), (R,)), ((P,), (P,))]  # zero padding is linear
     rows += [((S(d),), (S(d),)) for d in range(grad.ndim) if d != dim]  # split another dim
+    return rows
+
+
+@register(aten.select_backward.default)
+def select_backward_rule(node: fx.Node) -> list[Row]:
+    """``select_backward(grad, input_sizes, dim, index)`` puts ``grad`` back at ``index`` of a
+    new dim ``dim``, zeros elsewhere."""
+    grad = val(node.args[0])
+    dim = node.args[2] % (grad.ndim + 1)
+    rows: list[Row] = [((R,), (R,)), ((P,), (P,))]  # zero padding is linear
+    rows += [((S(d if d < dim else d + 1),), (S(d),)) for d in range(grad.ndim)]  # split another dim
+    return rows
+
+
+@register(aten.unbind.int)
+def unbind_rule(node: fx.Node) -> list[Row]:
+    """``unbind(x, dim)``: the slices of ``x`` along ``dim``."""
+    x, outs = val(node.args[0]), val(node)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % x.ndim
+    n = len(outs)
+    rows: list[Row] = [((R,) * n, (R,)), ((P,) * n, (P,))]
+    rows += [((S(d if d < dim else d - 1),) * n, (S(d),)) for d in range(x.ndim) if d != dim]  # split another dim
+    return rows
+
+
+@register(aten.stack.default)
+def stack_rule(node: fx.Node) -> list[Row]:
+    """``stack(tensors, dim)``: the tensors along a new dim ``dim``."""
+    args = [val(a) for a in tensor_args(node)]
+    out = val(node)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.ndim
+    k = len(args)
+    rows: list[Row] = [((R,), (R,) * k), ((P,), (P,) * k)]
+    rows += [((S(d if d < dim else d + 1),), (S(d),) * k) for d in range(out.ndim - 1)]  # split another dim
     return rows
 
 

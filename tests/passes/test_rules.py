@@ -45,6 +45,7 @@ EVERY_ROW_CHECKED = {aten.topk.default, aten.cumsum.default, aten.new_zeros.defa
                      aten.avg_pool2d.default, aten.avg_pool2d_backward.default,
                      aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
                      aten.index.Tensor, aten.constant_pad_nd.default,
+                     aten.unbind.int, aten.stack.default, aten._safe_softmax.default, aten.select_backward.default,
                      # ops with rows that split the dim they reduce or index (SplitOp)
                      aten.embedding.default, aten.embedding_dense_backward.default, aten.gather.default,
                      aten.scatter.value, aten._log_softmax.default, aten._log_softmax_backward_data.default}
@@ -52,7 +53,10 @@ EVERY_ROW_CHECKED = {aten.topk.default, aten.cumsum.default, aten.new_zeros.defa
 _CUDA_ONLY = ("a CUDA kernel; this CPU build has none (the CPU flash attention op is validated, and "
               "tests/passes/test_cuda_attention.py checks the CUDA kernels where a GPU is present)")
 _UNINITIALISED = "returns uninitialised memory: there are no values to compare"
-NOT_RUNNABLE = {aten._scaled_dot_product_efficient_attention.default: _CUDA_ONLY,
+_RANDOM = ("a random draw, run whole on every rank: its values match one device's when every rank draws "
+           "from the same generator state, which the graph-diff run with dropout (hf-gpt2-dropout) checks")
+NOT_RUNNABLE = {aten.bernoulli.p: _RANDOM,
+                aten._scaled_dot_product_efficient_attention.default: _CUDA_ONLY,
                 aten._scaled_dot_product_efficient_attention_backward.default: _CUDA_ONLY,
                 aten._scaled_dot_product_flash_attention.default: _CUDA_ONLY,
                 aten._scaled_dot_product_flash_attention_backward.default: _CUDA_ONLY,
@@ -76,6 +80,20 @@ class _PoolNet(nn.Module):
     def forward(self, x, target):
         x = self.up(F.avg_pool2d(self.conv(x), 2))
         return F.mse_loss(self.head(F.adaptive_avg_pool2d(x, 2).flatten(1)), target)
+
+
+class _UnbindNet(nn.Module):
+    """q, k and v unbound from one projection (their gradients stacked back), a safe softmax and
+    a selected position (its gradient put back by ``select_backward``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, target):
+        q, k, v = self.qkv(x).view(4, 6, 3, 8).permute(2, 0, 1, 3).unbind(0)
+        attended = torch.ops.aten._safe_softmax(q @ k.transpose(-2, -1), -1) @ v
+        return F.mse_loss(attended[:, 0], target)
 
 
 class _IndexPadNet(nn.Module):
@@ -163,6 +181,7 @@ def _validated_on_examples() -> tuple[set, int]:
         (ConvNet(ConvNetConfig(in_channels=4)), (torch.randn(4, 4, 8, 8), torch.randint(0, 10, (4,)))),
         (_PoolNet(), (torch.randn(4, 4, 8, 8), torch.randn(4, 4))),
         (_IndexPadNet(), (torch.randn(4, 6, 4), torch.randint(0, 4, (2, 2)), torch.randn(4, 6))),
+        (_UnbindNet(), (torch.randn(4, 6, 8), torch.randn(4, 8))),
     ]
     return _validate(cases, EVERY_ROW_CHECKED, gen)
 

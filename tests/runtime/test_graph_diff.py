@@ -61,6 +61,8 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HUGGING_FACE = [  # models written by others: GPT-2 and LLaMA from transformers, built from configurations
     dict(model_name="hf-gpt2", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6"),
     dict(model_name="hf-gpt2", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw-eps1e-6"),
+    # dropout on: every rank draws the masks one device draws and keeps its piece
+    dict(model_name="hf-gpt2-dropout", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6"),
     dict(model_name="hf-llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="hf-llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
 ]
