@@ -46,6 +46,9 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
         if node.op == "placeholder":
             kind = placeholder_kinds[node]
             nodes.append(_placeholder_space(node, kind, mesh, pins.pop(kind.name, None), updates, aliases, phase))
+        elif node.op == "get_attr" and isinstance(node.meta.get("val"), torch.Tensor):
+            whole = (R,) * mesh.ndim  # a constant of the graph (a tensor literal of the model's code)
+            nodes.append(NodeSpace(node.name, "constant", str(node.target), (), (Strategy((whole,), ()),), phase))
         elif node.op == "call_function" and node.name not in aliases:
             key = _op_signature(node)
             if rule_for(node.target) is None:

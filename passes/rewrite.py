@@ -259,6 +259,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
         left = [set(p) for p in producers]  # per bucket, the ops still to make one of its gradients
         for i, node in enumerate(captured.placeholders):
             env[node.name, 0] = local_inputs[i], layouts[i]
+        for node in graph.nodes:
+            if node.op == "get_attr":  # a constant of the graph, whole on every rank
+                env[node.name, 0] = getattr(captured.graph, node.target), (R,) * mesh.ndim
         for b, names in enumerate(left):
             if not names:
                 reduce(buckets[b])

@@ -35,7 +35,8 @@ class NodeSpace:
     name: str
     """Node name in the joint graph (``"output"`` for the graph's results)."""
     kind: str
-    """``"op"``, ``"param"``, ``"buffer"``, ``"input"``, ``"tangent"`` or ``"output"``."""
+    """``"op"``, ``"param"``, ``"buffer"``, ``"input"``, ``"tangent"``, ``"constant"`` (a tensor
+    literal of the model's code, whole on every rank) or ``"output"``."""
     target: str
     """The operator, or the parameter / input name for placeholders."""
     args: tuple[ValueRef, ...]

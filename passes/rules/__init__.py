@@ -87,7 +87,9 @@ class SplitOp:
 
 
 def register(*ops) -> Callable[[Rule], Rule]:
-    """Register ``fn`` as the rule of every operator in ``ops``."""
+    """Register ``fn`` as the rule of every operator in ``ops``: operator objects, or the
+    qualified names (``"namespace.op.overload"``) of operators that a library registers with
+    torch only once it is imported."""
 
     def wrap(fn: Rule) -> Rule:
         for op in ops:
@@ -156,7 +158,7 @@ def rule_for(op) -> Rule | None:
     """The rule of ``op``; pointwise-tagged aten ops without their own rule get the generic
     pointwise rule."""
     _load()
-    found = _RULES.get(op)
+    found = _RULES.get(op) or _RULES.get(str(op))
     if found is None and isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags:
         from autopar.passes.rules.pointwise import pointwise_rule
 
@@ -187,6 +189,6 @@ def _load() -> None:
     if not _loaded:
         _loaded = True
         from autopar.passes.rules import (  # noqa: F401  (modules register their rules on import)
-            attention, conv, factory, indexing, matrix, metadata, norm, pointwise, pool, reduction, scan,
-            sorting, view,
+            attention, conv, factory, grouped, indexing, matrix, metadata, norm, pointwise, pool, reduction, scan,
+            scatter, sorting, view,
         )

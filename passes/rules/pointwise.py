@@ -71,7 +71,7 @@ def tensor_positions(node: fx.Node) -> list[int]:
     return [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-register(*_IDENTITY, prims.div.default)(pointwise_rule)
+register(*_IDENTITY, prims.div.default, aten.floor_divide.default)(pointwise_rule)
 
 
 @register(aten.bernoulli.p)

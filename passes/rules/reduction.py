@@ -1,4 +1,4 @@
-"""Sums over dimensions."""
+"""Sums over dimensions, and histograms (sums of counts)."""
 
 import torch
 from torch import fx
@@ -35,3 +35,10 @@ def sum_rule(node: fx.Node) -> list[Row]:
             out_dim = d if keepdim else d - sum(1 for r in dims if r < d)
             rows.append(((S(out_dim),), (S(d),)))  # a kept dim stays split
     return rows
+
+
+@register(aten.histc.default)
+def histc_rule(node: fx.Node) -> list[Row]:
+    """``histc(x, bins, min, max)``: counts of ``x``'s values in ``bins`` ranges."""
+    x = val(node.args[0])
+    return [((R,), (R,))] + [((P,), (S(d),)) for d in range(x.ndim)]  # counting a split dim -> partial counts
