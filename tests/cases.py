@@ -51,6 +51,11 @@ def make_model(name: str):
         else:
             model = hf.gpt2(**sizes, dropout=0.1 if name == "hf-gpt2-dropout" else 0.0)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
+    elif name.startswith("zoo-"):  # an architecture of the Hugging Face zoo, smaller still
+        from autopar.examples.hf import zoo
+
+        model, first = zoo(batch=4, seq=8, dim=16, num_layers=1)[name.removeprefix("zoo-")]()
+        batches = [first] + [tuple(_like(t) for t in first) for _ in range(2)]
     elif name == "convnet":
         # 8x8 images: at 16x16 this seed gives one filter weight a first gradient of 6e-8, so near
         # AdamW's eps (1e-8) that its rounding moves the update visibly (fp32 and fp64 runs differ by 1e-4)
@@ -59,6 +64,13 @@ def make_model(name: str):
     else:
         raise ValueError(name)
     return model, batches
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """Another batch like ``t``: token ids below its largest, or normal floats."""
+    if t.is_floating_point():
+        return torch.randn_like(t)
+    return torch.randint(0, int(t.max()) + 1, t.shape, dtype=t.dtype)
 
 
 def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
