@@ -88,6 +88,42 @@ def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
 
 
+class _FusedQKVBlock(nn.Module):
+    """A BERT layer projecting q, k and v as one tensor, head by head (Megatron's and GPT-NeoX's
+    layout), and unbinding them: ``unbind`` in the forward, ``stack`` in the backward."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.out = nn.Linear(cfg.dim, cfg.dim)
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.fc1 = nn.Linear(cfg.dim, cfg.hidden)
+        self.fc2 = nn.Linear(cfg.hidden, cfg.dim)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, self.num_heads, 3, dim // self.num_heads).unbind(3)
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        x = self.ln1(x + self.out(y.transpose(1, 2).reshape(batch, seq, dim)))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+def test_bert_layers_unbinding_a_fused_qkv_are_megatron_with_4l_minus_1_all_reduces():
+    layers, batch, seq = 2, 2, 8
+    cfg = BertConfig(dim=512, num_heads=8, hidden=2048, num_layers=layers, max_seq=seq)
+    model = _EncoderStack(cfg)
+    model.blocks = nn.ModuleList(_FusedQKVBlock(cfg) for _ in range(layers))
+    plan = autopar.plan(model, Mesh((4,), ("tp",)),
+                        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)), hardware=ALPHA_BETA)
+    for i in range(layers):
+        assert plan.placements[f"blocks.{i}.qkv.weight"] == plan.placements[f"blocks.{i}.fc1.weight"] == ("S(0)",)
+        assert plan.placements[f"blocks.{i}.out.weight"] == plan.placements[f"blocks.{i}.fc2.weight"] == ("S(1)",)
+    activation = batch * seq * cfg.dim * 4
+    assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
+
+
 def test_bert_layer_stack_recomputed_repeats_its_forward_all_reduces():
     # Alpa tests/shard_parallel/test_remat.py: recomputing every layer of the tensor-parallel
     # stack runs each layer's 2 forward all-reduces again in the backward, 4L-1 -> 6L-1
