@@ -1,7 +1,9 @@
-"""How long planning takes, stage by stage: the example models on 1-D and 2-D meshes, and a
+"""How long planning takes, stage by stage: the example models on 1-D and 2-D meshes, a
 LLaMA-3-8B-shaped model for 64 H100s (8x8) from 2 to 64 layers, without a memory budget and
 under the device's memory (planned with ``solver_gap=0.01``: proven within 1% of the fastest plan
-that fits).
+that fits), and the block stack meta-pytorch/autoparallel benchmarks its planner on
+(:mod:`autopar.examples.stack`: 8, 32 and 80 LLaMA-dimension blocks, batch 16 x sequence 1024, its
+input needing a gradient and not) for 8x8 H100s.
 
 The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
 global batch 64 x sequence 8192) is built under ``torch.device("meta")`` with meta inputs, as
@@ -11,6 +13,7 @@ stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.j
 
     python -m benchmarks.planning [--limit-s 120] [--hardware h100] [--layers 2,8,32,64]
                                   [--budget 80GB] [--budget-layers 32] [--budget-gap 0.01]
+                                  [--stack-layers 8,32,80] [--only stack]
 """
 
 import argparse
@@ -40,15 +43,41 @@ def llama3_8b_shaped(num_layers: int):
     return model, (tokens, tokens)
 
 
+AUTOPARALLEL_STACK_S = 136.0
+"""meta-pytorch/autoparallel's planning time for the 32-block stack on 8x8, proven optimal, measured
+on a machine like this one (2 cores, CPU torch 2.13, an H100 cost model)."""
+
+
+def block_stack(num_layers: int, input_grad: bool):
+    """autoparallel's benchmark stack and its input, on the meta device."""
+    import torch
+
+    from autopar.examples.stack import BlockStack, StackConfig
+
+    with torch.device("meta"):
+        model = BlockStack(StackConfig(num_layers=num_layers))
+        x = torch.randn(16, 1024, 4096, requires_grad=input_grad)
+    return model, (x,)
+
+
+def _build(name: str, layers: int):
+    from autopar.examples import make_example
+
+    if name == "llama3-8b":
+        return llama3_8b_shaped(layers)
+    if name.startswith("stack"):
+        return block_stack(layers, input_grad=name == "stack+grad")
+    return make_example(name)
+
+
 def _plan_one(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limit_s: float, budget: str | None,
               gap: float, queue) -> None:
     import autopar
-    from autopar.examples import make_example
 
     float32_matmuls_as_on_gpus()
     name, layers = model_spec
     started = time.perf_counter()
-    model, inputs = llama3_8b_shaped(layers) if name == "llama3-8b" else make_example(name)
+    model, inputs = _build(name, layers)
     names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
     try:
         plan = autopar.plan(model, autopar.Mesh(shape, names), inputs, hardware=hardware, solver_time_limit_s=limit_s,
@@ -63,6 +92,8 @@ def _plan_one(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str
         "gap": (plan.solver.objective_s - plan.solver.bound_s) / plan.solver.objective_s if plan.solver.objective_s else 0.0,
         "variables": plan.solver.num_variables,
         "shared_nodes": plan.solver.shared_nodes,
+        "layer_classes": plan.solver.layer_classes,
+        "shared_layers": plan.solver.shared_layers,
         "nodes": len(plan.nodes),
         "predicted_step_s": plan.predicted_step_s,
         "peak_memory_bytes": plan.peak_memory_bytes,
@@ -89,16 +120,17 @@ def run(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limi
     return queue.get()
 
 
-_HEADER = (f"{'model':9} {'layers':>6} {'mesh':5} {'nodes':>5} {'shared':>6} {'variables':>9} {'status':12} "
-           f"{'gap':>6} {'wall s':>7} {'capture':>7} {'propagate':>9} {'solve':>7}")
+_HEADER = (f"{'model':10} {'layers':>6} {'mesh':5} {'nodes':>5} {'shared':>6} {'variables':>9} {'status':12} "
+           f"{'gap':>6} {'wall s':>7} {'capture':>7} {'propagate':>9} {'solve':>7} {'memory':>7}")
 
 
 def _row(r: dict) -> str:
     stages = r.get("stage_s", {})
-    return (f"{r['model']:9} {r['layers'] or '':>6} {r['mesh']:5} {r.get('nodes', ''):>5} {r.get('shared_nodes', ''):>6} "
+    return (f"{r['model']:10} {r['layers'] or '':>6} {r['mesh']:5} {r.get('nodes', ''):>5} {r.get('shared_nodes', ''):>6} "
             f"{r.get('variables', ''):>9} {r['status']:12} {r['gap'] * 100 if 'gap' in r else float('nan'):>5.2f}% "
             f"{r['wall_s']:>7.1f} {stages.get('capture', float('nan')):>7.2f} "
-            f"{stages.get('propagate', float('nan')):>9.2f} {stages.get('solve', float('nan')):>7.2f}")
+            f"{stages.get('propagate', float('nan')):>9.2f} {stages.get('solve', float('nan')):>7.2f} "
+            f"{stages.get('memory', float('nan')):>7.2f}")
 
 
 def _table(title: str, configs, hardware: str, limit_s: float, budget: str | None = None, gap: float = 1e-3) -> list[dict]:
@@ -120,7 +152,18 @@ def main() -> None:
     parser.add_argument("--budget", default="80GB", help="the device memory the budgeted 8B plans must fit")
     parser.add_argument("--budget-layers", default="32", help="layer counts of the 8B-shaped model planned under --budget")
     parser.add_argument("--budget-gap", type=float, default=0.01, help="solver_gap of the budgeted plans")
+    parser.add_argument("--stack-layers", default="8,32,80", help="block counts of autoparallel's stack")
+    parser.add_argument("--only", choices=("stack",), help="plan only autoparallel's stack (results to planning-stack.json)")
     args = parser.parse_args()
+    stack = _table(f"autoparallel's block stack on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device); "
+                   f"autoparallel: {AUTOPARALLEL_STACK_S:.0f} s at 32 blocks, proven optimal",
+                   [((name, int(n)), SCALE_MESH) for name in ("stack", "stack+grad") for n in args.stack_layers.split(",")],
+                   args.hardware, args.limit_s)
+    if args.only == "stack":
+        write_results(RESULTS.with_name("planning-stack.json"), hardware_profile=args.hardware,
+                      float32_matmul_precision=FLOAT32_MATMULS, solver_time_limit_s=args.limit_s, stack=stack,
+                      autoparallel_stack_s=AUTOPARALLEL_STACK_S)
+        return
     zoo = _table("Example models (autopar.examples, as `autopar plan` builds them)",
                  [((name, 0), shape) for name in MODELS for shape in MESHES], args.hardware, args.limit_s)
     scale = _table(f"LLaMA-3-8B-shaped on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device), by layer count",
@@ -133,7 +176,8 @@ def main() -> None:
             print(f"{r['layers']:>3} layers: predicted step {r['predicted_step_s']:.3f} s, peak {r['peak_memory_bytes'] / 1e9:.1f} GB per device")
     write_results(RESULTS, hardware_profile=args.hardware, float32_matmul_precision=FLOAT32_MATMULS,
                   solver_time_limit_s=args.limit_s, examples=zoo,
-                  llama3_8b_shaped=scale, llama3_8b_shaped_budget=budgeted, budget=args.budget, budget_gap=args.budget_gap)
+                  llama3_8b_shaped=scale, llama3_8b_shaped_budget=budgeted, budget=args.budget, budget_gap=args.budget_gap,
+                  stack=stack, autoparallel_stack_s=AUTOPARALLEL_STACK_S)
 
 
 if __name__ == "__main__":
