@@ -83,8 +83,8 @@ class SolverInfo:
     """Layers that took the choice of the first layer of their class."""
     layout: str = ""
     """With status ``LAYOUT``: the standard layout returned (``data parallel``, ``fully
-    sharded``, …, :mod:`autopar.passes.layouts`), predicted faster than any plan the search found
-    in its time limit, or the search found none."""
+    sharded``, ``sharded over <axis>``, :mod:`autopar.passes.layouts`), predicted faster than
+    any plan the search found in its time limit, or the search found none."""
 
 
 @dataclass(frozen=True, slots=True)

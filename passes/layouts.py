@@ -1,17 +1,17 @@
 """The standard hand-written layouts, as complete plans of the solver's program: the plans the
 integer program starts from, and the plan returned when the search finds none in time.
 
-- **Data parallel**: the forward's inputs split along their first dim (the batch) over every
-  mesh axis that divides it, parameters and buffers replicated (DDP).
-- **Fully sharded**: the batch split likewise, every parameter split along its first dim over
-  every axis that divides it (FSDP, ZeRO-3); the ops gather what they read.
-- On a 2-D mesh, each of these on one axis with the other axis replicated, too.
+- **Data parallel**: parameters and buffers replicated (DDP).
+- **Fully sharded**: every parameter split along its first dim over every mesh axis that
+  divides it (FSDP, ZeRO-3).
+- On a mesh of several axes, **sharded over one axis** and replicated over the others (HSDP).
 
-The inputs, parameters and buffers are fixed as the layout says; every other node then takes,
-in graph order, the strategy that costs least given its operands' layouts (its compute plus
-moving each operand, by the cost model's transitions). Tensor-parallel layouts (Megatron's
-column and row splits) depend on which matmuls pair up, which these generic rules cannot see:
-the search finds them.
+The parameters and buffers are fixed as the layout says (inputs come whole, as every plan has
+them unless pinned); every other node then takes, in graph order, the strategy that costs least
+given its operands' layouts (its compute plus moving each operand, by the cost model's
+transitions): the batch splits where slicing it makes the ops cheaper. Tensor-parallel layouts
+(Megatron's column and row splits) depend on which matmuls pair up, which these generic rules
+cannot see: the search finds them.
 """
 
 import math
@@ -27,29 +27,20 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 def standard_layouts(space: StrategySpace, mesh: Mesh, node_costs: dict[str, list[float]],
                      transition_s: TransitionCost) -> Iterator[tuple[str, dict[str, int]]]:
     """``(name, strategy index of every node)`` of each standard layout the pins allow."""
-    axes_sets = [tuple(range(mesh.ndim))] + ([(a,) for a in range(mesh.ndim)] if mesh.ndim > 1 else [])
-    for kind in ("data parallel", "fully sharded"):
-        for axes in axes_sets:
-            name = kind if len(axes) == mesh.ndim else f"{kind} on {mesh.axis_names[axes[0]]}"
-            choice = _complete(space, _fixed(space, kind, axes), node_costs, transition_s)
-            if choice is not None:
-                yield name, choice
-
-
-def _fixed(space: StrategySpace, kind: str, axes: tuple[int, ...]) -> dict[str, int]:
-    """The inputs', parameters' and buffers' strategies under layout ``kind`` on ``axes``."""
-    fixed = {}
-    for n in space.nodes:
-        if n.kind == "input":
-            fixed[n.name] = _closest(n, axes)
-        elif n.kind in ("param", "buffer"):
-            fixed[n.name] = _closest(n, axes if kind == "fully sharded" and n.kind == "param" else ())
-    return fixed
+    splits = [("data parallel", ()), ("fully sharded", tuple(range(mesh.ndim)))]
+    if mesh.ndim > 1:
+        splits += [(f"sharded over {mesh.axis_names[a]}", (a,)) for a in range(mesh.ndim)]
+    for name, axes in splits:
+        fixed = {n.name: _closest(n, axes if n.kind == "param" else ())
+                 for n in space.nodes if n.kind in ("param", "buffer", "input")}
+        choice = _complete(space, fixed, node_costs, transition_s)
+        if choice is not None:
+            yield name, choice
 
 
 def _closest(node: NodeSpace, axes: tuple[int, ...]) -> int:
     """The strategy of a placeholder splitting its first dim over as many of ``axes`` as it
-    can, replicated elsewhere (its first strategy when none is of that form: a pin)."""
+    can, replicated elsewhere (its first strategy when none is of that form: a pin, an input)."""
     def split_axes(k: int) -> int | None:
         placements = node.strategies[k].outputs[0]
         if placements is None:

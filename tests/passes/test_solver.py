@@ -120,7 +120,8 @@ def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_ha
     plan = autopar.plan(model, mesh, inputs, hardware="cpu", solver_time_limit_s=1.0, share_layers=False)
     assert plan.solver.num_variables > 300_000
     assert plan.solver.status in ("LAYOUT", "FEASIBLE", "OPTIMAL")
-    assert plan.solver.status != "LAYOUT" or plan.solver.layout in ("data parallel", "fully sharded")
+    assert plan.solver.status != "LAYOUT" or plan.solver.layout in ("data parallel", "fully sharded", "sharded over dp",
+                                                                    "sharded over tp")
     batch = {"idx": ("S(0)", "S(0)"), "targets": ("S(0)", "S(0)")}
     for params in (("R", "R"), ("S(0)", "S(0)")):  # DDP and FSDP by hand, their other ops planned by the solver
         pins = {**batch, **{name: params for name, _ in model.named_parameters()}}
