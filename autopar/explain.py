@@ -56,8 +56,10 @@ def plan_table(plan: ShardingPlan) -> str:
         + (f", gradient bucket {format_bytes(mem.bucket_bytes)}" if mem.bucket_bytes else "") + ")"
         + (f"; in host memory {format_bytes(mem.host_bytes)}" if mem.host_bytes else "")
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
-        f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
-        f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables"
+        (f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
+         f"limit), {plan.solver.num_variables} variables" if plan.solver.status == "LAYOUT" else
+         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
+         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables")
         + (f" ({plan.solver.shared_layers} repeated layers in {plan.solver.layer_classes} "
            f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's, "
            f"{plan.solver.shared_nodes} nodes)" if plan.solver.shared_nodes else "")

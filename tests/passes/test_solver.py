@@ -231,3 +231,19 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
     assert dived.info.objective_s == pytest.approx(plain.info.objective_s, rel=1e-9)
     assert (_plan_cost(space, costs, transition, dived.choice)
             == pytest.approx(_plan_cost(space, costs, transition, plain.choice)))
+
+
+def test_a_search_given_no_time_returns_the_fastest_standard_layout_and_says_so(monkeypatch):
+    import torch
+
+    import autopar
+    from autopar.examples.mlp import MLP
+
+    # HiGHS past its deadline with no plan
+    monkeypatch.setattr("autopar.passes.solver.solve_before_deadline", lambda *args, **kwargs: None)
+    torch.manual_seed(0)
+    plan = autopar.plan(MLP(16, 32), autopar.Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)),
+                        hardware="h100")
+    assert plan.solver.status == "LAYOUT" and plan.solver.layout in ("data parallel", "fully sharded")
+    assert f"solver: LAYOUT, the {plan.solver.layout} layout" in str(plan)
+    assert plan.predicted_step_s > 0
