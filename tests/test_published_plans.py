@@ -88,19 +88,14 @@ def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
 
 
-class _FusedQKVBlock(nn.Module):
+class _FusedQKVBlock(EncoderBlock):
     """A BERT layer projecting q, k and v as one tensor, head by head (Megatron's and GPT-NeoX's
     layout), and unbinding them: ``unbind`` in the forward, ``stack`` in the backward."""
 
     def __init__(self, cfg: BertConfig):
-        super().__init__()
-        self.num_heads = cfg.num_heads
+        super().__init__(cfg)
+        del self.query, self.key, self.value
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.out = nn.Linear(cfg.dim, cfg.dim)
-        self.ln1 = nn.LayerNorm(cfg.dim)
-        self.fc1 = nn.Linear(cfg.dim, cfg.hidden)
-        self.fc2 = nn.Linear(cfg.hidden, cfg.dim)
-        self.ln2 = nn.LayerNorm(cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
