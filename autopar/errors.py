@@ -25,6 +25,10 @@ class InfeasiblePlanError(AutoparError):
 class SolverTimeoutError(InfeasiblePlanError):
     """The search found no plan within its time limit (which says nothing of whether one exists)."""
 
+    def __init__(self, message: str, *, solve_s: float = 0.0, num_variables: int = 0, num_constraints: int = 0):
+        super().__init__(message)
+        self.solve_s, self.num_variables, self.num_constraints = solve_s, num_variables, num_constraints
+
 
 class StalePlanError(AutoparError):
     """A plan was made for another model, input shape or mesh."""

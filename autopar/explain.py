@@ -55,6 +55,7 @@ def plan_table(plan: ShardingPlan) -> str:
         f"largest temporary {format_bytes(mem.transient_bytes)}"
         + (f", gradient bucket {format_bytes(mem.bucket_bytes)}" if mem.bucket_bytes else "") + ")"
         + (f"; in host memory {format_bytes(mem.host_bytes)}" if mem.host_bytes else "")
+        + (f" of the {format_bytes(mem.host_capacity_bytes)} it may fill" if mem.host_bytes and mem.host_capacity_bytes else "")
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
         (f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
          f"limit), {plan.solver.num_variables} variables" if plan.solver.status == "LAYOUT" else

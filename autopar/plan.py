@@ -105,6 +105,9 @@ class MemoryEstimate:
     """Bytes per device kept in host memory instead: offloaded activations, optimizer state
     stepped on the host, and parameters living there with their gradients (not part of the
     device's peak)."""
+    host_capacity_bytes: int = 0
+    """Host memory each device may fill (its host's memory over its devices; 0: no limit),
+    which ``host_bytes`` stays within."""
     liveness_peak_bytes: int = 0
     """The peak of the per-rank program itself, every tensor alive from the op making it to its
     last reader (:mod:`autopar.cost_model.liveness`); 0 when not measured."""

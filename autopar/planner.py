@@ -119,8 +119,7 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
         return build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
                           pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
 
-    layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget)
-    start = layout[1] if layout is not None else _sharded_parameters(space, memory) if budget is not None else None
+    start = _sharded_parameters(space, memory) if budget is not None else None
 
     def attempt(solver_budget: float | None, start: Solution | None):
         started = time.perf_counter()
@@ -137,19 +136,14 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
 
     try:
         result, live, times, _ = _within_budget(lambda b, s: attempt(b, s or start), budget, mesh)
+    except SolverTimeoutError as exc:
+        result, live, times = _no_plan_in_time(exc, captured, space, mesh, node_costs, costs, activations, priced, budget)
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
                                                budget, mesh, shared, host, solver_time_limit_s, segments)) from None
-    if layout is not None and (result.solver.status == "START" or (
-            result.solver.status == "FEASIBLE" and layout[0].predicted_step_s < result.predicted_step_s)):
-        layout_live = live if result.solver.status == "START" else plan_liveness(captured, layout[0])
-        if budget is None or layout_live.peak_bytes <= budget:
-            log.warning("the solver found %s within solver_time_limit_s=%g; returning the %s layout",
-                        "no plan" if result.solver.status == "START" else "only slower plans", solver_time_limit_s,
-                        layout[0].solver.layout)
-            result, live = dataclasses.replace(layout[0], solver=dataclasses.replace(
-                layout[0].solver, num_variables=result.solver.num_variables, num_constraints=result.solver.num_constraints,
-                solve_s=result.solver.solve_s)), layout_live
+    if result.solver.status == "FEASIBLE":
+        result, live = _no_slower_than_a_layout(result, live, captured, space, mesh, node_costs, costs, activations,
+                                                priced, budget)
     result = dataclasses.replace(
         result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
         solver=dataclasses.replace(result.solver, layer_classes=classes.num_classes,
@@ -167,20 +161,46 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     return result
 
 
-def _best_layout(space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None):
+def _best_layout(space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None,
+                 solver: SolverInfo) -> ShardingPlan | None:
     """The fastest standard layout (:mod:`autopar.passes.layouts`) whose predicted peak fits
-    ``budget``: its plan (status ``LAYOUT``) and every node's strategy index; ``None`` when none fits."""
+    ``budget``, as a plan of status ``LAYOUT`` carrying the size and time of the search that
+    ``solver`` describes; ``None`` when none fits."""
     best = None
     for name, choice in standard_layouts(space, mesh, node_costs, costs.transition_s):
-        info = SolverInfo(status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, solve_s=0.0, num_variables=0,
-                          num_constraints=0, layout=name)
+        info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
         plan = priced(Solution(choice, info, recomputed=activations.param_views))
-        if (budget is None or plan.peak_memory_bytes <= budget) and (best is None or plan.predicted_step_s < best[0].predicted_step_s):
-            best = plan, choice
-    if best is not None:
-        log.info("the fastest standard layout that fits is %s, predicted at %.3g s per step", best[0].solver.layout,
-                 best[0].predicted_step_s)
+        if (budget is None or plan.peak_memory_bytes <= budget) and (best is None or plan.predicted_step_s < best.predicted_step_s):
+            best = plan
     return best
+
+
+def _no_plan_in_time(exc: SolverTimeoutError, captured, space, mesh, node_costs, costs, activations, priced,
+                     budget: int | None):
+    """The fastest standard layout that fits, when the search found no plan in its time limit;
+    the error when none fits. Returns the plan, its program's liveness and the stage times."""
+    layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget,
+                          SolverInfo("LAYOUT", math.nan, -math.inf, exc.solve_s, exc.num_variables, exc.num_constraints))
+    live = plan_liveness(captured, layout) if layout is not None else None
+    if layout is None or (budget is not None and live.peak_bytes > budget):
+        raise exc
+    log.warning("the solver found no plan within its time limit; returning the %s layout", layout.solver.layout)
+    return layout, live, {"solve": exc.solve_s}
+
+
+def _no_slower_than_a_layout(result: ShardingPlan, live: Liveness, captured, space, mesh, node_costs, costs, activations,
+                             priced, budget: int | None) -> tuple[ShardingPlan, Liveness]:
+    """``result``, a plan the search stopped at its time limit with, or the fastest standard
+    layout that fits when that is predicted faster."""
+    layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget, result.solver)
+    if layout is None or layout.predicted_step_s >= result.predicted_step_s:
+        return result, live
+    layout_live = plan_liveness(captured, layout)
+    if budget is not None and layout_live.peak_bytes > budget:
+        return result, live
+    log.warning("the solver stopped at its time limit with a plan predicted slower than the %s layout; returning "
+                "the layout", layout.solver.layout)
+    return layout, layout_live
 
 
 def _sharded_parameters(space, memory) -> dict[str, int]:

@@ -72,7 +72,7 @@ class CostModel:
         """What offloading to host memory costs,
         or ``None`` when the profile has no host link (a CPU computes in host memory)."""
         link = getattr(self.hardware, "host_link", None)
-        return None if link is None else Host(link, self.hardware.host_update_s)
+        return None if link is None else Host(link, self.hardware.host_update_s, self.hardware.host_bytes_per_device())
 
     def step_overhead_s(self, num_params: int) -> float:
         """The profile's time per step around the per-rank program, for ``num_params``

@@ -6,6 +6,7 @@ and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and second
 """
 
 import dataclasses
+import math
 import json
 import os
 from collections.abc import Callable
@@ -60,6 +61,8 @@ class Host:
 
     link: Link
     update_s: Callable[[float], float | None]
+    capacity_bytes: float = math.inf
+    """Host memory one device may fill: its host's memory shared by the host's devices."""
 
     def copy_s(self, nbytes: float) -> float:
         return self.link.latency_s + nbytes * self.link.s_per_byte
@@ -134,6 +137,9 @@ class HardwareProfile:
     offloading would save nothing."""
     host_memory_bytes_per_s: float = 0.0
     """Host-memory bandwidth per device, which an optimizer step run on the host is bound by."""
+    host_memory_bytes: int = 0
+    """Memory of one host, shared by its ``devices_per_host`` devices for what they offload
+    (0: no limit)."""
     matrix_flops_per_s: tuple[tuple[str, float], ...] = ()
     """Peak dense throughput of matrix products (matmuls, convolutions, attention) by the
     format their multiply-adds run in (:func:`autopar.cost_model.compute.math_format`):
@@ -151,6 +157,10 @@ class HardwareProfile:
         """Seconds the host takes to read and write ``bytes_moved`` bytes of optimizer state
         (``None`` when the profile does not know its host's bandwidth)."""
         return bytes_moved / self.host_memory_bytes_per_s if self.host_memory_bytes_per_s > 0 else None
+
+    def host_bytes_per_device(self) -> float:
+        """Host memory each device may fill with what it offloads (infinite: no limit)."""
+        return self.host_memory_bytes / self.devices_per_host if self.host_memory_bytes else math.inf
 
     def link(self, mesh: Mesh, axis: int) -> Link:
         inner = 1
@@ -183,12 +193,18 @@ class SyntheticProfile:
     """The device-to-host copy link; ``None``: nothing is offloaded."""
     host_s_per_byte_memory: float = 0.0
     """Seconds per byte an optimizer step on the host reads or writes."""
+    host_memory_bytes: int = 0
+    """Host memory each device may fill with what it offloads (0: no limit)."""
 
     def compute_s(self, flops: float, bytes_moved: float, fmt: str | None = None) -> float:
         return flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
 
     def host_update_s(self, bytes_moved: float) -> float | None:
         return bytes_moved * self.host_s_per_byte_memory
+
+    def host_bytes_per_device(self) -> float:
+        """Host memory each device may fill with what it offloads (infinite: no limit)."""
+        return self.host_memory_bytes or math.inf
 
     def link(self, mesh: Mesh, axis: int) -> Link:
         beta = self.s_per_byte
@@ -205,7 +221,7 @@ class SyntheticProfile:
 # tensor cores, 67 FP32 on CUDA cores; 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, 80 GB),
 # ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU), PCIe Gen5 x16 to the host (64 GB/s per
 # direction, about 50 GB/s for pinned copies) and the DGX H100's two Xeon 8480C sockets (8
-# channels of DDR5-4800 each, 614 GB/s for 8 GPUs).
+# channels of DDR5-4800 each, 614 GB/s for 8 GPUs, 2 TB of memory).
 HOPPER_MATRIX_FLOPS = (("bfloat16", 989e12), ("float16", 989e12), ("tf32", 495e12), ("float32", 67e12),
                        ("float64", 67e12))
 H100 = HardwareProfile(
@@ -214,7 +230,7 @@ H100 = HardwareProfile(
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 450e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 50e9),
     host_link=Link(latency_s=10e-6, s_per_byte=1 / 50e9), host_memory_bytes_per_s=614e9 / 8,
-    matrix_flops_per_s=HOPPER_MATRIX_FLOPS,
+    host_memory_bytes=2 * 10**12, matrix_flops_per_s=HOPPER_MATRIX_FLOPS,
 )
 # NVIDIA H200 SXM datasheet: the H100's compute (above), 4.8 TB/s of HBM3e, 141 GB; the same
 # NVLink 4, network, PCIe and host as the H100 in an HGX H200.
@@ -223,14 +239,14 @@ H200 = dataclasses.replace(H100, name="h200", memory_bytes_per_s=4.8e12, memory_
 # tensor cores, 19.5 FP32 on CUDA cores; 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per direction),
 # HDR InfiniBand (200 Gb/s = 25 GB/s per GPU), PCIe Gen4 x16 (32 GB/s per direction, about 25
 # GB/s pinned) and the DGX A100's two EPYC 7742 sockets (8 channels of DDR4-3200 each, 410 GB/s
-# for 8 GPUs).
+# for 8 GPUs, 1 TB of memory).
 A100 = HardwareProfile(
     name="a100", flops_per_s=312e12, memory_bytes_per_s=2.04e12, efficiency=0.6,
     memory_bytes=80 * 10**9, devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 300e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
     host_link=Link(latency_s=10e-6, s_per_byte=1 / 25e9), host_memory_bytes_per_s=410e9 / 8,
-    matrix_flops_per_s=(("bfloat16", 312e12), ("float16", 312e12), ("tf32", 156e12), ("float32", 19.5e12),
+    host_memory_bytes=10**12, matrix_flops_per_s=(("bfloat16", 312e12), ("float16", 312e12), ("tf32", 156e12), ("float32", 19.5e12),
                         ("float64", 19.5e12)),
 )
 # A small CPU host running gloo over loopback; order-of-magnitude figures for a 2-core VM.

@@ -43,6 +43,12 @@ copy back and the host's update enter the objective. The parameter itself may li
 (``P_p ≤ H_p``, ZeRO-Infinity): its piece and its gradient leave the budget, and it is copied to
 the device for the forward and again for the backward instead of back after the update (one
 more copy per step).
+
+Host memory is finite: what a device offloads (activations, optimizer state, parameters with
+their gradients, each copy of a repeated layer counted) stays within its share of its host's
+memory, ``Σ_n Σ_j c_n·b_n,j·o_n,j + Σ_p Σ_k c_p·(s_p,k·h_p,k + (w_p,k + g_p,k)·q_p,k) ≤ C``,
+with ``h_p,k``, ``q_p,k`` the products of ``H_p``, ``P_p`` with the parameter's strategy one-hot
+(:func:`host_capacity`).
 """
 
 from collections import defaultdict
@@ -55,11 +61,13 @@ from autopar.passes.remat import ActivationSpace
 
 
 def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
-                              reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None):
+                              reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None,
+                              host_mb: list | None = None):
     """The activation constraints of the module docstring, with offload when ``host`` is
     given. Returns each op's recompute and offload variables, each segment's prefetch variable
     ``F_S``, the megabytes each op keeps (for each copy of a repeated layer) as ``{op:
-    {variable: megabytes}}``, and each segment's recomputed and reloaded megabytes ``Q_S``."""
+    {variable: megabytes}}``, and each segment's recomputed and reloaded megabytes ``Q_S``.
+    ``host_mb`` gets the megabytes offloaded, every copy counted, as linear terms."""
     copies = _copies(shared)
     by_reader: dict[str, list] = defaultdict(list)
     most_s: dict[str, float] = defaultdict(float)
@@ -86,6 +94,8 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
                 if away[name].ub():
                     copied_out[acts.segment[name]].append((count * host.copy_s(size) * SCALE, away_k[k]))
                     offloaded[acts.segment[name]].append((size * MEMORY_SCALE, away_k[k]))
+                    if host_mb is not None:
+                        host_mb.append(count * size * MEMORY_SCALE * away_k[k])
         if away[name].ub():  # an op is offloaded in one strategy at most
             longest_out[acts.segment[name]] += count * host.copy_s(max(acts.bytes[name])) * SCALE
         if name in acts.extra:
@@ -144,12 +154,14 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
     return again, away, ahead, kept_mb, refilled
 
 
-def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict):
+def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict,
+               host_mb: list | None = None):
     """``H_p`` and ``P_p`` of the module docstring for every parameter: its optimizer state, and
     the parameter with its gradient, in host memory. Returns ``{parameter: H_p}``,
     ``{parameter: P_p}`` and the megabytes they take off the device, per copy of a repeated
     layer, as terms of :func:`~autopar.passes.memory_program.memory_budget` (the gradient's only from when it is made; the
-    backward that makes it holds the parameter's copy in and the gradient before it goes out)."""
+    backward that makes it holds the parameter's copy in and the gradient before it goes out).
+    ``host_mb`` gets the megabytes they put in host memory, every copy counted, as linear terms."""
     copies = _copies(shared)
     optimizer, params, saved_mb = {}, {}, []
     for name, sizes in memory.optimizer.items():
@@ -170,7 +182,15 @@ def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], h
             saved_mb.append((name, param, -memory.grads[name][k] * MEMORY_SCALE, "grad"))
             saved_mb.append((name, param, (memory.params[name][k] + memory.grads[name][k]) * MEMORY_SCALE, "made"))
             costs[param] += count * host.copy_s(memory.params[name][k])  # copied in twice a step instead of back once
+            if host_mb is not None:
+                host_mb.append(count * MEMORY_SCALE * (sizes[k] * state + (memory.params[name][k] + memory.grads[name][k]) * param))
     return optimizer, params, saved_mb
+
+
+def host_capacity(solver, host_mb: list, host: Host) -> None:
+    """What a device offloads stays within its share of its host's memory (the row in the module docstring)."""
+    if host_mb and host.capacity_bytes < float("inf"):
+        solver.Add(sum(host_mb) <= host.capacity_bytes * MEMORY_SCALE)
 
 
 def _segment_work(names, segment: dict[str, str], own, ind: dict, node_costs: dict, copies: dict) -> dict[str, list]:

@@ -31,12 +31,6 @@ the 4-rank BERT, GPT and LLaMA examples under half their peak (8k to 19k variabl
 their plans within 0.1% in 81, 21 and 42 s at the default, and in more than 120, 34 and 56 s
 at 0.5, with the same plans."""
 
-START_HINT_ABOVE = 50_000
-"""Programs without a memory budget with more variables than this give HiGHS their start (the
-fastest standard layout, :mod:`autopar.passes.layouts`) as its first plan: in large ones, finding
-a plan at all is what takes time. Smaller ones HiGHS solves alone, and a start could only lead it
-to another plan within the gap."""
-
 
 def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tuple] = (),
                           give_up_without_plan_s: float = math.inf, heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT,

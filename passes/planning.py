@@ -110,6 +110,7 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         memory=dataclasses.replace(memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total,
                                                             offloaded_total), solution.host_optimizer, solution.host_params),
                                    bucket_bytes=in_flight,
+                                   host_capacity_bytes=_host_capacity(host),
                                    moment_bytes=moment_bytes(memory, activations, choice, recomputed, offloaded,
                                                              solution.prefetched, solution.host_optimizer, solution.host_params,
                                                              in_flight)),
@@ -219,6 +220,10 @@ def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, ho
     for name in solution.host_params:
         total += host.copy_s(memory.params[name][choice[name]])
     return total
+
+
+def _host_capacity(host: Host | None) -> int:
+    return int(host.capacity_bytes) if host is not None and host.capacity_bytes < float("inf") else 0
 
 
 def _fmt(strategy: Strategy) -> tuple[str, ...]:

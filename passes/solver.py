@@ -49,10 +49,10 @@ from ortools.linear_solver import pywraplp
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.errors import InfeasiblePlanError, SolverTimeoutError
-from autopar.passes.memory_choices import host_state, keep_recompute_or_offload
+from autopar.passes.memory_choices import host_capacity, host_state, keep_recompute_or_offload
 from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
 from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
-                                SCALE, START_HINT_ABOVE, solve_before_deadline)
+                                SCALE, solve_before_deadline)
 from autopar.passes.remat import ActivationSpace, backward_view_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 from autopar.passes.transport import (GradientCost, OneStepMoves, TransitionCost, enough_buckets, gathered, gradient_transport,
@@ -135,10 +135,8 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
     another budget, say), or strategy indices of some nodes, which the solver completes. A start
     that satisfies the program makes the result at least as fast as the start; one that does not
-    is dropped. Without a budget, HiGHS gets the start only in programs of more than
-    ``START_HINT_ABOVE`` variables. When the search finds no plan in its time limit and ``start``
-    gives every node's strategy, the start comes back with status ``START`` (its objective
-    unknown: NaN).
+    is dropped. When the search finds no plan in its time limit and ``start`` gives every node's
+    strategy, the start comes back with status ``START`` (its objective unknown: NaN).
     """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver("HIGHS")
@@ -189,12 +187,15 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     again, away, ahead, on_host, params_on_host = {}, {}, {}, {}, {}
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
+    host_mb: list = []
     if choosing:
         again, away, ahead, kept_mb, refilled = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves,
-                                                                              shared, costs, offloading)
+                                                                              shared, costs, offloading, host_mb)
     terms = []
     if memory is not None and offloading is not None:
-        on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs)
+        on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs, host_mb)
+    if offloading is not None:
+        host_capacity(solver, host_mb, offloading)
     if memory is not None and bucketed and bucket_bytes:
         terms.append((None, in_flight_bucket(solver, bucketed, bucket_bytes), 1.0, "grad"))
     objective = solver.Objective()
@@ -220,8 +221,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
     effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
     strategy_vars = [var for name in own for terms in ind[name] for var in terms] if large else []
-    given = () if priced or solver.NumVariables() <= START_HINT_ABOVE else hint
-    outcome = solve_before_deadline(solver, params, time_limit_s, given,
+    outcome = solve_before_deadline(solver, params, time_limit_s, () if priced else hint,
                                     give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
                                     heuristic_effort=effort, dive=strategy_vars)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
@@ -249,7 +249,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         raise SolverTimeoutError(
             f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
             f"its time limit ({elapsed:.0f} s).\nFix: raise solver_time_limit_s, pin the large tensors, or plan "
-            "for a 1-D mesh"
+            "for a 1-D mesh", solve_s=elapsed, num_variables=solver.NumVariables(), num_constraints=solver.NumConstraints()
         )
     if status == pywraplp.Solver.INFEASIBLE:
         reason = "within the memory budget" if budget_bytes is not None else "that satisfies the pins"

@@ -22,6 +22,7 @@ from autopar.cost_model.liveness import plan_liveness
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.rewrite import rewrite
+from autopar.explain import format_bytes
 from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.partition import partition
 from tests.harness import run_ranks
@@ -99,6 +100,24 @@ def test_tightening_the_budget_takes_the_cheapest_time_per_byte_first(sweep):
 def test_without_a_host_link_the_budget_only_recomputes(gpt, sweep):
     plan = _plan(gpt, hardware=NO_HOST, memory_budget=int(sweep[0].peak_memory_bytes * 0.9))
     assert _chosen(plan, "recompute") and not _chosen(plan, "offload") and not plan.host_optimizer
+
+
+def test_what_a_device_offloads_stays_within_its_share_of_host_memory(gpt, sweep):
+    offloading = sweep[2]  # under 80% of the unbudgeted peak
+    capacity = offloading.memory.host_bytes // 2
+    assert capacity > 0
+    small_host = dataclasses.replace(WITH_HOST, host_memory_bytes=capacity)
+    plan = _plan(gpt, hardware=small_host, memory_budget=offloading.memory_budget_bytes)
+    assert plan.memory.host_bytes <= capacity == plan.memory.host_capacity_bytes
+    assert plan.peak_memory_bytes <= offloading.memory_budget_bytes
+    if plan.memory.host_bytes:
+        assert f"of the {format_bytes(capacity)} it may fill" in str(plan)
+
+
+def test_an_h100_host_lends_each_of_its_eight_devices_a_quarter_terabyte():
+    from autopar.cost_model.hardware import H100
+
+    assert H100.host_memory_bytes == 2 * 10**12 and H100.host_bytes_per_device() == 2.5 * 10**11
 
 
 def test_recompute_none_keeps_every_activation_on_the_device(gpt, sweep):
