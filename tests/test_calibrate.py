@@ -1,5 +1,3 @@
-import statistics
-
 import pytest
 import torch
 

@@ -17,8 +17,7 @@ def index_put_rule(node: fx.Node) -> list[Row]:
     accumulating). ``indices`` holds one index tensor or ``None`` per leading dim of ``x``;
     with the index tensors on adjacent dims ``k .. k+j``, ``values`` has ``x``'s dims before
     ``k``, then the index tensors' broadcast dims, then ``x``'s dims after ``k+j``."""
-    x, out = val(node.args[0]), val(node)
-    indices, values = node.args[1], val(node.args[2])
+    x, indices, values = val(node.args[0]), node.args[1], val(node.args[2])
     accumulate = len(node.args) > 3 and node.args[3]
     given = [i for i, t in enumerate(indices) if t is not None]
     num_index = len(given)
