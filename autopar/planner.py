@@ -128,6 +128,10 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
                          budget_bytes=solver_budget, shared=shared, activations=activations,
                          choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s, relative_gap=solver_gap,
                          start=start, bucket_bytes=bucket_bytes)
+        if solution.info.status == "START":  # nothing found in time: the retries keep the plan that fit
+            raise SolverTimeoutError("the solver found no plan within its time limit", solve_s=solution.info.solve_s,
+                                     num_variables=solution.info.num_variables,
+                                     num_constraints=solution.info.num_constraints)
         solved = time.perf_counter()
         plan = priced(solution)
         planned = time.perf_counter()

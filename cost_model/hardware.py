@@ -6,8 +6,8 @@ and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and second
 """
 
 import dataclasses
-import math
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -246,7 +246,8 @@ A100 = HardwareProfile(
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 300e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
     host_link=Link(latency_s=10e-6, s_per_byte=1 / 25e9), host_memory_bytes_per_s=410e9 / 8,
-    host_memory_bytes=10**12, matrix_flops_per_s=(("bfloat16", 312e12), ("float16", 312e12), ("tf32", 156e12), ("float32", 19.5e12),
+    host_memory_bytes=10**12,
+    matrix_flops_per_s=(("bfloat16", 312e12), ("float16", 312e12), ("tf32", 156e12), ("float32", 19.5e12),
                         ("float64", 19.5e12)),
 )
 # A small CPU host running gloo over loopback; order-of-magnitude figures for a 2-core VM.

@@ -1,5 +1,5 @@
-"""The standard hand-written layouts, as complete plans of the solver's program: the plans the
-integer program starts from, and the plan returned when the search finds none in time.
+"""The standard hand-written layouts, as complete plans of the solver's program: the plan
+returned when the search stops at its time limit with none, or only with slower ones.
 
 - **Data parallel**: parameters and buffers replicated (DDP).
 - **Fully sharded**: every parameter split along its first dim over every mesh axis that

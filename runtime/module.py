@@ -14,6 +14,7 @@ from autopar.mesh import Mesh
 from autopar.placement import Placements, Shard, format_placement, format_placements
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
+from autopar.passes.propagate import whole_on_one_rank
 from autopar.passes.redistribute import local_shape
 from autopar.passes.rank_ops import graph_collectives
 from autopar.passes.rewrite import placeholder_layouts, rewrite
@@ -320,7 +321,7 @@ def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping
         raise StalePlanError(f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}")
     for name, placements in (pins or {}).items():
         planned = plan.placements.get(name, plan.inputs.get(name))
-        asked = tuple(format_placement(p) for p in placements)
+        asked = tuple(format_placement(p) for p in whole_on_one_rank(placements, mesh))  # as planning reads a pin
         if planned is not None and tuple(planned) != asked:
             raise StalePlanError(
                 f"the plan places {name!r} as ({', '.join(planned)}) but pins ask for ({', '.join(asked)}). "

@@ -163,3 +163,12 @@ def test_infeasible_memory_budget_says_what_is_over_and_what_would_fit():
                              r"needs is .*over \(parameters .*activations .*\).*Fix: raise memory_budget to at least .*"
                              r"mesh about .*x larger"):
         autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(), memory_budget="1KB")
+
+
+def test_pins_are_compared_with_a_plan_as_planning_reads_them(fake_world):
+    fake_world(2)
+    mesh = Mesh((2, 1), ("dp", "tp"))
+    pins = {"x": ("S(0)", "S(0)")}  # a split over the one-rank axis is planned as replicated there
+    plan = autopar.plan(MLP(16, 32), mesh, _inputs(), hardware=FLOP_EQ_BYTE, pins=pins)
+    assert plan.inputs["x"] == ("S(0)", "R")
+    autopar.compile(MLP(16, 32), mesh, _inputs(), plan=plan, pins=pins)
