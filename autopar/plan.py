@@ -211,6 +211,10 @@ class ShardingPlan:
         """Predicted per-device peak memory."""
         return self.memory.peak_bytes
 
+    def __reduce__(self):
+        """Pickled (``torch.save(plan)``) as its JSON, the format that outlives autopar's versions."""
+        return (ShardingPlan.from_json, (self.to_json(indent=None),))
+
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
             if n.name == name:

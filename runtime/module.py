@@ -3,9 +3,11 @@
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_unflatten
 
 from autopar.cost_model.liveness import forward_made
@@ -23,7 +25,7 @@ from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
 from autopar.runtime.release import GivenRelease, release_collective_buffers
-from autopar.runtime.state import gather_whole, local_piece
+from autopar.runtime.state import as_dtensor, distribute, distribute_state, local_of, local_piece, release
 
 log = logging.getLogger("autopar")
 
@@ -114,13 +116,16 @@ def _lean_step(optimizer_class: type[torch.optim.Optimizer], options: dict, para
 class ParallelModule(torch.nn.Module):
     """A model running on every rank of a mesh under a :class:`ShardingPlan`.
 
-    Its parameters are the local pieces of the model's parameters (the wrapped model's own
-    parameters are replaced in place, so an optimizer built on either steps the pieces).
+    Once planned, the wrapped model's parameters and buffers are
+    DTensors (:class:`~torch.distributed.tensor.DTensor`) on a device mesh with the mesh's axis names,
+    laid out as the plan places them, so that torch's tools see whole tensors: ``numel()``,
+    ``full_tensor()``, ``torch.nn.utils.clip_grad_norm_``, optimizers and
+    ``torch.distributed.checkpoint``. The per-rank program reads and writes their local pieces.
     ``forward`` returns what the model returns, whole on every rank, and writes the new values
-    of buffers the model updates in place (batch norm's running statistics) into the local
-    pieces of those buffers; ``backward()`` on the result fills the local gradients.
-    :meth:`optimizer` builds the optimizer the plan was made for (with optimizer state in host
-    memory where the plan says so).
+    of buffers the model updates in place (batch norm's running statistics) into their pieces;
+    ``backward()`` on the result fills the parameters' gradients, DTensors laid out as the
+    parameters. :meth:`optimizer` builds the optimizer the plan was made for (with optimizer
+    state in host memory where the plan says so).
     """
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
@@ -159,6 +164,10 @@ class ParallelModule(torch.nn.Module):
         step, holds a temporary the size of every parameter on the device (Adam's square roots
         of the second moments), which the plan's memory does not count; the fused step holds
         none, and the plan counts two of the largest parameter, what the for-loop step holds."""
+        if not self._built:
+            raise RuntimeError(
+                "pmodel.optimizer() needs the plan, which is made on the model's first call. Fix: pass "
+                "example_inputs to autopar.compile, or build the optimizer after the first call")
         on_host = {id(self.module.get_parameter(name)) for name in self._stepped_on_host()}
         self._optimizer_checked = True
         options = _lean_step(optimizer_class, options, list(self.parameters()))
@@ -193,7 +202,7 @@ class ParallelModule(torch.nn.Module):
                 if name is None:
                     outputs.append(value)
                 else:
-                    self.module.get_buffer(name).copy_(value)
+                    local_of(self.module.get_buffer(name)).copy_(value)
         return outputs
 
     # building ----------------------------------------------------------------------------
@@ -243,20 +252,27 @@ class ParallelModule(torch.nn.Module):
         return ShardingPlan.from_json(value)
 
     def _shard_state(self, captured: Captured) -> None:
-        """Replace each parameter and buffer by this rank's piece, in host memory (pinned on
-        CUDA) for the parameters the plan keeps there."""
+        """Replace each planned parameter and buffer by a DTensor holding this rank's piece, in
+        host memory (pinned on CUDA) for the parameters the plan keeps there."""
+        pieces, old = {}, []
         for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
                 tensor = self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
                 with torch.no_grad():
-                    piece = self.rank_part(kind.name, tensor.data)
+                    piece = self.rank_part(kind.name, tensor.detach())
                     if kind.name in self._plan.host_params and piece.device.type != "cpu":
                         piece = piece.to("cpu").pin_memory()
-                    tensor.data = piece
+                pieces[id(tensor)] = distribute(tensor, piece, self._device_mesh, self._layouts[kind.name])
+                old.append(tensor)
+        distribute_state(self.module, pieces)
+        for tensor in old:
+            release(tensor)
 
     def _state(self) -> list[torch.Tensor]:
+        """The local pieces of the parameters and buffers, in the program's order; a parameter's
+        piece is taken differentiably, so that its gradient arrives as a DTensor."""
         return [
-            self.module.get_parameter(k.name) if k.kind == "param" else self.module.get_buffer(k.name)
+            self.module.get_parameter(k.name).to_local() if k.kind == "param" else self.module.get_buffer(k.name).to_local()
             for k in self._captured.inputs if k.kind in ("param", "buffer")
         ]
 
@@ -289,29 +305,68 @@ class ParallelModule(torch.nn.Module):
         """This rank's piece of the parameter, buffer or input ``name`` of the given whole value."""
         return local_piece(whole, self._layouts[name], self._coordinate, self._mesh.shape)
 
-    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The whole value of parameter, buffer or input ``name`` from every rank's piece
-        ``local`` (a collective: every rank calls it)."""
-        if local.device.type != self._device_mesh.device_type:  # a parameter kept in host memory
-            local = local.to(self._device_mesh.device_type)
-        return gather_whole(local, self._layouts[name], self._device_mesh)
-
     # state -------------------------------------------------------------------------------
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The model's whole parameters and buffers, gathered from the ranks' pieces.
+        """The model's whole parameters and buffers, with the model's own key names (what
+        Hugging Face's ``save_pretrained(state_dict=...)`` or ``model.load_state_dict`` take).
 
         Every rank takes part in the gathers; with ``rank0_only`` the other ranks get ``{}``.
         """
-        if not self._built:
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
-        planned = {id(t): name for name, t in named if name in self._layouts}  # tied tensors: one planned name
-        state = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            key = planned.get(id(tensor))
-            state[name] = self.gather(key, tensor) if key is not None else tensor.detach().clone()
+        state = {name: _whole(t) for name, t in self.module.state_dict(keep_vars=True).items()}
         return {} if rank0_only and dist.get_rank() != 0 else state
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Load a state dict keyed by the model's own names (a whole one, as the model or
+        :meth:`full_state_dict` gives it) or by this module's (``module.``-prefixed, as
+        ``state_dict()`` and ``torch.distributed.checkpoint`` give it). Whole tensors are cut
+        to this rank's pieces; DTensors are laid out as planned."""
+        prefix = "module."
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+        current = self.module.state_dict(keep_vars=True)
+        planned = {k: self._planned_value(k, current[k], v) if k in current else v for k, v in state_dict.items()}
+        return self.module.load_state_dict(planned, strict=strict, assign=assign)
+
+    def _planned_value(self, key: str, current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(current, DTensor) or not isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, DTensor):
+            return value.redistribute(current.device_mesh, current.placements)
+        if tuple(value.shape) != tuple(current.shape):
+            raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, but the model's is "
+                             f"{tuple(current.shape)}. Fix: load a state dict of this model")
+        piece = local_piece(value.to(current.dtype), current.placements, self._coordinate, self._mesh.shape)
+        return as_dtensor(piece.to(current.to_local().device), current)
+
+    def parameter_counts(self) -> "ParameterCounts":
+        """How many parameter values the model has, whole and on this rank (tied ones once)."""
+        params = list(self.module.parameters())
+        return ParameterCounts(whole=sum(p.numel() for p in params), this_rank=sum(local_of(p).numel() for p in params))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a ParallelModule holds process groups and per-rank programs, which cannot be pickled or copied. "
+            "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
+            "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it")
+
+
+class ParameterCounts(NamedTuple):
+    whole: int
+    """Values of the model's parameters."""
+    this_rank: int
+    """Values this rank holds (replicated ones counted on every rank that holds them)."""
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole copy of a parameter or buffer (a collective for a DTensor: every rank calls it)."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().clone()
+    local = tensor.to_local().detach()
+    if local.device.type != tensor.device_mesh.device_type:  # a parameter kept in host memory
+        local = local.to(tensor.device_mesh.device_type)
+        tensor = as_dtensor(local, tensor)
+    return tensor.detach().full_tensor()
 
 
 def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None) -> None:

@@ -13,6 +13,9 @@ planner offers offload only for profiles with a host link.
 """
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime.state import as_dtensor, local_of
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -84,11 +87,12 @@ RELOAD_OP = torch.ops.autopar.reload.default
 class HostOptimizer(torch.optim.Optimizer):
     """An optimizer whose state for some parameters lives in host memory, stepped there.
 
-    ``params`` are the parameters (local pieces) of a :class:`~autopar.runtime.module.ParallelModule`;
-    those in ``on_host`` get a host copy (pinned on CUDA) that an inner optimizer of class
-    ``optimizer_class`` steps, with its state: each step copies their gradients to the host,
-    steps there, and copies the new values back. The other parameters are stepped on the device
-    as usual. Its ``param_groups`` are the inner optimizer's, so learning-rate schedulers work.
+    ``params`` are the parameters of a :class:`~autopar.runtime.module.ParallelModule`
+    (DTensors, or plain tensors); those in ``on_host`` get a host copy of their piece (pinned on
+    CUDA, laid out as the parameter) that an inner optimizer of class ``optimizer_class``
+    steps, with its state: each step copies their gradients to the host, steps there, and
+    copies the new values back. The other parameters are stepped on the device as usual. Its
+    ``param_groups`` are the inner optimizer's, so learning-rate schedulers work.
     """
 
     def __init__(self, params, on_host: set[int], optimizer_class: type[torch.optim.Optimizer], **options):
@@ -96,7 +100,9 @@ class HostOptimizer(torch.optim.Optimizer):
         inner_params = []
         for p in params:
             if id(p) in on_host:
-                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda).copy_(p.detach()).requires_grad_(True)
+                local = local_of(p).detach()
+                host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda).copy_(local)
+                host = (as_dtensor(host, p) if isinstance(p, DTensor) else host).requires_grad_(True)
                 self._pairs.append((p, host))
                 inner_params.append(host)
             else:
@@ -117,13 +123,20 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        copied = False
         for p, host in self._pairs:
-            host.grad = None if p.grad is None else p.grad.to("cpu", non_blocking=p.is_cuda)
-        if any(p.is_cuda for p, _ in self._pairs):
+            if p.grad is None:
+                host.grad = None
+                continue
+            grad = local_of(p.grad)
+            copied = copied or grad.is_cuda
+            grad = grad.to("cpu", non_blocking=grad.is_cuda)
+            host.grad = as_dtensor(grad, host) if isinstance(host, DTensor) else grad
+        if copied:
             torch.cuda.synchronize()
         loss = self.inner.step(closure)
         for p, host in self._pairs:
-            p.copy_(host, non_blocking=True)
+            local_of(p).copy_(local_of(host), non_blocking=True)
         return loss
 
     def state_dict(self):

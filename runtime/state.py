@@ -1,10 +1,25 @@
-"""Parameters on ranks: cutting the local piece out of a whole tensor, and gathering it back."""
+"""Parameters and buffers on ranks: the model's tensors as DTensors holding this rank's pieces.
+
+:func:`local_piece` cuts a rank's piece out of a whole tensor (every rank holds the whole one, so
+no communication is needed); :func:`distribute_state` swaps each planned parameter and buffer of
+a module for a :class:`~torch.distributed.tensor.DTensor` over the plan's placements. Whole
+values, gathering, norms and checkpoints are then DTensor's.
+
+An optimizer built over the old parameters (before the first call, when the plan is made then)
+is pointed at the new ones when it first steps (:func:`_step_the_new_parameters`).
+"""
+
+from collections.abc import Mapping
 
 import torch
-from torch.distributed import _functional_collectives as funcol
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.placement import Placements, Shard
+
+_REPLACED_BY = "_autopar_replaced_by"
+_hook_registered = False
 
 
 def local_piece(full: torch.Tensor, placements: Placements, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
@@ -18,11 +33,62 @@ def local_piece(full: torch.Tensor, placements: Placements, coordinate: tuple[in
     return piece.contiguous() if piece is full else piece.clone(memory_format=torch.contiguous_format)
 
 
-def gather_whole(local: torch.Tensor, placements: Placements, device_mesh: DeviceMesh) -> torch.Tensor:
-    """All-gather a rank's piece back into the whole tensor on every rank."""
-    whole = local.detach()
-    for axis in reversed(range(len(placements))):
-        p = placements[axis]
-        if isinstance(p, Shard):
-            whole = funcol.wait_tensor(funcol.all_gather_single(whole.contiguous(), p.dim, (device_mesh, axis)))
-    return whole.clone()
+def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as the piece of a DTensor laid out as ``like``."""
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` (the tensor itself when it is no DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def distribute(whole: torch.Tensor, piece: torch.Tensor, device_mesh: DeviceMesh, placements: Placements) -> DTensor:
+    """A DTensor of ``whole``'s global shape holding ``piece`` on this rank."""
+    stride = torch.empty(whole.shape, device="meta").stride()
+    return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=whole.shape, stride=stride)
+
+
+def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> None:
+    """Put ``pieces[id(t)]`` wherever ``module`` (or a submodule, tied weights included) holds
+    parameter or buffer ``t``; parameters become parameters again, keeping ``requires_grad``.
+    Each old tensor's memory is released, and an optimizer still holding an old parameter steps
+    its replacement instead."""
+    global _hook_registered
+    replaced: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, old in table.items():
+                if old is None or id(old) not in pieces:
+                    continue
+                if id(old) not in replaced:
+                    new = pieces[id(old)]
+                    replaced[id(old)] = torch.nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
+                    if is_param:
+                        setattr(old, _REPLACED_BY, replaced[id(old)])
+                table[name] = replaced[id(old)]
+    if not _hook_registered:
+        register_optimizer_step_pre_hook(_step_the_new_parameters)
+        _hook_registered = True
+
+
+def release(old: torch.Tensor) -> None:
+    """Free the memory of a tensor the module no longer holds (a caller may still hold it)."""
+    old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+
+
+def _step_the_new_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before any optimizer steps: a parameter that autopar replaced by its DTensor (the
+    optimizer was built before the plan was made) is swapped for its replacement."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            new = getattr(p, _REPLACED_BY, None)
+            if new is not None:
+                if p in optimizer.state:
+                    raise RuntimeError(
+                        "this optimizer has state for a parameter that autopar has since split across the "
+                        "ranks. Fix: build the optimizer after the model's first call, or pass example_inputs "
+                        "to autopar.compile so that parameters are split there")
+                params[i] = new

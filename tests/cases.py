@@ -85,7 +85,8 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     model, _ = make_model(model_name)
     names = [n for n, _ in model.named_parameters()]
     ndim = len(axis_names)
-    batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels"), "convnet": ("images", "labels")}.get(model_name, ("idx", "targets"))
+    batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels"), "convnet": ("images", "labels"),
+             "hf-gpt2": ("input_ids", "labels"), "hf-llama": ("input_ids", "labels")}.get(model_name, ("idx", "targets"))
     if preset == "experts":
         return {n: ("S(0)",) * ndim for n in names if n.endswith((".moe.w1", ".moe.w2"))}
     if preset == "vocab":
@@ -198,7 +199,7 @@ def _rank_inputs(pmodel, batch):
 
 
 def _gather_grads(pmodel) -> dict[str, torch.Tensor]:
-    return {name: pmodel.gather(name, p.grad) for name, p in pmodel.module.named_parameters()}
+    return {name: p.grad.full_tensor() for name, p in pmodel.module.named_parameters()}
 
 
 def decorated_and_lazy() -> dict:

@@ -1,0 +1,214 @@
+"""Torch's own training tools on a compiled module whose plan splits parameters: global-norm
+clipping, ``torch.distributed.checkpoint`` across meshes, whole state dicts, parameter counts.
+
+Each run is compared with the same loop on one device.
+"""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+import autopar
+from tests.cases import STEP_SEED, SYNTHETIC, _rank_inputs, make_model, make_optimizer, pins_for
+from tests.runtime.test_graph_diff import NEEDS_TRANSFORMERS
+from tests.harness import run_ranks
+
+NORM_TYPES = (2.0, math.inf, 1.0)
+"""The norm each step clips by, one step each."""
+MAX_NORM = 0.05
+"""Below every model's gradient norm here, so that every step clips."""
+
+
+def _value(norm: torch.Tensor) -> float:
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def _clipped_steps(model, batches, optimizer, inputs=lambda b: b) -> tuple[list[float], list[float]]:
+    """Losses and returned norms of steps that clip gradients, by each of :data:`NORM_TYPES`."""
+    losses, norms = [], []
+    for step, (batch, norm_type) in enumerate(zip(batches, NORM_TYPES)):
+        torch.manual_seed(STEP_SEED + step)
+        optimizer.zero_grad()
+        loss = model(*inputs(batch))
+        loss.backward()
+        norms.append(_value(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)))
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, norms
+
+
+def _compile(model_name: str, mesh_shape, axis_names, preset: str):
+    model, batches = make_model(model_name)
+    reference = copy.deepcopy(model)
+    mesh = autopar.Mesh(tuple(mesh_shape), tuple(axis_names))
+    pmodel = autopar.compile(model, mesh, batches[0], hardware=SYNTHETIC, pins=pins_for(preset, model_name, axis_names))
+    return pmodel, reference, batches
+
+
+def _params_max_difference(pmodel, reference) -> float:
+    whole = pmodel.full_state_dict()
+    return max(float((whole[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+
+def clipped_training(model_name: str, mesh_shape, axis_names, preset: str) -> dict:
+    pmodel, reference, batches = _compile(model_name, mesh_shape, axis_names, preset)
+    ref_losses, ref_norms = _clipped_steps(reference, batches, make_optimizer("adamw", reference.parameters()))
+    losses, norms = _clipped_steps(pmodel, batches, make_optimizer("adamw", pmodel.parameters()),
+                                   lambda b: _rank_inputs(pmodel, b))
+    split = [n for n, p in pmodel.module.named_parameters() if any(isinstance(q, Shard) for q in p.placements)]
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms, "split": split,
+            "param_max": _params_max_difference(pmodel, reference)}
+
+
+CLIPPED = [pytest.param("gpt", (2, 2), ("dp", "tp"), "2d", id="gpt-2x2-2d"),
+           pytest.param("mlp", (4,), ("tp",), "megatron", id="mlp-4-megatron"),
+           pytest.param("hf-llama", (2, 2), ("dp", "tp"), "fsdp", id="hf-llama-2x2-fsdp", marks=NEEDS_TRANSFORMERS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name, mesh_shape, axis_names, preset", CLIPPED)
+def test_global_norm_clipping_matches_one_device(model_name, mesh_shape, axis_names, preset):
+    for r in run_ranks(4, clipped_training, model_name, mesh_shape, axis_names, preset):
+        assert r["split"], "the plan splits no parameter: the test would not test clipping of pieces"
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
+        assert min(r["ref_norms"]) > MAX_NORM  # every step clipped
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        assert r["param_max"] < 1e-5
+
+
+# checkpoints --------------------------------------------------------------------------------
+
+STEPS_BEFORE_SAVE = 2
+
+
+def _train(model, batches, optimizer, inputs=lambda b: b) -> list[float]:
+    losses = []
+    for step, batch in batches:
+        torch.manual_seed(STEP_SEED + step)
+        optimizer.zero_grad()
+        loss = model(*inputs(batch))
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def save_checkpoint(path: str, model_name: str, mesh_shape, axis_names, preset: str) -> list[float]:
+    """Train the first steps on this mesh and save the model and optimizer with DCP."""
+    pmodel, _, batches = _compile(model_name, mesh_shape, axis_names, preset)
+    optimizer = make_optimizer("adamw", pmodel.parameters())
+    losses = _train(pmodel, list(enumerate(batches))[:STEPS_BEFORE_SAVE], optimizer, lambda b: _rank_inputs(pmodel, b))
+    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    return losses
+
+
+def resume_checkpoint(path: str, model_name: str, mesh_shape, axis_names, preset: str) -> dict:
+    """Compile a model initialised otherwise for this mesh, load the checkpoint, train the
+    remaining steps; compare with the whole run on one device."""
+    pmodel, reference, batches = _compile(model_name, mesh_shape, axis_names, preset)
+    with torch.no_grad():
+        for p in pmodel.parameters():
+            p.add_(1.0)
+    optimizer = make_optimizer("adamw", pmodel.parameters())
+    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    set_state_dict(pmodel, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    losses = _train(pmodel, list(enumerate(batches))[STEPS_BEFORE_SAVE:], optimizer, lambda b: _rank_inputs(pmodel, b))
+    ref_losses = _train(reference, list(enumerate(batches)), make_optimizer("adamw", reference.parameters()))
+    return {"losses": losses, "ref_losses": ref_losses[STEPS_BEFORE_SAVE:], "param_max": _params_max_difference(pmodel, reference)}
+
+
+CHECKPOINTS = [  # saved on 2x2 under one plan; resumed on 4 ranks under another, and on 2 ranks
+    pytest.param("gpt", ((2, 2), ("dp", "tp"), "2d"), [(4, (4,), ("dp",), "fsdp"), (2, (2,), ("tp",), "megatron")],
+                 id="gpt-2x2-2d"),
+    pytest.param("hf-llama", ((2, 2), ("dp", "tp"), "fsdp"), [(4, (4,), ("dp",), "dp"), (2, (2,), ("dp",), "fsdp")],
+                 id="hf-llama-2x2-fsdp", marks=NEEDS_TRANSFORMERS),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name, saved_on, resumed_on", CHECKPOINTS)
+def test_a_checkpoint_resumes_on_other_meshes_as_if_uninterrupted(tmp_path, model_name, saved_on, resumed_on):
+    path = str(tmp_path / "checkpoint")
+    run_ranks(4, save_checkpoint, path, model_name, *saved_on)
+    for world, *mesh in resumed_on:
+        for r in run_ranks(world, resume_checkpoint, path, model_name, *mesh):
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), mesh
+            assert r["param_max"] < 1e-5, mesh
+
+
+# state dicts, counts, pickling --------------------------------------------------------------
+
+def whole_state_and_counts() -> dict:
+    pmodel, reference, batches = _compile("gpt", (2,), ("tp",), "megatron")
+    counts = pmodel.parameter_counts()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(0.5)
+    loaded = pmodel.load_state_dict(reference.state_dict())  # the model's own key names, whole tensors
+    out = {
+        "loaded_max": _params_max_difference(pmodel, reference),
+        "missing": list(loaded.missing_keys), "unexpected": list(loaded.unexpected_keys),
+        "numel": sum(p.numel() for p in pmodel.parameters()),
+        "ref_numel": sum(p.numel() for p in reference.parameters()),
+        "counts": tuple(counts),
+        "all_dtensors": all(isinstance(p, DTensor) for p in pmodel.parameters()),
+        "mesh_names": {p.device_mesh.mesh_dim_names for p in pmodel.parameters()},
+        "plan_pickles": pickle.loads(pickle.dumps(pmodel.plan)) == pmodel.plan,
+    }
+    try:
+        copy.deepcopy(pmodel)
+        out["deepcopy"] = "no error"
+    except TypeError as exc:
+        out["deepcopy"] = str(exc)
+    try:
+        pmodel.load_state_dict({k: v[:1] for k, v in reference.state_dict().items()})
+        out["wrong_shape"] = "no error"
+    except ValueError as exc:
+        out["wrong_shape"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_parameters_are_dtensors_that_count_and_load_whole_values():
+    for r in run_ranks(2, whole_state_and_counts):
+        assert r["all_dtensors"] and r["mesh_names"] == {("tp",)}
+        assert r["numel"] == r["ref_numel"] == r["counts"][0] > r["counts"][1]
+        assert r["loaded_max"] == 0.0 and not r["missing"] and not r["unexpected"]
+        assert r["plan_pickles"]
+        assert "cannot be pickled" in r["deepcopy"] and "torch.save(pmodel.plan)" in r["deepcopy"]
+        assert "has shape (1," in r["wrong_shape"] and "Fix:" in r["wrong_shape"]
+
+
+def optimizer_before_the_plan() -> dict:
+    """An optimizer built before the first call, which makes the plan and splits the
+    parameters, steps the split parameters."""
+    model, batches = make_model("mlp")
+    reference = copy.deepcopy(model)
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("tp",)), hardware=SYNTHETIC, pins=pins_for("megatron", "mlp", ("tp",)))
+    try:
+        pmodel.optimizer(torch.optim.SGD, lr=0.1)
+        early = "no error"
+    except RuntimeError as exc:
+        early = str(exc)
+    optimizer = make_optimizer("sgd", pmodel.parameters())
+    losses = _train(pmodel, list(enumerate(batches)), optimizer)
+    ref_losses = _train(reference, list(enumerate(batches)), make_optimizer("sgd", reference.parameters()))
+    return {"early": early, "losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference),
+            "stepped_dtensors": all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])}
+
+
+@pytest.mark.slow
+def test_an_optimizer_built_before_the_plan_steps_the_split_parameters():
+    for r in run_ranks(2, optimizer_before_the_plan):
+        assert "example_inputs" in r["early"] and "after the first call" in r["early"]
+        assert r["stepped_dtensors"]
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
