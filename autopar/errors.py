@@ -36,3 +36,8 @@ class StalePlanError(AutoparError):
 
 class RewriteError(AutoparError):
     """The per-rank graph could not be produced from a plan."""
+
+
+class InputError(AutoparError, ValueError):
+    """A call's inputs do not fit the compiled module: not a tensor, another dtype, device or
+    number of dims than planned, or a size that the plan's splits do not divide."""

@@ -48,11 +48,12 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.errors import RewriteError
-from autopar.placement import Placements, R, parse_placement, parse_placements_text
+from autopar.errors import InputError, RewriteError
+from autopar.placement import Placements, R, format_placements, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
 from autopar.passes.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
 from autopar.passes.capture import Captured, captured_backward, backward_segment_starts, module_paths, segment_of
+from autopar.passes.propagate import placement_problem, propagate
 from autopar.passes.rank_ops import Rank, local_call
 from autopar.passes.redistribute import Step, local_shape
 from autopar.passes.rules import tensor_args
@@ -87,6 +88,51 @@ def plan_strategies(captured: Captured, plan: ShardingPlan) -> dict[str, Strateg
         layout = tuple(parse_placement(p) for p in names[kind.name]) if names is not None else (R,) * mesh.ndim
         strategies[node.name] = Strategy((layout,), (layout,))
     return strategies
+
+
+def check_fits(captured: Captured, plan: ShardingPlan) -> None:
+    """Refuse to lower ``plan`` for ``captured``, the planned model captured at other input
+    sizes, where the graph runs other ops, or where a planned layout cannot lay out the new
+    shapes (a split dim the mesh axes do not divide, a reshape that maps dims otherwise)."""
+    space = propagate(captured, plan.mesh, fallback=True)
+    ops = [n for n in space.nodes if n.kind == "op"]
+    if [(n.name, n.target) for n in ops] != [(n.name, n.op) for n in plan.nodes]:
+        raise InputError(
+            "at these input sizes the model runs other ops than the plan was made for (its code branches on a "
+            "size). Fix: compile again with example inputs of these sizes")
+    strategies = plan_strategies(captured, plan)
+    for node, kind in zip(captured.placeholders, captured.inputs):
+        if kind.kind in ("param", "buffer", "input"):
+            problem = placement_problem(node.meta["val"], strategies[node.name].outputs[0], plan.mesh)
+            if problem is not None:
+                raise InputError(
+                    f"{kind.kind} '{kind.name}' of shape {tuple(node.meta['val'].shape)} cannot be laid out as planned: "
+                    f"{problem}. Fix: pass sizes the plan's splits divide (drop a smaller last batch, e.g. "
+                    "DataLoader(drop_last=True)), or compile with pins that leave this dim whole")
+    graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
+    for node in ops:
+        if strategies[node.name] not in node.strategies:
+            raise InputError(
+                f"at these input sizes {node.name} ({node.target}) cannot run as planned: "
+                f"{_misfit(graph_nodes[node.name], strategies[node.name], plan.mesh)}. Fix: pass sizes the plan's "
+                "splits divide (drop a smaller last batch, e.g. DataLoader(drop_last=True)), or compile again for them")
+
+
+def _misfit(node: fx.Node, strategy: Strategy, mesh) -> str:
+    """Why ``strategy`` does not fit ``node``'s shapes: the first of its tensors whose planned
+    placements cannot lay it out, or else its shapes (the op maps dims otherwise at these sizes)."""
+    values = [a.meta["val"] for a in tensor_args(node)]
+    for what, value, placements in [*(("its input of shape", v, p) for v, p in zip(values, strategy.inputs)),
+                                    *(("its output of shape", v, p) for v, p in zip(_outputs(node), strategy.outputs))]:
+        problem = None if placements is None or value is None else placement_problem(value, placements, mesh)
+        if problem is not None:
+            return f"{what} {tuple(value.shape)}, planned {format_placements(placements)}: {problem}"
+    return "the op maps its dims otherwise at shapes " + ", ".join(str(tuple(v.shape)) for v in values)
+
+
+def _outputs(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    return [v if isinstance(v, torch.Tensor) else None for v in (val if isinstance(val, (tuple, list)) else [val])]
 
 
 def placeholder_layouts(captured: Captured, plan: ShardingPlan) -> list[Placements]:

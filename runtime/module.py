@@ -2,6 +2,7 @@
 
 import inspect
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -11,21 +12,22 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_unflatten
 
 from autopar.cost_model.liveness import forward_made
-from autopar.errors import StalePlanError
+from autopar.errors import InputError, StalePlanError
 from autopar.mesh import Mesh
-from autopar.placement import Placements, Shard, format_placement, format_placements
+from autopar.placement import Placements, Shard, format_placement
 from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
 from autopar.passes.propagate import whole_on_one_rank
-from autopar.passes.redistribute import local_shape
 from autopar.passes.rank_ops import graph_collectives
-from autopar.passes.rewrite import placeholder_layouts, rewrite
+from autopar.passes.rewrite import check_fits, placeholder_layouts, rewrite
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
 from autopar.runtime.release import GivenRelease, release_collective_buffers
-from autopar.runtime.state import as_dtensor, distribute, distribute_state, local_of, local_piece, release
+from autopar.runtime.state import (
+    as_dtensor, distribute, distribute_state, local_of, local_piece, release, whole_fake_state,
+)
 
 log = logging.getLogger("autopar")
 
@@ -183,12 +185,14 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs):
         if not self._built:
             self._build(inputs)
-        elif not self._optimizer_checked:
-            if self._stepped_on_host():
-                log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer was "
-                            "built by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise keeps it on "
-                            "the device, over the plan's memory", len(self._stepped_on_host()))
-            self._optimizer_checked = True
+        else:
+            self._switch(inputs)
+            if not self._optimizer_checked:
+                if self._stepped_on_host():
+                    log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer "
+                                "was built by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise "
+                                "keeps it on the device, over the plan's memory", len(self._stepped_on_host()))
+                self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = _Step.apply(self._program, *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
@@ -212,27 +216,80 @@ class ParallelModule(torch.nn.Module):
         if device_type == "cpu":
             keep_freed_memory()
         self._device_mesh = device_mesh(self._mesh, device_type)
+        _check_tensors(inputs)
         captured = capture(self.module, inputs)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
         check_plan(plan, captured, self._mesh, self._pins)
-        rank = dist.get_rank()
-        coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
-        groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
-        joint = rewrite(captured, plan, coordinate=coordinate, group_names=groups)
-        self.per_rank_graph = joint
-        self.collectives = [(kind, self._mesh.axis_names[axis], nbytes)
-                            for kind, axis, nbytes in graph_collectives(joint, groups)]
+        self._plan = plan
+        self._coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
+        self._groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
+        self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
+        self._lowered: dict[tuple, tuple] = {}
+        self._lower(captured)
+        self._shard_state(captured)
+        self._built = True
+        log.info("rank %d at %s runs %d collectives per step (%s backend)", dist.get_rank(), self._coordinate,
+                 len(self.collectives), self._backend)
+
+    def _lower(self, captured: Captured) -> None:
+        """Make and cache the per-rank program of the plan for ``captured``, and run it from now."""
+        joint = rewrite(captured, self._plan, coordinate=self._coordinate, group_names=self._groups)
+        collectives = [(kind, self._mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, self._groups)]
         is_tangent = [k.kind == "tangent" for k in captured.inputs]
         output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
         grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
         grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
         updated_buffers = [k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"]
-        self._program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers)
-        self._captured, self._plan, self._coordinate = captured, plan, coordinate
-        self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
-        self._shard_state(captured)
-        self._built = True
-        log.info("rank %d at %s runs %d collectives per step (%s backend)", rank, coordinate, len(self.collectives), self._backend)
+        program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers)
+        key = tuple(tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input")
+        self._lowered[key] = (captured, program, joint, collectives)
+        self._run_for(key)
+
+    def _run_for(self, key: tuple) -> None:
+        self._captured, self._program, self.per_rank_graph, self.collectives = self._lowered[key]
+        self._key = key
+
+    def _switch(self, inputs: tuple) -> None:
+        """Run the program for these inputs' sizes: the cached one, or the plan lowered for them
+        (captured again on fake tensors, the plan checked to fit, no solving)."""
+        key = self._whole_key(inputs)
+        if key == self._key:
+            return
+        if key in self._lowered:
+            self._run_for(key)
+            return
+        started = time.perf_counter()
+        with whole_fake_state(self.module) as mode:
+            with mode:
+                fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key, inputs))
+            captured = capture(self.module, fakes)
+        check_fits(captured, self._plan)
+        self._lower(captured)
+        log.info("lowered the plan for input sizes %s in %.1f s", ", ".join(map(str, key)),
+                 time.perf_counter() - started)
+
+    def _whole_key(self, inputs: tuple) -> tuple:
+        """Each input's whole shape (an input whose split was pinned is passed as this rank's
+        part), once the inputs are checked against the planned ones."""
+        _check_tensors(inputs)
+        planned = [(n.meta["val"], k.name) for n, k in zip(self._captured.placeholders, self._captured.inputs) if k.kind == "input"]
+        if len(inputs) != len(planned):
+            raise TypeError(f"the model was compiled for {len(planned)} inputs ({', '.join(name for _, name in planned)}), "
+                            f"got {len(inputs)}")
+        key = []
+        for x, (value, name) in zip(inputs, planned):
+            if x.dtype != value.dtype or x.device.type != value.device.type or x.ndim != value.ndim:
+                raise InputError(
+                    f"input '{name}' is a {x.ndim}-d {x.dtype} tensor on {x.device.type}, but the plan was made for a "
+                    f"{value.ndim}-d {value.dtype} tensor on {value.device.type}. Fix: pass it as planned (e.g. "
+                    f"x.to({value.dtype})), or compile again with example inputs like this one")
+            shape = list(x.shape)
+            if self.passes_own_part(name):
+                for axis, p in enumerate(self._layouts[name]):
+                    if isinstance(p, Shard):
+                        shape[p.dim] *= self._mesh.shape[axis]
+            key.append(tuple(shape))
+        return tuple(key)
 
     def _plan_on_rank0(self, captured: Captured) -> ShardingPlan:
         """Rank 0 plans and sends the plan to every rank; if planning fails there, every rank
@@ -277,24 +334,8 @@ class ParallelModule(torch.nn.Module):
         ]
 
     def _local_inputs(self, inputs: tuple) -> list[torch.Tensor]:
-        nodes = [(n, k) for n, k in zip(self._captured.placeholders, self._captured.inputs) if k.kind == "input"]
-        if len(inputs) != len(nodes):
-            raise TypeError(f"the model was compiled for {len(nodes)} inputs ({', '.join(k.name for _, k in nodes)}), got {len(inputs)}")
-        local = []
-        for x, (node, kind) in zip(inputs, nodes):
-            layout = self._layouts[kind.name]
-            whole = tuple(node.meta["val"].shape)
-            per_rank = self.passes_own_part(kind.name)
-            expected = local_shape(whole, layout, self._mesh) if per_rank else whole
-            if tuple(x.shape) != expected:
-                how = (f"its pinned placements {format_placements(layout)} mean each rank passes only its own part"
-                       if per_rank else "every rank passes the whole global batch")
-                raise ValueError(
-                    f"input '{kind.name}' has shape {tuple(x.shape)} but the plan expects {expected}: {how}. "
-                    "Fix: pass inputs of the planned shape, or compile again for the new shape"
-                )
-            local.append(x if per_rank else self.rank_part(kind.name, x))
-        return local
+        names = [k.name for k in self._captured.inputs if k.kind == "input"]
+        return [x if self.passes_own_part(name) else self.rank_part(name, x) for x, name in zip(inputs, names)]
 
     def passes_own_part(self, name: str) -> bool:
         """Whether each rank passes only its own part of input ``name`` (its placements were
@@ -367,6 +408,14 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
         local = local.to(tensor.device_mesh.device_type)
         tensor = as_dtensor(local, tensor)
     return tensor.detach().full_tensor()
+
+
+def _check_tensors(inputs: tuple) -> None:
+    bad = [f"argument {i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise InputError(f"the compiled model takes tensors: {'; '.join(bad)}. Fix: pass each input as a tensor "
+                         "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
+                         "or module attributes before autopar.compile")
 
 
 def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None) -> None:

@@ -9,11 +9,13 @@ An optimizer built over the old parameters (before the first call, when the plan
 is pointed at the new ones when it first steps (:func:`_step_the_new_parameters`).
 """
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from autopar.placement import Placements, Shard
@@ -92,3 +94,39 @@ def _step_the_new_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> 
                         "ranks. Fix: build the optimizer after the model's first call, or pass example_inputs "
                         "to autopar.compile so that parameters are split there")
                 params[i] = new
+
+
+@contextlib.contextmanager
+def whole_fake_state(module: torch.nn.Module):
+    """Within the block, ``module`` holds fake tensors of its DTensors' whole shapes (tied
+    tensors stay tied), so that it can be captured again at other input sizes without memory;
+    yields the fake mode to make inputs in."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    fakes: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if not isinstance(tensor, DTensor):
+                    continue
+                if id(tensor) not in fakes:
+                    with mode:
+                        fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=_device_of(tensor))
+                    is_param = isinstance(tensor, torch.nn.Parameter)
+                    fakes[id(tensor)] = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
+                swapped.append((table, name, tensor))
+                table[name] = fakes[id(tensor)]
+    try:
+        yield mode
+    finally:
+        for table, name, tensor in swapped:
+            table[name] = tensor
+
+
+def _device_of(tensor: DTensor) -> torch.device:
+    """The device the program computes ``tensor`` on: its piece's, or the mesh's device for a
+    piece kept in host memory."""
+    device = tensor.to_local().device
+    if device.type == "cpu" and tensor.device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -228,16 +228,6 @@ def decorated_and_lazy() -> dict:
             "planned": from_factory.plan.mesh == mesh}
 
 
-def wrong_input_shape() -> str:
-    model, batches = make_model("mlp")
-    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), batches[0], hardware=SYNTHETIC)
-    try:
-        pmodel(torch.randn(6, 16), torch.randn(6, 16))
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def saved_plan_and_inductor() -> dict:
     """Plan once, save it as JSON, compile from the saved plan with Inductor, train."""
     result = compare_with_one_device("mlp", (2,), ("tp",), "adamw", backend="inductor")

@@ -10,7 +10,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
@@ -212,3 +211,43 @@ def test_an_optimizer_built_before_the_plan_steps_the_split_parameters():
         assert "example_inputs" in r["early"] and "after the first call" in r["early"]
         assert r["stepped_dtensors"]
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
+
+
+# batch sizes and inputs ---------------------------------------------------------------------
+
+def other_batch_sizes() -> dict:
+    """A plan made for batches of 8 trains on 8, 4 (a smaller last batch) and 8 again; batches
+    of 6 do not divide the split and are refused, as are inputs of the wrong kind."""
+    model, _ = make_model("gpt")
+    reference = copy.deepcopy(model)
+    batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
+    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
+                             pins=pins_for("2d", "gpt", ("dp", "tp")))
+    cut = [tuple(x[:n] for x in b) for n, b in zip([8, 4, 8], batches)]
+    optimizer = make_optimizer("adamw", pmodel.parameters())
+    losses = _train(pmodel, list(enumerate(cut)), optimizer, lambda b: _rank_inputs(pmodel, b))
+    ref_losses = _train(reference, list(enumerate(cut)), make_optimizer("adamw", reference.parameters()))
+    out = {"losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference),
+           "programs": len(pmodel._lowered)}
+    idx, targets = batches[0]
+    wrong = {"six": lambda: pmodel(idx[:3], targets[:3]),  # pinned S(0) on dp: each rank passes its part
+             "dtype": lambda: pmodel(*_rank_inputs(pmodel, (idx.int(), targets))),
+             "list": lambda: pmodel(idx[:2].tolist(), targets[:2])}
+    for name, call in wrong.items():
+        try:
+            call()
+            out[name] = "no error"
+        except autopar.AutoparError as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_a_smaller_last_batch_runs_the_same_plan_and_sizes_it_cannot_split_are_refused():
+    for r in run_ranks(4, other_batch_sizes):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
+        assert r["programs"] == 2  # one per size, the first size's reused
+        assert "dim 0 (size 6) is not divisible by mesh axis 'dp' (size 2)" in r["six"], r["six"]
+        assert "drop_last=True" in r["six"]
+        assert "input 'idx' is a 2-d torch.int32 tensor" in r["dtype"] and "torch.int64" in r["dtype"]
+        assert "argument 0 is a list" in r["list"]
