@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -72,7 +73,24 @@ def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> 
                 table[name] = replaced[id(old)]
     if not _hook_registered:
         register_optimizer_step_pre_hook(_step_the_new_parameters)
+        DTensor._op_dispatcher._custom_op_handlers[_UNSCALE] = _found_inf_on_any_rank
         _hook_registered = True
+
+
+_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
+def _found_inf_on_any_rank(op_call, args, kwargs) -> None:
+    """``torch.amp.GradScaler``'s check for infinite gradients over DTensor gradients: each rank
+    checks its pieces, then the flag is reduced (max) over every axis of the mesh, so that every
+    rank skips the step when any piece overflowed. torch's own handler reduces only over the
+    axes the first gradient of the list is split on, so with gradients laid out differently
+    (one replicated, the next split) a rank would step while another skips."""
+    grads, found_inf, inv_scale = args
+    op_call([local_of(g) for g in grads], local_of(found_inf), local_of(inv_scale), **kwargs)
+    mesh = grads[0].device_mesh
+    for axis in range(mesh.ndim):
+        dist.all_reduce(local_of(found_inf), op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
 
 
 def release(old: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Shard
@@ -251,3 +252,59 @@ def test_a_smaller_last_batch_runs_the_same_plan_and_sizes_it_cannot_split_are_r
         assert "drop_last=True" in r["six"]
         assert "input 'idx' is a 2-d torch.int32 tensor" in r["dtype"] and "torch.int64" in r["dtype"]
         assert "argument 0 is a list" in r["list"]
+
+
+# accumulation and loss scaling --------------------------------------------------------------
+
+def accumulated_steps() -> dict:
+    """Each step sums the gradients of two half batches (a loss halved each), on one device and
+    on the mesh."""
+    model, _ = make_model("gpt")
+    reference = copy.deepcopy(model)
+    batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(2)]
+    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
+                             pins=pins_for("2d", "gpt", ("dp", "tp")))
+
+    def train(m, opt, inputs):
+        losses = []
+        for batch in batches:
+            opt.zero_grad()
+            for half in (slice(0, 4), slice(4, 8)):
+                loss = m(*inputs(tuple(x[half] for x in batch))) / 2
+                loss.backward()
+                losses.append(float(loss.detach()))
+            opt.step()
+        return losses
+
+    losses = train(pmodel, make_optimizer("adamw", pmodel.parameters()), lambda b: _rank_inputs(pmodel, b))
+    ref_losses = train(reference, make_optimizer("adamw", reference.parameters()), lambda b: b)
+    return {"losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference)}
+
+
+@pytest.mark.slow
+def test_gradients_accumulated_over_micro_batches_match_one_device():
+    for r in run_ranks(4, accumulated_steps):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
+
+
+def overflow_on_one_rank() -> dict:
+    """``torch.amp.GradScaler`` over split parameters: an infinite gradient in one rank's piece
+    skips the step on every rank and lowers the scale everywhere."""
+    pmodel, _, batches = _compile("gpt", (2, 2), ("dp", "tp"), "2d")
+    optimizer = make_optimizer("sgd", pmodel.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = pmodel.full_state_dict()
+    scaler.scale(pmodel(*_rank_inputs(pmodel, batches[0]))).backward()
+    if dist.get_rank() == 1:
+        grad = next(p.grad for p in pmodel.parameters() if any(isinstance(q, Shard) for q in p.placements))
+        grad.to_local().view(-1)[0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    after = pmodel.full_state_dict()
+    return {"moved": max(float((after[k] - v).abs().max()) for k, v in before.items()), "scale": scaler.get_scale()}
+
+
+@pytest.mark.slow
+def test_an_overflow_in_one_ranks_piece_skips_the_step_on_every_rank():
+    for r in run_ranks(4, overflow_on_one_rank):
+        assert r["moved"] == 0.0 and r["scale"] == 512.0
