@@ -62,8 +62,9 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
 
-    def planner(captured):
-        return plan_captured(captured, mesh, hardware=hardware, pins=pins, memory_budget=memory_budget,
+    def planner(captured, state_pins=None):
+        return plan_captured(captured, mesh, hardware=hardware, pins={**(pins or {}), **(state_pins or {})},
+                             memory_budget=memory_budget,
                              fallback=fallback, solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap,
                              share_layers=share_layers, recompute=recompute)
 

@@ -138,8 +138,10 @@ class Captured:
         return sum(1 for o in self.outputs if o is not None and o.kind == "output")
 
 
+@torch.enable_grad()
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
-    """Trace ``model(*example_inputs)`` into its joint training graph."""
+    """Trace ``model(*example_inputs)`` into its joint training graph (with gradients on, also
+    when called under ``torch.no_grad()``, as a first call in evaluation is)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     bad = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]

@@ -19,7 +19,7 @@ from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
 from autopar.passes.propagate import whole_on_one_rank
 from autopar.passes.rank_ops import graph_collectives
-from autopar.passes.rewrite import check_fits, placeholder_layouts, rewrite
+from autopar.passes.rewrite import check_fits, placeholder_layouts, rewrite, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
@@ -183,6 +183,7 @@ class ParallelModule(torch.nn.Module):
         return [name for name in self.plan.host_optimizer if name not in self.plan.host_params]
 
     def forward(self, *inputs):
+        _refuse_autocast(self.module)
         if not self._built:
             self._build(inputs)
         else:
@@ -224,16 +225,16 @@ class ParallelModule(torch.nn.Module):
         self._coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
         self._groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
         self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
-        self._lowered: dict[tuple, tuple] = {}
-        self._lower(captured)
+        self._lowered: dict[tuple, _Lowered] = {}
+        self._lower(captured, plan)
         self._shard_state(captured)
         self._built = True
         log.info("rank %d at %s runs %d collectives per step (%s backend)", dist.get_rank(), self._coordinate,
                  len(self.collectives), self._backend)
 
-    def _lower(self, captured: Captured) -> None:
-        """Make and cache the per-rank program of the plan for ``captured``, and run it from now."""
-        joint = rewrite(captured, self._plan, coordinate=self._coordinate, group_names=self._groups)
+    def _lower(self, captured: Captured, plan: ShardingPlan) -> None:
+        """Make and cache the per-rank program of ``plan`` for ``captured``, and run it from now."""
+        joint = rewrite(captured, plan, coordinate=self._coordinate, group_names=self._groups)
         collectives = [(kind, self._mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, self._groups)]
         is_tangent = [k.kind == "tangent" for k in captured.inputs]
         output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
@@ -241,17 +242,23 @@ class ParallelModule(torch.nn.Module):
         grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
         updated_buffers = [k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"]
         program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers)
-        key = tuple(tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input")
-        self._lowered[key] = (captured, program, joint, collectives)
+        layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
+        key = (tuple(tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"),
+               self.module.training)
+        self._lowered[key] = _Lowered(captured, program, joint, collectives, layouts)
         self._run_for(key)
 
     def _run_for(self, key: tuple) -> None:
-        self._captured, self._program, self.per_rank_graph, self.collectives = self._lowered[key]
+        lowered = self._lowered[key]
+        self._captured, self._program, self.per_rank_graph, self.collectives = lowered[:4]
+        self._layouts = lowered.layouts
         self._key = key
 
     def _switch(self, inputs: tuple) -> None:
-        """Run the program for these inputs' sizes: the cached one, or the plan lowered for them
-        (captured again on fake tensors, the plan checked to fit, no solving)."""
+        """Run the program for these inputs' sizes and the model's mode: the cached one, or the
+        plan lowered for them (captured again on fake tensors, the plan checked to fit, no
+        solving). Where the model runs other ops there (its code branches on a size; dropout in
+        eval mode), those ops are planned with the parameters and buffers pinned where they are."""
         key = self._whole_key(inputs)
         if key == self._key:
             return
@@ -261,16 +268,21 @@ class ParallelModule(torch.nn.Module):
         started = time.perf_counter()
         with whole_fake_state(self.module) as mode:
             with mode:
-                fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key, inputs))
+                fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key[0], inputs))
             captured = capture(self.module, fakes)
-        check_fits(captured, self._plan)
-        self._lower(captured)
-        log.info("lowered the plan for input sizes %s in %.1f s", ", ".join(map(str, key)),
-                 time.perf_counter() - started)
+        plan = self._plan
+        if not runs_planned_ops(captured, plan):
+            state = {k.name: self._layouts[k.name] for k in captured.inputs if k.kind in ("param", "buffer")}
+            plan = self._plan_on_rank0(captured, state)
+        check_fits(captured, plan)
+        self._lower(captured, plan)
+        log.info("lowered %s for input sizes %s (%s mode) in %.1f s", "the plan" if plan is self._plan else "a plan",
+                 ", ".join(map(str, key[0])), "training" if key[1] else "eval", time.perf_counter() - started)
 
     def _whole_key(self, inputs: tuple) -> tuple:
         """Each input's whole shape (an input whose split was pinned is passed as this rank's
-        part), once the inputs are checked against the planned ones."""
+        part), once the inputs are checked against the planned ones, and whether the model is
+        in training mode (eval mode captures another graph where dropout or batch norm differ)."""
         _check_tensors(inputs)
         planned = [(n.meta["val"], k.name) for n, k in zip(self._captured.placeholders, self._captured.inputs) if k.kind == "input"]
         if len(inputs) != len(planned):
@@ -289,15 +301,16 @@ class ParallelModule(torch.nn.Module):
                     if isinstance(p, Shard):
                         shape[p.dim] *= self._mesh.shape[axis]
             key.append(tuple(shape))
-        return tuple(key)
+        return tuple(key), self.module.training
 
-    def _plan_on_rank0(self, captured: Captured) -> ShardingPlan:
-        """Rank 0 plans and sends the plan to every rank; if planning fails there, every rank
-        raises the same error instead of waiting for a plan that never comes."""
+    def _plan_on_rank0(self, captured: Captured, state_pins: Mapping[str, Placements] | None = None) -> ShardingPlan:
+        """Rank 0 plans (with ``state_pins`` added to the pins) and sends the plan to every rank;
+        if planning fails there, every rank raises the same error instead of waiting for a plan
+        that never comes."""
         box: list = [None]
         if dist.get_rank() == 0:
             try:
-                box = [("plan", self._planner(captured).to_json())]
+                box = [("plan", self._planner(captured, state_pins).to_json())]
             except Exception as exc:
                 box = [("error", exc)]
                 dist.broadcast_object_list(box, src=0)
@@ -385,11 +398,28 @@ class ParallelModule(torch.nn.Module):
         params = list(self.module.parameters())
         return ParameterCounts(whole=sum(p.numel() for p in params), this_rank=sum(local_of(p).numel() for p in params))
 
+    def _apply(self, fn, recurse=True):
+        if self._built:
+            raise RuntimeError(
+                "the compiled model's dtype or device cannot change (pmodel.to, .half, .cuda, ...): its per-rank "
+                "program was planned for them. Fix: convert the model before autopar.compile, or autocast inside "
+                "its forward for lower-precision compute")
+        return super()._apply(fn, recurse)
+
     def __reduce_ex__(self, protocol):
         raise TypeError(
             "a ParallelModule holds process groups and per-rank programs, which cannot be pickled or copied. "
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
             "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it")
+
+
+class _Lowered(NamedTuple):
+    """The program of one input size and mode."""
+    captured: Captured
+    program: _Program
+    per_rank_graph: torch.fx.GraphModule
+    collectives: list
+    layouts: dict[str, Placements]
 
 
 class ParameterCounts(NamedTuple):
@@ -408,6 +438,18 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
         local = local.to(tensor.device_mesh.device_type)
         tensor = as_dtensor(local, tensor)
     return tensor.detach().full_tensor()
+
+
+def _refuse_autocast(model: torch.nn.Module) -> None:
+    """The per-rank program is captured without ``torch.autocast``; run under it, its matmuls
+    alone would change dtype. Casting inside the model's forward is captured and planned."""
+    device_type = device_type_of(model)
+    if torch.is_autocast_enabled(device_type):
+        raise RuntimeError(
+            "the compiled model is called under torch.autocast, which its per-rank program cannot follow: it was "
+            "captured and planned without it. Fix: enter autocast inside the model's forward (wrap the model in a "
+            "module whose forward runs it under torch.autocast) before autopar.compile; autopar captures the casts "
+            "and prices the matmuls at the lower precision")
 
 
 def _check_tensors(inputs: tuple) -> None:

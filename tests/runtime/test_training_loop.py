@@ -308,3 +308,59 @@ def overflow_on_one_rank() -> dict:
 def test_an_overflow_in_one_ranks_piece_skips_the_step_on_every_rank():
     for r in run_ranks(4, overflow_on_one_rank):
         assert r["moved"] == 0.0 and r["scale"] == 512.0
+
+
+def modes_and_misuse() -> dict:
+    """Eval mode of a model without dropout runs the plan lowered for eval; torch.autocast
+    around the call and dtype changes after compiling are refused."""
+    pmodel, reference, batches = _compile("mlp", (2,), ("tp",), "megatron")
+    pmodel.eval()
+    reference.eval()
+    with torch.no_grad():
+        out = {"eval": float(pmodel(*batches[1])), "ref_eval": float(reference(*batches[1]))}
+    pmodel.train()
+    for name, call in {"autocast": lambda: _under_autocast(pmodel, batches[0]), "to": lambda: pmodel.to(torch.bfloat16)}.items():
+        try:
+            call()
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def _under_autocast(pmodel, batch):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return pmodel(*batch)
+
+
+@pytest.mark.slow
+def test_eval_mode_runs_and_autocast_around_the_call_or_dtype_changes_are_refused():
+    for r in run_ranks(2, modes_and_misuse):
+        assert r["eval"] == pytest.approx(r["ref_eval"], rel=1e-5)
+        assert "under torch.autocast" in r["autocast"] and "inside the model's forward" in r["autocast"]
+        assert "cannot change" in r["to"] and "before autopar.compile" in r["to"]
+
+
+def dropout_model_in_eval_mode() -> dict:
+    """A model with dropout runs other ops in eval mode: those are planned around the
+    parameters where they are, and train mode then runs its own program again."""
+    pmodel, reference, batches = _compile("hf-gpt2-dropout", (2, 2), ("dp", "tp"), None)
+    pmodel.eval()
+    reference.eval()
+    with torch.no_grad():
+        out = {"eval": float(pmodel(*batches[1])), "ref_eval": float(reference(*batches[1]))}
+    pmodel.train()
+    reference.train()
+    torch.manual_seed(STEP_SEED)
+    out["train"] = float(pmodel(*batches[0]).detach())
+    torch.manual_seed(STEP_SEED)
+    out["ref_train"] = float(reference(*batches[0]).detach())
+    return out
+
+
+@pytest.mark.slow
+@NEEDS_TRANSFORMERS
+def test_a_model_with_dropout_evaluates_as_on_one_device():
+    for r in run_ranks(4, dropout_model_in_eval_mode):
+        assert r["eval"] == pytest.approx(r["ref_eval"], rel=1e-5)
+        assert r["train"] == pytest.approx(r["ref_train"], rel=1e-5) and r["train"] != pytest.approx(r["eval"])
