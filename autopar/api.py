@@ -2,7 +2,7 @@
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,7 +16,8 @@ from autopar.runtime.module import BACKENDS, ParallelModule
 def default_backend(model: torch.nn.Module) -> str:
     """Inductor on GPUs; eager on CPUs, where compiling costs more than a short run gains."""
     param = next(model.parameters(), None)
-    return "inductor" if param is not None and param.device.type == "cuda" else "eager"
+    on_gpu = param is not None and (param.device.type == "cuda" or (param.is_meta and torch.cuda.is_available()))
+    return "inductor" if on_gpu else "eager"
 
 
 def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
@@ -24,7 +25,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
             pins: Pins | None = None, memory_budget: "int | str | None" = None,
             plan: ShardingPlan | None = None, backend: str | None = None,
             fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
-            share_layers: bool | None = None, recompute: str = "auto"):
+            share_layers: bool | None = None, recompute: str = "auto",
+            init_weights: "Callable[[torch.nn.Module], None] | None" = None):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
@@ -38,11 +40,14 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
         class Net(nn.Module): ...
 
     Options are those of :func:`autopar.plan`, plus ``plan`` (run this plan instead of solving),
-    and ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU).
+    ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU), and
+    ``init_weights``: for a model built under ``torch.device("meta")``, a function that
+    initialises one module's own parameters and buffers in place (default: each module's
+    ``reset_parameters()``); each rank then allocates and keeps only its pieces.
     """
     options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
                    solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap, share_layers=share_layers,
-                   recompute=recompute)
+                   recompute=recompute, init_weights=init_weights)
     if model is None:
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
@@ -69,7 +74,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
                              share_layers=share_layers, recompute=recompute)
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
-                          backend=backend or default_backend(model), planner=planner, pins=parsed)
+                          backend=backend or default_backend(model), planner=planner, pins=parsed,
+                          init_weights=init_weights)
 
 
 def _decorate(target, *, mesh: Mesh, example_inputs, options):

@@ -1,9 +1,10 @@
 """The module ``autopar.compile`` returns: runs one rank's share of the planned training step."""
 
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -26,7 +27,7 @@ from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
 from autopar.runtime.release import GivenRelease, release_collective_buffers
 from autopar.runtime.state import (
-    as_dtensor, distribute, distribute_state, local_of, local_piece, release, whole_fake_state,
+    as_dtensor, distribute, distribute_state, local_of, local_piece, materialise, release, whole_fake_state,
 )
 
 log = logging.getLogger("autopar")
@@ -131,7 +132,8 @@ class ParallelModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
-                 plan: ShardingPlan | None, backend: str, planner, pins: Mapping[str, Placements] | None = None):
+                 plan: ShardingPlan | None, backend: str, planner, pins: Mapping[str, Placements] | None = None,
+                 init_weights: Callable[[torch.nn.Module], None] | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -141,6 +143,7 @@ class ParallelModule(torch.nn.Module):
         self._backend = backend
         self._planner = planner
         self._pins = dict(pins or {})
+        self._init_weights = init_weights
         self._built = False
         self._optimizer_checked = False
         if example_inputs is not None:
@@ -183,7 +186,7 @@ class ParallelModule(torch.nn.Module):
         return [name for name in self.plan.host_optimizer if name not in self.plan.host_params]
 
     def forward(self, *inputs):
-        _refuse_autocast(self.module)
+        _refuse_autocast()
         if not self._built:
             self._build(inputs)
         else:
@@ -214,11 +217,16 @@ class ParallelModule(torch.nn.Module):
 
     def _build(self, inputs: tuple) -> None:
         device_type = device_type_of(self.module)
+        on_meta = device_type == "meta"
+        if on_meta:  # built on the meta device: each rank materialises its pieces where it computes
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
         if device_type == "cpu":
             keep_freed_memory()
         self._device_mesh = device_mesh(self._mesh, device_type)
+        self._device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         _check_tensors(inputs)
-        captured = capture(self.module, inputs)
+        with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
+            captured = capture(self.module, inputs)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
         check_plan(plan, captured, self._mesh, self._pins)
         self._plan = plan
@@ -323,20 +331,32 @@ class ParallelModule(torch.nn.Module):
 
     def _shard_state(self, captured: Captured) -> None:
         """Replace each planned parameter and buffer by a DTensor holding this rank's piece, in
-        host memory (pinned on CUDA) for the parameters the plan keeps there."""
-        pieces, old = {}, []
+        host memory (pinned on CUDA) for the parameters the plan keeps there. Tensors on the meta
+        device are materialised piece by piece (:func:`~autopar.runtime.state.materialise`)."""
+        planned = {}
         for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
                 tensor = self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
-                with torch.no_grad():
-                    piece = self.rank_part(kind.name, tensor.detach())
-                    if kind.name in self._plan.host_params and piece.device.type != "cpu":
-                        piece = piece.to("cpu").pin_memory()
-                pieces[id(tensor)] = distribute(tensor, piece, self._device_mesh, self._layouts[kind.name])
-                old.append(tensor)
+                planned[id(tensor)] = (kind.name, tensor)
+
+        def cut(key: int, whole: torch.Tensor) -> torch.Tensor:
+            if key not in planned:
+                raise ValueError("the model holds tensors on the meta device that its forward does not use. Fix: "
+                                 "build them on a real device, or drop them")
+            name = planned[key][0]
+            with torch.no_grad():
+                piece = self.rank_part(name, whole)
+            if name in self._plan.host_params and piece.device.type != "cpu":
+                piece = piece.to("cpu").pin_memory()
+            return piece
+
+        made = materialise(self.module, self._device, cut, self._init_weights)
+        pieces = {key: distribute(tensor, made[key] if key in made else cut(key, tensor.detach()), self._device_mesh,
+                                  self._layouts[name]) for key, (name, tensor) in planned.items()}
         distribute_state(self.module, pieces)
-        for tensor in old:
-            release(tensor)
+        for _, tensor in planned.values():
+            if not tensor.is_meta:
+                release(tensor)
 
     def _state(self) -> list[torch.Tensor]:
         """The local pieces of the parameters and buffers, in the program's order; a parameter's
@@ -440,11 +460,10 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().full_tensor()
 
 
-def _refuse_autocast(model: torch.nn.Module) -> None:
+def _refuse_autocast() -> None:
     """The per-rank program is captured without ``torch.autocast``; run under it, its matmuls
     alone would change dtype. Casting inside the model's forward is captured and planned."""
-    device_type = device_type_of(model)
-    if torch.is_autocast_enabled(device_type):
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
         raise RuntimeError(
             "the compiled model is called under torch.autocast, which its per-rank program cannot follow: it was "
             "captured and planned without it. Fix: enter autocast inside the model's forward (wrap the model in a "

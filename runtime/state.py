@@ -10,7 +10,7 @@ is pointed at the new ones when it first steps (:func:`_step_the_new_parameters`
 """
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -115,9 +115,10 @@ def _step_the_new_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> 
 
 
 @contextlib.contextmanager
-def whole_fake_state(module: torch.nn.Module):
-    """Within the block, ``module`` holds fake tensors of its DTensors' whole shapes (tied
-    tensors stay tied), so that it can be captured again at other input sizes without memory;
+def whole_fake_state(module: torch.nn.Module, device: torch.device | None = None):
+    """Within the block, ``module`` holds fake tensors of its DTensors' whole shapes, and of its
+    meta tensors' on ``device`` (tied tensors stay tied), so that it can be captured without
+    memory (again at other input sizes, or first where it was built on the meta device);
     yields the fake mode to make inputs in."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swapped: list[tuple[dict, str, torch.Tensor]] = []
@@ -125,11 +126,12 @@ def whole_fake_state(module: torch.nn.Module):
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for name, tensor in table.items():
-                if not isinstance(tensor, DTensor):
+                if not isinstance(tensor, DTensor) and not (tensor is not None and tensor.is_meta):
                     continue
                 if id(tensor) not in fakes:
                     with mode:
-                        fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=_device_of(tensor))
+                        where = _device_of(tensor) if isinstance(tensor, DTensor) else device
+                        fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=where)
                     is_param = isinstance(tensor, torch.nn.Parameter)
                     fakes[id(tensor)] = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
                 swapped.append((table, name, tensor))
@@ -148,3 +150,58 @@ def _device_of(tensor: DTensor) -> torch.device:
     if device.type == "cpu" and tensor.device_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def materialise(module: torch.nn.Module, device: torch.device, cut: Callable[[int, torch.Tensor], torch.Tensor],
+                init_weights: Callable[[torch.nn.Module], None] | None = None) -> dict[int, torch.Tensor]:
+    """This rank's pieces of ``module``'s meta tensors, by id: module by module, in the order
+    ``module.apply`` visits them, each module's own meta tensors are made whole on ``device``,
+    initialised (``init_weights(module)``, else the module's ``reset_parameters()``) and cut
+    (``cut(id, whole)``); the whole ones are freed before the next module, so that memory holds
+    one module's whole tensors at a time. A tensor tied between modules is cut after the last
+    of them initialised it, as on one device the last initialisation is the one that stays."""
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        for t in [*sub._parameters.values(), *sub._buffers.values()]:
+            if t is not None and t.is_meta:
+                owners[id(t)] = owners.get(id(t), 0) + 1
+    whole: dict[int, torch.Tensor] = {}
+    pieces: dict[int, torch.Tensor] = {}
+    order: list[torch.nn.Module] = []
+    module.apply(order.append)
+    for sub in order:
+        own = [(table, name, t) for table in (sub._parameters, sub._buffers) for name, t in table.items()
+               if t is not None and t.is_meta]
+        if not own:
+            continue
+        if init_weights is None:
+            _check_resettable(sub, own)
+        for table, name, t in own:
+            if id(t) not in whole:
+                made = torch.empty(t.shape, dtype=t.dtype, device=device)
+                whole[id(t)] = torch.nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else made
+            table[name] = whole[id(t)]
+        with torch.no_grad():
+            init_weights(sub) if init_weights is not None else sub.reset_parameters()
+        for table, name, t in own:
+            table[name] = t
+            owners[id(t)] -= 1
+            if owners[id(t)] == 0:
+                pieces[id(t)] = cut(id(t), whole.pop(id(t)).detach())
+    return pieces
+
+
+def _check_resettable(sub: torch.nn.Module, own: list) -> None:
+    """Refuse to initialise ``sub``'s meta tensors by ``reset_parameters()`` where it has none,
+    or where it holds buffers and is not torch's own (torch's modules reset their buffers, such
+    as batch norm's statistics; others' ``reset_parameters`` may leave a buffer computed at
+    construction, such as rotary frequencies, unset)."""
+    names = ", ".join(name for _, name, _ in own)
+    has_buffer = any(table is sub._buffers for table, _, _ in own)
+    if not hasattr(sub, "reset_parameters") or (has_buffer and not type(sub).__module__.startswith("torch.nn")):
+        what = "has no reset_parameters() to initialise them" if not hasattr(sub, "reset_parameters") else \
+            "holds buffers its reset_parameters() may not set"
+        raise ValueError(
+            f"{type(sub).__name__} holds {names} on the meta device and {what}. Fix: pass init_weights= to "
+            "autopar.compile, a function that initialises one module's own parameters and buffers in place "
+            "(a Hugging Face model's is model._init_weights)")

@@ -364,3 +364,70 @@ def test_a_model_with_dropout_evaluates_as_on_one_device():
     for r in run_ranks(4, dropout_model_in_eval_mode):
         assert r["eval"] == pytest.approx(r["ref_eval"], rel=1e-5)
         assert r["train"] == pytest.approx(r["ref_train"], rel=1e-5) and r["train"] != pytest.approx(r["eval"])
+
+
+# models built on the meta device ------------------------------------------------------------
+
+def meta_model() -> dict:
+    """An MLP built under ``torch.device("meta")`` compiles on 4 ranks, each materialising only
+    its pieces, with the values one device draws from the same seed, and trains as one device."""
+    from autopar.examples.mlp import MLP
+
+    torch.manual_seed(0)
+    reference = MLP(16, 64, num_layers=3)
+    with torch.device("meta"):
+        model = MLP(16, 64, num_layers=3)
+    batches = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(3)]
+    torch.manual_seed(0)
+    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
+                             pins={"layers.0.weight": ("S(0)", "S(0)"), "layers.1.weight": ("R", "S(1)")})
+    initial = _params_max_difference(pmodel, reference)
+    local = {n: tuple(p.to_local().shape) for n, p in pmodel.module.named_parameters()}
+    losses = _train(pmodel, list(enumerate(batches)), make_optimizer("adamw", pmodel.parameters()))
+    ref_losses = _train(reference, list(enumerate(batches)), make_optimizer("adamw", reference.parameters()))
+    return {"initial": initial, "local": local, "losses": losses, "ref_losses": ref_losses,
+            "param_max": _params_max_difference(pmodel, reference),
+            "real": all(not p.to_local().is_meta for p in pmodel.parameters())}
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_meta_device_materialises_its_pieces_and_trains():
+    for r in run_ranks(4, meta_model):
+        assert r["real"] and r["initial"] == 0.0
+        assert r["local"]["layers.0.weight"] == (16, 16) and r["local"]["layers.1.weight"] == (64, 32)
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
+
+
+def meta_hugging_face_model() -> dict:
+    """A Hugging Face LLaMA built on the meta device: initialised by its own ``_init_weights``,
+    module by module (rotary frequencies included); refused without it, naming the fix."""
+    from autopar.examples import hf
+
+    sizes = {"vocab_size": 64, "seq": 8, "dim": 16, "num_heads": 4, "num_layers": 1, "hidden": 32}
+    torch.manual_seed(0)
+    reference = hf.llama(**sizes)
+    batch = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"))
+    with torch.device("meta"):
+        bare = hf.llama(**sizes)
+    try:
+        autopar.compile(bare, mesh, batch, hardware=SYNTHETIC)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    with torch.device("meta"):
+        model = hf.llama(**sizes)
+    pmodel = autopar.compile(model, mesh, batch, hardware=SYNTHETIC, init_weights=model.model._init_weights)
+    buffers = {n: b.full_tensor() for n, b in pmodel.module.named_buffers()}
+    pmodel.load_state_dict(reference.state_dict())
+    return {"refused": refused, "buffers_max": max(float((buffers[n] - b).abs().max()) for n, b in reference.named_buffers()),
+            "loss": float(pmodel(*batch).detach()), "ref_loss": float(reference(*batch).detach())}
+
+
+@pytest.mark.slow
+@NEEDS_TRANSFORMERS
+def test_a_hugging_face_model_built_on_the_meta_device_initialises_by_its_own_init():
+    for r in run_ranks(4, meta_hugging_face_model):
+        assert "on the meta device" in r["refused"] and "init_weights=" in r["refused"]
+        assert r["buffers_max"] == 0.0
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
