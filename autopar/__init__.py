@@ -8,7 +8,8 @@ also rewrites the step into one program per rank and runs it on torch.distribute
 from autopar.api import compile
 from autopar.cost_model.hardware import A100, CPU, H100, HardwareProfile, Link, SyntheticProfile
 from autopar.errors import (
-    AutoparError, CaptureError, InfeasiblePlanError, RewriteError, StalePlanError, UnsupportedOpError,
+    AutoparError, CaptureError, CollectiveError, InfeasiblePlanError, InputError, RewriteError, StalePlanError,
+    UnsupportedOpError,
 )
 from autopar.explain import annotated_graph
 from autopar.mesh import Mesh
@@ -16,8 +17,8 @@ from autopar.plan import Collective, ShardingPlan
 from autopar.planner import plan
 
 __all__ = [
-    "A100", "CPU", "H100", "AutoparError", "CaptureError", "Collective", "HardwareProfile",
-    "InfeasiblePlanError", "Link", "Mesh", "RewriteError", "ShardingPlan", "StalePlanError",
+    "A100", "CPU", "H100", "AutoparError", "CaptureError", "Collective", "CollectiveError", "HardwareProfile",
+    "InfeasiblePlanError", "InputError", "Link", "Mesh", "RewriteError", "ShardingPlan", "StalePlanError",
     "SyntheticProfile", "UnsupportedOpError", "annotated_graph", "compile", "plan",
 ]
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
             plan: ShardingPlan | None = None, backend: str | None = None,
             fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
             share_layers: bool | None = None, recompute: str = "auto",
-            init_weights: "Callable[[torch.nn.Module], None] | None" = None):
+            init_weights: "Callable[[torch.nn.Module], None] | None" = None, timeout: float | None = None):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
@@ -43,11 +43,14 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     ``backend``: ``"inductor"`` or ``"eager"`` (default: Inductor on CUDA, eager on CPU), and
     ``init_weights``: for a model built under ``torch.device("meta")``, a function that
     initialises one module's own parameters and buffers in place (default: each module's
-    ``reset_parameters()``); each rank then allocates and keeps only its pieces.
+    ``reset_parameters()``); each rank then allocates and keeps only its pieces; and
+    ``timeout``: seconds after which a collective on the mesh that some rank does not join
+    fails, on every rank that waits, with :class:`~autopar.errors.CollectiveError`
+    (default: the process group's, 30 minutes for gloo and NCCL).
     """
     options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
                    solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap, share_layers=share_layers,
-                   recompute=recompute, init_weights=init_weights)
+                   recompute=recompute, init_weights=init_weights, timeout=timeout)
     if model is None:
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
@@ -66,6 +69,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
         raise TypeError(f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait, a positive number")
 
     def planner(captured, state_pins=None):
         return plan_captured(captured, mesh, hardware=hardware, pins={**(pins or {}), **(state_pins or {})},
@@ -75,7 +80,7 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
                           backend=backend or default_backend(model), planner=planner, pins=parsed,
-                          init_weights=init_weights)
+                          init_weights=init_weights, timeout_s=timeout)
 
 
 def _decorate(target, *, mesh: Mesh, example_inputs, options):

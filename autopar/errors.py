@@ -41,3 +41,8 @@ class RewriteError(AutoparError):
 class InputError(AutoparError, ValueError):
     """A call's inputs do not fit the compiled module: not a tensor, another dtype, device or
     number of dims than planned, or a size that the plan's splits do not divide."""
+
+
+class CollectiveError(AutoparError):
+    """A collective of the per-rank program failed because another rank did not join it: it
+    stalled past ``autopar.compile``'s ``timeout``, or it died."""

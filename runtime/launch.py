@@ -4,6 +4,7 @@
 the launcher that also spans hosts. :func:`device_mesh` joins them: gloo on CPU, NCCL on CUDA.
 """
 
+import datetime
 import os
 import sys
 
@@ -39,9 +40,20 @@ def ensure_process_group(mesh: Mesh, device_type: str) -> None:
         )
 
 
-def device_mesh(mesh: Mesh, device_type: str) -> DeviceMesh:
+def device_mesh(mesh: Mesh, device_type: str, timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """The ranks as a :class:`DeviceMesh` with ``mesh``'s shape and axis names. With ``timeout``,
+    each axis's process groups are made with it, so that a collective on the mesh (the per-rank
+    program's, or DTensor's) that a rank does not join fails after it instead of waiting."""
     ensure_process_group(mesh, device_type)
-    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    if timeout is None:
+        return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    ranks = torch.arange(mesh.size).reshape(mesh.shape)
+    groups = []
+    for axis in range(mesh.ndim):
+        lines = ranks.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(lines, timeout=timeout)
+        groups.append(group)
+    return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=mesh.axis_names)
 
 
 def torchrun(num_ranks: int, target: list[str], *, launcher_args: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The module ``autopar.compile`` returns: runs one rank's share of the planned training step."""
 
 import contextlib
+import datetime
 import inspect
 import logging
 import time
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_unflatten
 
 from autopar.cost_model.liveness import forward_made
-from autopar.errors import InputError, StalePlanError
+from autopar.errors import CollectiveError, InputError, StalePlanError
 from autopar.mesh import Mesh
 from autopar.placement import Placements, Shard, format_placement
 from autopar.plan import ShardingPlan
@@ -38,8 +39,10 @@ BACKENDS = ("eager", "inductor")
 class _Program:
     """One rank's compiled forward and backward graphs and how to feed them."""
 
-    def __init__(self, parts: Partitioned, backend: str, grad_slots: list[bool], updated_buffers: list[str | None]):
+    def __init__(self, parts: Partitioned, backend: str, grad_slots: list[bool], updated_buffers: list[str | None],
+                 timeout_s: float | None = None):
         self.num_outputs = parts.num_outputs
+        self.timeout_s = timeout_s
         self.grad_slots = grad_slots
         self.updated_buffers = updated_buffers
         """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
@@ -85,7 +88,8 @@ def _offload_safe(graph: torch.fx.GraphModule) -> dict:
 class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: _Program, *flat):
-        results = program.forward(*flat)
+        with _named_timeouts(program, "forward"):
+            results = program.forward(*flat)
         ctx.program = program
         ctx.save_for_backward(*results[program.num_outputs:])
         outputs = tuple(results[:program.num_outputs])
@@ -99,11 +103,31 @@ class _Step(torch.autograd.Function):
         args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
         ctx.maybe_clear_saved_tensors()  # unless retain_graph: the backward frees each after its last read
         program.given.owned = not torch._C._autograd._get_current_graph_task_keep_graph()
-        grads = program.backward(args)
+        with _named_timeouts(program, "backward"):
+            grads = program.backward(args)
         if program.grads_to_host:
             host_copies_done()
         grads = iter(grads)
         return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
+
+
+_PEER_FAILURES = ("timed out", "timeout", "closed by peer", "connection reset")
+"""What gloo and NCCL say when a collective's peer stalls past the timeout or leaves the job."""
+
+
+@contextlib.contextmanager
+def _named_timeouts(program: _Program, phase: str):
+    """Turn a collective's failure for want of a peer inside the program into a
+    :class:`CollectiveError` saying what waited and why."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if program.timeout_s is None or not any(s in str(exc).lower() for s in _PEER_FAILURES):
+            raise
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: a collective of the {phase} failed because another rank of the mesh did not "
+            f"join it within the timeout of {program.timeout_s:g} s (it stalled) or left the job (it died). The "
+            f"collective's own error: {str(exc).strip().splitlines()[0]}") from exc
 
 
 def _lean_step(optimizer_class: type[torch.optim.Optimizer], options: dict, params: list[torch.Tensor]) -> dict:
@@ -133,7 +157,7 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
                  plan: ShardingPlan | None, backend: str, planner, pins: Mapping[str, Placements] | None = None,
-                 init_weights: Callable[[torch.nn.Module], None] | None = None):
+                 init_weights: Callable[[torch.nn.Module], None] | None = None, timeout_s: float | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -144,6 +168,7 @@ class ParallelModule(torch.nn.Module):
         self._planner = planner
         self._pins = dict(pins or {})
         self._init_weights = init_weights
+        self._timeout_s = timeout_s
         self._built = False
         self._optimizer_checked = False
         if example_inputs is not None:
@@ -222,7 +247,8 @@ class ParallelModule(torch.nn.Module):
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         if device_type == "cpu":
             keep_freed_memory()
-        self._device_mesh = device_mesh(self._mesh, device_type)
+        timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+        self._device_mesh = device_mesh(self._mesh, device_type, timeout)
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         _check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
@@ -249,7 +275,8 @@ class ParallelModule(torch.nn.Module):
         grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
         grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
         updated_buffers = [k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"]
-        program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers)
+        program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers,
+                           self._timeout_s)
         layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
         key = (tuple(tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"),
                self.module.training)

@@ -431,3 +431,32 @@ def test_a_hugging_face_model_built_on_the_meta_device_initialises_by_its_own_in
         assert "on the meta device" in r["refused"] and "init_weights=" in r["refused"]
         assert r["buffers_max"] == 0.0
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+
+
+# a rank that hangs --------------------------------------------------------------------------
+
+TIMEOUT_S = 5.0
+
+
+def one_rank_hangs() -> str:
+    """Rank 1 sleeps past the timeout at the third step; every rank must fail with the timeout's
+    error instead of waiting for it."""
+    import time
+
+    model, batches = make_model("mlp")
+    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
+                             timeout=TIMEOUT_S)
+    try:
+        for step in range(5):
+            if step == 2 and dist.get_rank() == 1:
+                time.sleep(3 * TIMEOUT_S)
+            pmodel(*batches[0]).backward()
+    except autopar.CollectiveError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_fails_every_rank_within_the_timeout():
+    for message in run_ranks(4, one_rank_hangs, timeout_s=300):
+        assert "did not join it within the timeout of 5 s" in message, message
