@@ -13,12 +13,13 @@ from autopar.errors import (
 )
 from autopar.explain import annotated_graph
 from autopar.mesh import Mesh
+from autopar.precision import MixedPrecision
 from autopar.plan import Collective, ShardingPlan
 from autopar.planner import plan
 
 __all__ = [
     "A100", "CPU", "H100", "AutoparError", "CaptureError", "Collective", "CollectiveError", "HardwareProfile",
-    "InfeasiblePlanError", "InputError", "Link", "Mesh", "RewriteError", "ShardingPlan", "StalePlanError",
+    "InfeasiblePlanError", "InputError", "Link", "Mesh", "MixedPrecision", "RewriteError", "ShardingPlan", "StalePlanError",
     "SyntheticProfile", "UnsupportedOpError", "annotated_graph", "compile", "plan",
 ]
 __version__ = "0.1.0"

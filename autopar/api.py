@@ -8,6 +8,7 @@ import torch
 
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.mesh import Mesh
+from autopar.precision import MixedPrecision
 from autopar.plan import ShardingPlan
 from autopar.planner import Pins, check_gap, check_mesh, check_recompute, parse_memory, parse_pins, plan_captured
 from autopar.runtime.module import BACKENDS, ParallelModule
@@ -26,7 +27,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
             plan: ShardingPlan | None = None, backend: str | None = None,
             fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
             share_layers: bool | None = None, recompute: str = "auto",
-            init_weights: "Callable[[torch.nn.Module], None] | None" = None, timeout: float | None = None):
+            init_weights: "Callable[[torch.nn.Module], None] | None" = None, timeout: float | None = None,
+            mixed_precision: MixedPrecision | None = None):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
@@ -44,13 +46,15 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     ``init_weights``: for a model built under ``torch.device("meta")``, a function that
     initialises one module's own parameters and buffers in place (default: each module's
     ``reset_parameters()``); each rank then allocates and keeps only its pieces; and
+    ``mixed_precision``: a :class:`~autopar.precision.MixedPrecision` policy (compute in
+    ``param_dtype`` with float32 master parameters and gradient reductions); and
     ``timeout``: seconds after which a collective on the mesh that some rank does not join
     fails, on every rank that waits, with :class:`~autopar.errors.CollectiveError`
     (default: the process group's, 30 minutes for gloo and NCCL).
     """
     options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
                    solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap, share_layers=share_layers,
-                   recompute=recompute, init_weights=init_weights, timeout=timeout)
+                   recompute=recompute, init_weights=init_weights, timeout=timeout, mixed_precision=mixed_precision)
     if model is None:
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
@@ -69,6 +73,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
         raise TypeError(f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be an autopar.MixedPrecision, got {type(mixed_precision).__name__}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait, a positive number")
 
@@ -80,7 +86,8 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
 
     return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
                           backend=backend or default_backend(model), planner=planner, pins=parsed,
-                          init_weights=init_weights, timeout_s=timeout)
+                          init_weights=init_weights, timeout_s=timeout,
+                          param_dtype=mixed_precision.param_dtype if mixed_precision is not None else None)
 
 
 def _decorate(target, *, mesh: Mesh, example_inputs, options):

@@ -15,6 +15,7 @@ from autopar.cost_model.liveness import Liveness, plan_liveness
 from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.explain import format_bytes
 from autopar.mesh import Mesh
+from autopar.precision import MixedPrecision
 from autopar.placement import Placement, Placements, parse_placements
 from autopar.plan import ShardingPlan, SolverInfo
 from autopar.passes.buckets import BUCKET_BYTES
@@ -335,7 +336,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
          hardware: "str | Profile" = "h100", pins: Pins | None = None,
          memory_budget: "int | str | None" = None, fallback: bool = True,
          solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3, share_layers: bool | None = None,
-         recompute: str = "auto") -> ShardingPlan:
+         recompute: str = "auto", mixed_precision: MixedPrecision | None = None) -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
     Args:
@@ -360,6 +361,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
             (default) lets the solver choose, with the layouts, what the memory budget needs;
             ``"none"`` keeps them all; ``"layers"`` recomputes each layer of a stack from its
             input (activation checkpointing of every block) and chooses the rest as ``"auto"``.
+        mixed_precision: compute with parameters cast to ``mixed_precision.param_dtype``
+            (:class:`~autopar.precision.MixedPrecision`), gradients reduced in theirs.
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
@@ -369,6 +372,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
     parse_memory(memory_budget)
     check_recompute(recompute)
     check_gap(solver_gap)
-    return plan_captured(capture(model, tuple(example_inputs)), mesh, hardware=hardware, pins=pins,
+    param_dtype = mixed_precision.param_dtype if mixed_precision is not None else None
+    return plan_captured(capture(model, tuple(example_inputs), param_dtype), mesh, hardware=hardware, pins=pins,
                          memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s,
                          solver_gap=solver_gap, share_layers=share_layers, recompute=recompute)

@@ -139,9 +139,14 @@ class Captured:
 
 
 @torch.enable_grad()
-def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
+def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dtype | None = None) -> Captured:
     """Trace ``model(*example_inputs)`` into its joint training graph (with gradients on, also
-    when called under ``torch.no_grad()``, as a first call in evaluation is)."""
+    when called under ``torch.no_grad()``, as a first call in evaluation is).
+
+    With ``param_dtype``, the forward computes with copies of the floating-point parameters
+    cast to it (:class:`_ComputeIn`): the graph reads the parameters in their own dtype, casts
+    them, and their gradients come back in their own dtype through the casts' backward, so that
+    gradients are reduced in it."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     bad = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
@@ -154,8 +159,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     started = time.perf_counter()
     model, example_inputs = _off_meta(model, tuple(example_inputs))
     hook = model.register_forward_hook(_check_outputs)
+    traced = model if param_dtype is None else _ComputeIn(model, param_dtype)
     try:
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        exported = torch.export.export(traced, tuple(example_inputs), strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # torch.export raises many unrelated exception types
@@ -185,6 +191,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Captured:
     captured = Captured(graph, inputs, outputs, out_spec, fingerprint(lines), time.perf_counter() - started, lines)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
     return captured
+
+
+class _ComputeIn(torch.nn.Module):
+    """``model`` run on copies of its floating-point parameters cast to ``dtype``. It holds the
+    model's children, parameters and buffers under the model's own names (so the graph's
+    inputs keep them) and calls the model with the casts in place of the parameters."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in model._buffers.items():
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        object.__setattr__(self, "_model", model)  # not a child: its tensors are this module's own
+        self._dtype = dtype
+
+    def forward(self, *args):
+        casts = {name: p.to(self._dtype) if p.is_floating_point() else p for name, p in self._model.named_parameters()}
+        return torch.func.functional_call(self._model, casts, args)
 
 
 def _check_outputs(model: torch.nn.Module, args, output) -> None:

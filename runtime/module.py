@@ -157,7 +157,8 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
                  plan: ShardingPlan | None, backend: str, planner, pins: Mapping[str, Placements] | None = None,
-                 init_weights: Callable[[torch.nn.Module], None] | None = None, timeout_s: float | None = None):
+                 init_weights: Callable[[torch.nn.Module], None] | None = None, timeout_s: float | None = None,
+                 param_dtype: torch.dtype | None = None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -169,6 +170,7 @@ class ParallelModule(torch.nn.Module):
         self._pins = dict(pins or {})
         self._init_weights = init_weights
         self._timeout_s = timeout_s
+        self._param_dtype = param_dtype
         self._built = False
         self._optimizer_checked = False
         if example_inputs is not None:
@@ -252,7 +254,7 @@ class ParallelModule(torch.nn.Module):
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         _check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
-            captured = capture(self.module, inputs)
+            captured = capture(self.module, inputs, self._param_dtype)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
         check_plan(plan, captured, self._mesh, self._pins)
         self._plan = plan
@@ -304,7 +306,7 @@ class ParallelModule(torch.nn.Module):
         with whole_fake_state(self.module) as mode:
             with mode:
                 fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key[0], inputs))
-            captured = capture(self.module, fakes)
+            captured = capture(self.module, fakes, self._param_dtype)
         plan = self._plan
         if not runs_planned_ops(captured, plan):
             state = {k.name: self._layouts[k.name] for k in captured.inputs if k.kind in ("param", "buffer")}
