@@ -8,18 +8,42 @@ also rewrites the step into one program per rank and runs it on torch.distribute
 from autopar.api import compile
 from autopar.cost_model.hardware import A100, CPU, H100, HardwareProfile, Link, SyntheticProfile
 from autopar.errors import (
-    AutoparError, CaptureError, CollectiveError, InfeasiblePlanError, InputError, RewriteError, StalePlanError,
+    AutoparError,
+    CaptureError,
+    CollectiveError,
+    InfeasiblePlanError,
+    InputError,
+    RewriteError,
+    StalePlanError,
     UnsupportedOpError,
 )
 from autopar.explain import annotated_graph
 from autopar.mesh import Mesh
-from autopar.precision import MixedPrecision
 from autopar.plan import Collective, ShardingPlan
 from autopar.planner import plan
+from autopar.precision import MixedPrecision
 
 __all__ = [
-    "A100", "CPU", "H100", "AutoparError", "CaptureError", "Collective", "CollectiveError", "HardwareProfile",
-    "InfeasiblePlanError", "InputError", "Link", "Mesh", "MixedPrecision", "RewriteError", "ShardingPlan", "StalePlanError",
-    "SyntheticProfile", "UnsupportedOpError", "annotated_graph", "compile", "plan",
+    "A100",
+    "CPU",
+    "H100",
+    "AutoparError",
+    "CaptureError",
+    "Collective",
+    "CollectiveError",
+    "HardwareProfile",
+    "InfeasiblePlanError",
+    "InputError",
+    "Link",
+    "Mesh",
+    "MixedPrecision",
+    "RewriteError",
+    "ShardingPlan",
+    "StalePlanError",
+    "SyntheticProfile",
+    "UnsupportedOpError",
+    "annotated_graph",
+    "compile",
+    "plan",
 ]
 __version__ = "0.1.0"

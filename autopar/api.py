@@ -8,9 +8,9 @@ import torch
 
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.mesh import Mesh
-from autopar.precision import MixedPrecision
 from autopar.plan import ShardingPlan
 from autopar.planner import Pins, check_gap, check_mesh, check_recompute, parse_memory, parse_pins, plan_captured
+from autopar.precision import MixedPrecision
 from autopar.runtime.module import BACKENDS, ParallelModule
 
 
@@ -21,14 +21,25 @@ def default_backend(model: torch.nn.Module) -> str:
     return "inductor" if on_gpu else "eager"
 
 
-def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
-            example_inputs: Sequence[torch.Tensor] | None = None, *, hardware: "str | Profile" = "h100",
-            pins: Pins | None = None, memory_budget: "int | str | None" = None,
-            plan: ShardingPlan | None = None, backend: str | None = None,
-            fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
-            share_layers: bool | None = None, recompute: str = "auto",
-            init_weights: "Callable[[torch.nn.Module], None] | None" = None, timeout: float | None = None,
-            mixed_precision: MixedPrecision | None = None):
+def compile(
+    model: torch.nn.Module | None = None,
+    mesh: Mesh | None = None,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    *,
+    hardware: "str | Profile" = "h100",
+    pins: Pins | None = None,
+    memory_budget: "int | str | None" = None,
+    plan: ShardingPlan | None = None,
+    backend: str | None = None,
+    fallback: bool = True,
+    solver_time_limit_s: float = 120.0,
+    solver_gap: float = 1e-3,
+    share_layers: bool | None = None,
+    recompute: str = "auto",
+    init_weights: "Callable[[torch.nn.Module], None] | None" = None,
+    timeout: float | None = None,
+    mixed_precision: MixedPrecision | None = None,
+):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
@@ -52,9 +63,21 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     fails, on every rank that waits, with :class:`~autopar.errors.CollectiveError`
     (default: the process group's, 30 minutes for gloo and NCCL).
     """
-    options = dict(hardware=hardware, pins=pins, memory_budget=memory_budget, plan=plan, backend=backend, fallback=fallback,
-                   solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap, share_layers=share_layers,
-                   recompute=recompute, init_weights=init_weights, timeout=timeout, mixed_precision=mixed_precision)
+    options = dict(
+        hardware=hardware,
+        pins=pins,
+        memory_budget=memory_budget,
+        plan=plan,
+        backend=backend,
+        fallback=fallback,
+        solver_time_limit_s=solver_time_limit_s,
+        solver_gap=solver_gap,
+        share_layers=share_layers,
+        recompute=recompute,
+        init_weights=init_weights,
+        timeout=timeout,
+        mixed_precision=mixed_precision,
+    )
     if model is None:
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
@@ -70,7 +93,9 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
     check_recompute(recompute)
     check_gap(solver_gap)
     if plan is not None and not isinstance(plan, ShardingPlan):
-        raise TypeError(f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}")
+        raise TypeError(
+            f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}"
+        )
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -79,29 +104,53 @@ def compile(model: torch.nn.Module | None = None, mesh: Mesh | None = None,
         raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait, a positive number")
 
     def planner(captured, state_pins=None):
-        return plan_captured(captured, mesh, hardware=hardware, pins={**(pins or {}), **(state_pins or {})},
-                             memory_budget=memory_budget,
-                             fallback=fallback, solver_time_limit_s=solver_time_limit_s, solver_gap=solver_gap,
-                             share_layers=share_layers, recompute=recompute)
+        return plan_captured(
+            captured,
+            mesh,
+            hardware=hardware,
+            pins={**(pins or {}), **(state_pins or {})},
+            memory_budget=memory_budget,
+            fallback=fallback,
+            solver_time_limit_s=solver_time_limit_s,
+            solver_gap=solver_gap,
+            share_layers=share_layers,
+            recompute=recompute,
+        )
 
-    return ParallelModule(model, mesh, example_inputs=example_inputs, plan=plan,
-                          backend=backend or default_backend(model), planner=planner, pins=parsed,
-                          init_weights=init_weights, timeout_s=timeout,
-                          param_dtype=mixed_precision.param_dtype if mixed_precision is not None else None)
+    return ParallelModule(
+        model,
+        mesh,
+        example_inputs=example_inputs,
+        plan=plan,
+        backend=backend or default_backend(model),
+        planner=planner,
+        pins=parsed,
+        init_weights=init_weights,
+        timeout_s=timeout,
+        param_dtype=mixed_precision.param_dtype if mixed_precision is not None else None,
+    )
 
 
 def _decorate(target, *, mesh: Mesh, example_inputs, options):
     if inspect.isclass(target) and issubclass(target, torch.nn.Module):
+
         @functools.wraps(target, updated=())
         def make(*args, **kwargs):
             return compile(target(*args, **kwargs), mesh, example_inputs, **options)
+
         return make
     if callable(target):
+
         @functools.wraps(target)
         def make(*args, **kwargs):
             model = target(*args, **kwargs)
             if not isinstance(model, torch.nn.Module):
-                raise TypeError(f"@autopar.compile: {target.__name__}() returned {type(model).__name__}, not a torch.nn.Module")
+                raise TypeError(
+                    f"@autopar.compile: {target.__name__}() returned {type(model).__name__}, not a torch.nn.Module"
+                )
             return compile(model, mesh, example_inputs, **options)
+
         return make
-    raise TypeError(f"@autopar.compile decorates a module class or a function returning a module, not {type(target).__name__}")
+    raise TypeError(
+        f"@autopar.compile decorates a module class or a function returning a module, not {type(target).__name__}"
+    )

@@ -186,18 +186,36 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
     node_overhead, program = _node_overhead()
     step_overhead, param_overhead, steps = _step_overhead()
     alone = HardwareProfile(
-        name=f"calibrated-{os.uname().nodename}-{world}-ranks", flops_per_s=peak_flops,
-        memory_bytes_per_s=bandwidth, efficiency=efficiency, memory_bytes=memory, devices_per_host=world,
-        intra_host=link, inter_host=link, op_overhead_s=overhead, timed_ops=True,
-        node_overhead_s=node_overhead, step_overhead_s=step_overhead, param_overhead_s=param_overhead,
+        name=f"calibrated-{os.uname().nodename}-{world}-ranks",
+        flops_per_s=peak_flops,
+        memory_bytes_per_s=bandwidth,
+        efficiency=efficiency,
+        memory_bytes=memory,
+        devices_per_host=world,
+        intra_host=link,
+        inter_host=link,
+        op_overhead_s=overhead,
+        timed_ops=True,
+        node_overhead_s=node_overhead,
+        step_overhead_s=step_overhead,
+        param_overhead_s=param_overhead,
         contention=contention,
     )
     step_scale, collective_scale, step_points = step_scales(alone, world)
     profile = dataclasses.replace(alone, step_scale=step_scale, collective_scale=collective_scale)
-    return profile, {"ranks": world, "matmul_flops_per_s": matmul, "copy_bytes_per_s": bandwidth,
-                     "op_overhead_s": overhead, "efficiency": efficiency, "collective_points_bytes_s": raw,
-                     "contention": contention, "node_overhead_s": node_overhead, "calibration_program": program,
-                     "step_overhead_points": steps, "step_scale_points": step_points}
+    return profile, {
+        "ranks": world,
+        "matmul_flops_per_s": matmul,
+        "copy_bytes_per_s": bandwidth,
+        "op_overhead_s": overhead,
+        "efficiency": efficiency,
+        "collective_points_bytes_s": raw,
+        "contention": contention,
+        "node_overhead_s": node_overhead,
+        "calibration_program": program,
+        "step_overhead_points": steps,
+        "step_scale_points": step_points,
+    }
 
 
 def _contention() -> float:
@@ -242,8 +260,8 @@ def _node_overhead() -> tuple[float, dict]:
     from autopar.mesh import Mesh
     from autopar.passes.capture import capture
     from autopar.passes.rules import tensor_args
-    from autopar.placement import R
     from autopar.passes.strategy import Strategy
+    from autopar.placement import R
 
     figures = torch.zeros(2 * _NODE_ROUNDS + 1, dtype=torch.float64)
     dist.barrier()
@@ -252,8 +270,9 @@ def _node_overhead() -> tuple[float, dict]:
         model, x = CalibrationModel(), torch.randn(256, 64)
         captured = capture(model, (x,))
         state = dict(model.named_parameters())
-        args = [state[k.name] if k.kind == "param" else x if k.kind == "input" else torch.ones(())
-                for k in captured.inputs]
+        args = [
+            state[k.name] if k.kind == "param" else x if k.kind == "input" else torch.ones(()) for k in captured.inputs
+        ]
         graph = captured.graph
         graph.graph.set_codegen(torch.fx.graph.CodeGen())  # flat positional inputs
         graph.recompile()
@@ -320,11 +339,18 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
 
     x = torch.randn(256, 64)
     captured = capture(model, (x,))
-    parts = partition(captured.graph, [k.kind == "tangent" for k in captured.inputs],
-                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    parts = partition(
+        captured.graph,
+        [k.kind == "tangent" for k in captured.inputs],
+        [None if k is None else k.kind == "grad" for k in captured.outputs],
+    )
     grads = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
-    program = _Program(parts, "eager", [k.kind == "param" and k.name in grads for k in captured.inputs if k.kind != "tangent"],
-                       [None for k in captured.outputs if k is not None and k.kind != "grad"])
+    program = _Program(
+        parts,
+        "eager",
+        [k.kind == "param" and k.name in grads for k in captured.inputs if k.kind != "tangent"],
+        [None for k in captured.outputs if k is not None and k.kind != "grad"],
+    )
     state = dict(model.named_parameters())
     flat = [state[k.name] if k.kind == "param" else x for k in captured.inputs if k.kind != "tangent"]
 
@@ -335,9 +361,10 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
 
     with torch.no_grad():
         results = program.forward(*flat)
-        saved, tangents = results[program.num_outputs:], [torch.ones_like(r) for r in results[:program.num_outputs]]
-        programs = (_median_s(lambda: program.forward(*flat), 50, 5, together=False)
-                    + _median_s(lambda: program.backward([*saved, *tangents]), 50, 5, together=False))
+        saved, tangents = results[program.num_outputs :], [torch.ones_like(r) for r in results[: program.num_outputs]]
+        programs = _median_s(lambda: program.forward(*flat), 50, 5, together=False) + _median_s(
+            lambda: program.backward([*saved, *tangents]), 50, 5, together=False
+        )
     return len(state), max(0.0, _median_s(step, 50, 5, together=False) - programs)
 
 
@@ -352,8 +379,17 @@ def _suite():
         x, y = torch.randn(*shape), torch.randn(*shape)
         return x.numel(), 12 * x.numel(), lambda: torch.ops.aten.mul.Tensor(x, y)
 
-    return [mm(8, 256, 4096), mm(64, 512, 512), mm(256, 64, 256), mm(512, 1024, 512), mm(2048, 256, 64),
-            pointwise(8, 4096), pointwise(64, 32, 64), pointwise(256, 1024), pointwise(1024, 1024)]
+    return [
+        mm(8, 256, 4096),
+        mm(64, 512, 512),
+        mm(256, 64, 256),
+        mm(512, 1024, 512),
+        mm(2048, 256, 64),
+        pointwise(8, 4096),
+        pointwise(64, 32, 64),
+        pointwise(256, 1024),
+        pointwise(1024, 1024),
+    ]
 
 
 def _efficiency(flops_per_s: float, bytes_per_s: float, overhead_s: float) -> float:
@@ -369,15 +405,19 @@ def oversubscribed(ranks: int, cores: int) -> str | None:
     """What to expect of a profile measured with more ranks than ``cores``, or ``None``."""
     if ranks <= cores:
         return None
-    return (f"{ranks} ranks share {cores} CPU cores: they take turns on them, and a collective waits for ranks that "
-            "are not running, so step times depend on what the other ranks run meanwhile. The profile's scales fit "
-            "them on average; predictions of other models' steps can be off by more than with a core per rank")
+    return (
+        f"{ranks} ranks share {cores} CPU cores: they take turns on them, and a collective waits for ranks that "
+        "are not running, so step times depend on what the other ranks run meanwhile. The profile's scales fit "
+        "them on average; predictions of other models' steps can be off by more than with a core per rank"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autopar calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--ranks", type=int, default=4, help="local ranks to measure with (default 4)")
-    parser.add_argument("--out", default="cpu-profile.json", help="where to write the profile (default cpu-profile.json)")
+    parser.add_argument(
+        "--out", default="cpu-profile.json", help="where to write the profile (default cpu-profile.json)"
+    )
     args = parser.parse_args(argv)
     ranks = f"{args.ranks} rank{'s' * (args.ranks != 1)}"
     if "RANK" not in os.environ:
@@ -394,15 +434,19 @@ def main(argv: list[str] | None = None) -> int:
         profile, measured = measure(dist.get_world_size())
         if dist.get_rank() == 0:
             save_profile(profile, args.out, **measured)
-            print(f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
-                  f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
-                  f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
-                  f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
-                  f"{ranks} computing together run {profile.contention:.2f}x slower than one; a "
-                  f"training step runs its ops {profile.step_scale:.2f}x longer than these figures price them, "
-                  f"its collectives {profile.collective_scale:.2f}x that again")
+            print(
+                f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
+                f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
+                f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
+                f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
+                f"{ranks} computing together run {profile.contention:.2f}x slower than one; a "
+                f"training step runs its ops {profile.step_scale:.2f}x longer than these figures price them, "
+                f"its collectives {profile.collective_scale:.2f}x that again"
+            )
             for kind, alpha, beta in profile.intra_host.per_kind:
-                print(f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s")
+                print(
+                    f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s"
+                )
             print(f"wrote {args.out}; plan with hardware={args.out!r}")
     finally:
         dist.destroy_process_group()

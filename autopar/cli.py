@@ -22,7 +22,9 @@ def _load_model(spec: str):
         return make_example(spec)
     path = Path(spec)
     if not path.is_file():
-        raise SystemExit(f"autopar plan: {spec!r} is neither a built-in model ({', '.join(sorted(EXAMPLES))}) nor a file")
+        raise SystemExit(
+            f"autopar plan: {spec!r} is neither a built-in model ({', '.join(sorted(EXAMPLES))}) nor a file"
+        )
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -42,10 +44,18 @@ def _plan(args) -> int:
         if not sep:
             raise SystemExit(f"autopar plan: --pin {pin!r} must look like NAME=S(0),R")
         pins[name] = tuple(p.strip() for p in placements.split(","))
-    plan = autopar.plan(model, mesh_from(args.mesh, args.axes), inputs, hardware=args.hardware,
-                        pins=pins or None, memory_budget=args.memory_budget,
-                        share_layers={"auto": None, "on": True, "off": False}[args.share_layers],
-                        recompute=args.recompute, solver_time_limit_s=args.time_limit, solver_gap=args.solver_gap)
+    plan = autopar.plan(
+        model,
+        mesh_from(args.mesh, args.axes),
+        inputs,
+        hardware=args.hardware,
+        pins=pins or None,
+        memory_budget=args.memory_budget,
+        share_layers={"auto": None, "on": True, "off": False}[args.share_layers],
+        recompute=args.recompute,
+        solver_time_limit_s=args.time_limit,
+        solver_gap=args.solver_gap,
+    )
     print(plan)
     if args.graph:
         print("\n" + autopar.annotated_graph(plan))
@@ -86,25 +96,52 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print the plan of a model for a mesh")
-    p.add_argument("model", help="bert, convnet, gpt, llama, mlp, moe, hf-gpt2, hf-llama (Hugging Face transformers), "
-                        "or a .py file defining make_model() -> (model, example_inputs)")
+    p.add_argument(
+        "model",
+        help="bert, convnet, gpt, llama, mlp, moe, hf-gpt2, hf-llama (Hugging Face transformers), "
+        "or a .py file defining make_model() -> (model, example_inputs)",
+    )
     p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 2x2, 8, 8x8 (default 2x2)")
     p.add_argument("--axes", default=None, help="axis names, comma-separated")
-    p.add_argument("--hardware", default="h100", help="h100, h200, a100, cpu, or a profile file from `autopar calibrate` (default h100)")
-    p.add_argument("--pin", action="append", default=[], metavar="NAME=P0,P1",
-                   help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)")
-    p.add_argument("--memory-budget", default=None,
-                   help="per-device memory, e.g. 40GB or 512MiB: met by splitting, recomputing and (with a GPU profile) "
-                        "offloading to host memory")
-    p.add_argument("--share-layers", choices=("auto", "on", "off"), default="auto",
-                   help="identical repeated layers share one choice: on, off, or when the program is large (default)")
-    p.add_argument("--recompute", choices=("auto", "none", "layers"), default="auto",
-                   help="activations recomputed in the backward or offloaded: what the memory budget needs (auto, "
-                        "default), none, or every layer of a stack recomputed from its input (layers)")
+    p.add_argument(
+        "--hardware",
+        default="h100",
+        help="h100, h200, a100, cpu, or a profile file from `autopar calibrate` (default h100)",
+    )
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME=P0,P1",
+        help="fix a parameter's or input's placements, one per mesh axis, e.g. fc1.weight=R,S(0)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="per-device memory, e.g. 40GB or 512MiB: met by splitting, recomputing and (with a GPU profile) "
+        "offloading to host memory",
+    )
+    p.add_argument(
+        "--share-layers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="identical repeated layers share one choice: on, off, or when the program is large (default)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=("auto", "none", "layers"),
+        default="auto",
+        help="activations recomputed in the backward or offloaded: what the memory budget needs (auto, "
+        "default), none, or every layer of a stack recomputed from its input (layers)",
+    )
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds the solver may search (default 120)")
-    p.add_argument("--solver-gap", type=float, default=1e-3,
-                   help="stop at a plan proven within this fraction of the fastest (default 0.001; 0.01 is much "
-                        "sooner under a tight memory budget)")
+    p.add_argument(
+        "--solver-gap",
+        type=float,
+        default=1e-3,
+        help="stop at a plan proven within this fraction of the fastest (default 0.001; 0.01 is much "
+        "sooner under a tight memory budget)",
+    )
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 
@@ -118,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None, help="host:port of the rendezvous")
     r.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all hosts")
 
-    sub.add_parser("demo", help="plan a small GPT for 2x2, train on 4 local ranks, compare with one device", add_help=False)
-    sub.add_parser("calibrate", help="measure this machine's compute and gloo collectives into a profile file",
-                   add_help=False)
+    sub.add_parser(
+        "demo", help="plan a small GPT for 2x2, train on 4 local ranks, compare with one device", add_help=False
+    )
+    sub.add_parser(
+        "calibrate", help="measure this machine's compute and gloo collectives into a profile file", add_help=False
+    )
 
     if argv[:1] == ["calibrate"]:
         from autopar.calibrate import main as calibrate_main

@@ -32,7 +32,11 @@ def parser() -> argparse.ArgumentParser:
 
 def mesh_from(shape: str, axes: str | None) -> autopar.Mesh:
     sizes = tuple(int(s) for s in shape.lower().split("x"))
-    names = tuple(axes.split(",")) if axes else (("dp", "tp") if len(sizes) == 2 else tuple(f"axis{i}" for i in range(len(sizes))))
+    names = (
+        tuple(axes.split(","))
+        if axes
+        else (("dp", "tp") if len(sizes) == 2 else tuple(f"axis{i}" for i in range(len(sizes))))
+    )
     return autopar.Mesh(sizes, names)
 
 
@@ -104,10 +108,18 @@ def _run(args, mesh: autopar.Mesh) -> int:
         print(f"trained {args.steps} AdamW steps on {mesh.size} ranks in {elapsed:.1f} s")
         for i, (a, b) in enumerate(zip(losses, ref_losses)):
             print(f"  step {i}: loss {a:.6f} on {mesh}, {b:.6f} on one device")
-        print(f"largest relative loss difference {loss_diff:.2e}; largest parameter difference "
-              f"{diffs[worst]:.2e} ({worst})")
-        ok = loss_diff <= 1e-5 and all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params)
-        print("MATCH: the parallel run reproduces single-device training" if ok else "MISMATCH: results differ from one device")
+        print(
+            f"largest relative loss difference {loss_diff:.2e}; largest parameter difference "
+            f"{diffs[worst]:.2e} ({worst})"
+        )
+        ok = loss_diff <= 1e-5 and all(
+            torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params
+        )
+        print(
+            "MATCH: the parallel run reproduces single-device training"
+            if ok
+            else "MISMATCH: results differ from one device"
+        )
         status = 0 if ok else 1
     box = [status]
     dist.broadcast_object_list(box, src=0)

@@ -50,47 +50,114 @@ def plan_table(plan: ShardingPlan) -> str:
         + (" by the per-rank program's liveness" if mem.liveness_peak_bytes else "")
         + f"; the solver's {format_bytes(mem.solver_bytes)} ("
         + ("at the step's fullest moment; over the step: " if mem.moment_bytes else "")
-        + f"params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, optimizer {format_bytes(mem.optimizer_bytes)}, "
-        f"activations kept {format_bytes(mem.activations_bytes)}, recomputed at once {format_bytes(mem.recomputed_bytes)}, "
+        + f"params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, "
+        f"optimizer {format_bytes(mem.optimizer_bytes)}, "
+        f"activations kept {format_bytes(mem.activations_bytes)}, "
+        f"recomputed at once {format_bytes(mem.recomputed_bytes)}, "
         f"largest temporary {format_bytes(mem.transient_bytes)}"
-        + (f", gradient bucket {format_bytes(mem.bucket_bytes)}" if mem.bucket_bytes else "") + ")"
+        + (f", gradient bucket {format_bytes(mem.bucket_bytes)}" if mem.bucket_bytes else "")
+        + ")"
         + (f"; in host memory {format_bytes(mem.host_bytes)}" if mem.host_bytes else "")
-        + (f" of the {format_bytes(mem.host_capacity_bytes)} it may fill" if mem.host_bytes and mem.host_capacity_bytes else "")
+        + (
+            f" of the {format_bytes(mem.host_capacity_bytes)} it may fill"
+            if mem.host_bytes and mem.host_capacity_bytes
+            else ""
+        )
         + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
-        (f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
-         f"limit), {plan.solver.num_variables} variables" if plan.solver.status == "LAYOUT" else
-         f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
-         f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables")
-        + (f" ({plan.solver.shared_layers} repeated layers in {plan.solver.layer_classes} "
-           f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's, "
-           f"{plan.solver.shared_nodes} nodes)" if plan.solver.shared_nodes else "")
+        (
+            f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
+            f"limit), {plan.solver.num_variables} variables"
+            if plan.solver.status == "LAYOUT"
+            else f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
+            f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables"
+        )
+        + (
+            f" ({plan.solver.shared_layers} repeated layers in {plan.solver.layer_classes} "
+            f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's, "
+            f"{plan.solver.shared_nodes} nodes)"
+            if plan.solver.shared_nodes
+            else ""
+        )
         + f", solved in {plan.solver.solve_s:.2f} s; "
         f"planning took {sum(plan.stage_s.values()):.2f} s ("
-        + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_s.items()) + ")",
+        + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_s.items())
+        + ")",
         "",
         "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else ""),
     ]
     if plan.host_optimizer:
-        lines += _table(["name", "placements", "in host memory"],
-                        [[k, "(" + ", ".join(v) + ")", "parameter, gradient, optimizer state" if k in plan.host_params
-                          else "optimizer state" if k in plan.host_optimizer else "-"] for k, v in plan.placements.items()])
+        lines += _table(
+            ["name", "placements", "in host memory"],
+            [
+                [
+                    k,
+                    "(" + ", ".join(v) + ")",
+                    "parameter, gradient, optimizer state"
+                    if k in plan.host_params
+                    else "optimizer state"
+                    if k in plan.host_optimizer
+                    else "-",
+                ]
+                for k, v in plan.placements.items()
+            ],
+        )
     else:
         lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
     lines += ["", "Inputs"]
     lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
     heavy = [n for n in plan.nodes if any(h in n.op for h in _HEAVY)]
     lines += ["", "Heavy ops"]
-    lines += _table(["module", "op", "node", "phase", "inputs", "output", "format", "compute"],
-                    [[n.module or "-", n.op.removeprefix("aten.").removesuffix(".default"), n.name, n.phase,
-                      " ".join(n.inputs), str(n.outputs[0]), n.fmt or "-", _time(n.compute_s)]
-                     for n in heavy])
-    lines += ["", "Activations by layer (kept from the forward, recomputed in the backward, or offloaded to host memory)"]
-    lines += _table(["layer", "kept", "recomputed", "offloaded", "ops recomputed", "recompute time", "ops offloaded",
-                     "copy time", "copied back"], activation_rows(plan))
+    lines += _table(
+        ["module", "op", "node", "phase", "inputs", "output", "format", "compute"],
+        [
+            [
+                n.module or "-",
+                n.op.removeprefix("aten.").removesuffix(".default"),
+                n.name,
+                n.phase,
+                " ".join(n.inputs),
+                str(n.outputs[0]),
+                n.fmt or "-",
+                _time(n.compute_s),
+            ]
+            for n in heavy
+        ],
+    )
+    lines += [
+        "",
+        "Activations by layer (kept from the forward, recomputed in the backward, or offloaded to host memory)",
+    ]
+    lines += _table(
+        [
+            "layer",
+            "kept",
+            "recomputed",
+            "offloaded",
+            "ops recomputed",
+            "recompute time",
+            "ops offloaded",
+            "copy time",
+            "copied back",
+        ],
+        activation_rows(plan),
+    )
     lines += ["", "Collectives"]
-    lines += _table(["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
-                    [[c.kind, c.axis, c.phase, format_bytes(c.bytes), _time(c.time_s), c.tensor, c.consumer, f"{c.src} -> {c.dst}"]
-                     for c in plan.collectives])
+    lines += _table(
+        ["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
+        [
+            [
+                c.kind,
+                c.axis,
+                c.phase,
+                format_bytes(c.bytes),
+                _time(c.time_s),
+                c.tensor,
+                c.consumer,
+                f"{c.src} -> {c.dst}",
+            ]
+            for c in plan.collectives
+        ],
+    )
     counts = Counter((c.phase, c.kind) for c in plan.collectives)
     if counts:
         lines.append("total: " + ", ".join(f"{n} {kind} ({phase})" for (phase, kind), n in sorted(counts.items())))
@@ -118,16 +185,29 @@ def activation_rows(plan: ShardingPlan) -> list[list[str]]:
     for c in plan.collectives:
         if c.phase == "recompute":
             rows.setdefault(segment.get(c.consumer, ""), [0, 0, 0, 0, 0.0, 0, 0.0])[4] += c.time_s
-    return [[name or "(root)", format_bytes(kept), format_bytes(again), format_bytes(away), str(count), _time(time_s),
-             str(copies), _time(copy_s), "-" if not copies else "ahead" if name in plan.prefetched else "at first read"]
-            for name, (kept, again, away, count, time_s, copies, copy_s) in rows.items()]
+    return [
+        [
+            name or "(root)",
+            format_bytes(kept),
+            format_bytes(again),
+            format_bytes(away),
+            str(count),
+            _time(time_s),
+            str(copies),
+            _time(copy_s),
+            "-" if not copies else "ahead" if name in plan.prefetched else "at first read",
+        ]
+        for name, (kept, again, away, count, time_s, copies, copy_s) in rows.items()
+    ]
 
 
 def annotated_graph(plan: ShardingPlan) -> str:
     """One line per op of the joint graph with its placements, collectives where they happen."""
     moves: dict[str, list[str]] = {}
     for c in plan.collectives:
-        moves.setdefault(c.consumer, []).append(f"    <- {c.kind}[{c.axis}] {c.tensor} {c.src} -> {c.dst} ({format_bytes(c.bytes)})")
+        moves.setdefault(c.consumer, []).append(
+            f"    <- {c.kind}[{c.axis}] {c.tensor} {c.src} -> {c.dst} ({format_bytes(c.bytes)})"
+        )
     lines = []
     for n in plan.nodes:
         lines.extend(moves.get(n.name, []))

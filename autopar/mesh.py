@@ -25,8 +25,7 @@ class Mesh:
         names = tuple(self.axis_names) or tuple(f"axis{i}" for i in range(len(shape)))
         if len(names) != len(shape):
             raise ValueError(
-                f"Mesh{shape} has {len(shape)} axes but {len(names)} axis names {names}; "
-                "give one name per axis"
+                f"Mesh{shape} has {len(shape)} axes but {len(names)} axis names {names}; give one name per axis"
             )
         if len(set(names)) != len(names):
             raise ValueError(f"Mesh axis names must be distinct, got {names}")

@@ -10,9 +10,21 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Partial", "Placement", "Placements", "Replicate", "Shard", "R", "P", "S",
-           "format_placement", "format_placements", "parse_placement", "parse_placements",
-           "parse_placements_text"]
+__all__ = [
+    "Partial",
+    "Placement",
+    "Placements",
+    "Replicate",
+    "Shard",
+    "R",
+    "P",
+    "S",
+    "format_placement",
+    "format_placements",
+    "parse_placement",
+    "parse_placements",
+    "parse_placements_text",
+]
 
 Placements = tuple[Placement, ...]
 """A tensor's placement on each mesh axis, in mesh-axis order."""

@@ -127,8 +127,15 @@ class MemoryEstimate:
     def solver_bytes(self) -> int:
         """The peak as the solver budgets it: the fullest moment (without moments, every part
         added up)."""
-        return self.moment_bytes or (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                                     + self.recomputed_bytes + self.transient_bytes + self.bucket_bytes)
+        return self.moment_bytes or (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+            + self.recomputed_bytes
+            + self.transient_bytes
+            + self.bucket_bytes
+        )
 
     @property
     def peak_bytes(self) -> int:
@@ -260,7 +267,10 @@ class ShardingPlan:
         data = json.loads(text)
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(f"plan format version {version} is not supported (this autopar reads version {FORMAT_VERSION}); plan the model again")
+            raise ValueError(
+                f"plan format version {version} is not supported (this autopar reads version {FORMAT_VERSION}); "
+                "plan the model again"
+            )
         return cls(
             mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
             hardware=data["hardware"],
@@ -269,7 +279,9 @@ class ShardingPlan:
             placements={k: tuple(v) for k, v in data["placements"].items()},
             inputs={k: tuple(v) for k, v in data["inputs"].items()},
             pinned=tuple(data["pinned"]),
-            nodes=tuple(NodePlan(**{**n, "outputs": tuple(n["outputs"]), "inputs": tuple(n["inputs"])}) for n in data["nodes"]),
+            nodes=tuple(
+                NodePlan(**{**n, "outputs": tuple(n["outputs"]), "inputs": tuple(n["inputs"])}) for n in data["nodes"]
+            ),
             collectives=tuple(Collective(**c) for c in data["collectives"]),
             bucket_bytes=data["bucket_bytes"],
             compute_s=data["compute_s"],
@@ -289,9 +301,21 @@ class ShardingPlan:
         )
 
     def _decisions(self) -> tuple:
-        return (self.mesh, self.hardware, self.links, self.graph_hash, tuple(self.placements.items()),
-                tuple(self.inputs.items()), self.pinned, self.nodes, self.collectives, self.bucket_bytes, self.host_optimizer,
-                self.host_params, self.prefetched)
+        return (
+            self.mesh,
+            self.hardware,
+            self.links,
+            self.graph_hash,
+            tuple(self.placements.items()),
+            tuple(self.inputs.items()),
+            self.pinned,
+            self.nodes,
+            self.collectives,
+            self.bucket_bytes,
+            self.host_optimizer,
+            self.host_params,
+            self.prefetched,
+        )
 
     def __eq__(self, other) -> bool:
         """Plans are equal when they make the same decisions (solve time aside)."""

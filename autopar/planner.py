@@ -15,9 +15,6 @@ from autopar.cost_model.liveness import Liveness, plan_liveness
 from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.explain import format_bytes
 from autopar.mesh import Mesh
-from autopar.precision import MixedPrecision
-from autopar.placement import Placement, Placements, parse_placements
-from autopar.plan import ShardingPlan, SolverInfo
 from autopar.passes.buckets import BUCKET_BYTES
 from autopar.passes.capture import Captured, capture, module_paths, segment_of
 from autopar.passes.layers import LayerClasses, repeated_layers
@@ -26,6 +23,9 @@ from autopar.passes.planning import build_plan, moment_bytes
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
 from autopar.passes.solver import Solution, program_size, solve
+from autopar.placement import Placement, Placements, parse_placements
+from autopar.plan import ShardingPlan, SolverInfo
+from autopar.precision import MixedPrecision
 
 log = logging.getLogger("autopar")
 
@@ -45,8 +45,18 @@ def parse_pins(pins: Pins | None, mesh: Mesh) -> dict[str, Placements]:
     return {name: parse_placements(value, mesh.ndim) for name, value in pins.items()}
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_memory(value: "int | float | str | None") -> int | None:
@@ -65,15 +75,19 @@ def parse_memory(value: "int | float | str | None") -> int | None:
 
 def check_recompute(recompute: str) -> None:
     if recompute not in RECOMPUTE_OPTIONS:
-        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(map(repr, RECOMPUTE_OPTIONS))}: "
-                         "'auto' recomputes what the memory budget needs, 'none' keeps every activation, "
-                         "'layers' recomputes every layer of a stack from its input")
+        raise ValueError(
+            f"recompute={recompute!r} is not one of {', '.join(map(repr, RECOMPUTE_OPTIONS))}: "
+            "'auto' recomputes what the memory budget needs, 'none' keeps every activation, "
+            "'layers' recomputes every layer of a stack from its input"
+        )
 
 
 def check_gap(solver_gap: float) -> None:
     if not isinstance(solver_gap, (int, float)) or not 0 <= solver_gap < 1:
-        raise ValueError(f"solver_gap={solver_gap!r} is not a fraction in [0, 1): it is how far from the fastest plan "
-                         "the solver may stop, e.g. 0.01 for 1%")
+        raise ValueError(
+            f"solver_gap={solver_gap!r} is not a fraction in [0, 1): it is how far from the fastest plan "
+            "the solver may stop, e.g. 0.01 for 1%"
+        )
 
 
 def check_mesh(mesh: Mesh) -> None:
@@ -81,11 +95,20 @@ def check_mesh(mesh: Mesh) -> None:
         raise TypeError(f"mesh must be an autopar.Mesh, e.g. Mesh((2, 2), ('dp', 'tp')), got {type(mesh).__name__}")
 
 
-def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" = "h100",
-                  pins: Pins | None = None, memory_budget: "int | str | None" = None,
-                  fallback: bool = True, solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3,
-                  share_layers: bool | None = None, recompute: str = "auto",
-                  bucket_bytes: int = BUCKET_BYTES) -> ShardingPlan:
+def plan_captured(
+    captured: Captured,
+    mesh: Mesh,
+    *,
+    hardware: "str | Profile" = "h100",
+    pins: Pins | None = None,
+    memory_budget: "int | str | None" = None,
+    fallback: bool = True,
+    solver_time_limit_s: float = 120.0,
+    solver_gap: float = 1e-3,
+    share_layers: bool | None = None,
+    recompute: str = "auto",
+    bucket_bytes: int = BUCKET_BYTES,
+) -> ShardingPlan:
     """Plan an already captured graph (see :func:`autopar.plan`), with gradients reduced in
     buckets of ``bucket_bytes`` (:mod:`autopar.passes.buckets`)."""
     check_mesh(mesh)
@@ -108,66 +131,128 @@ def plan_captured(captured: Captured, mesh: Mesh, *, hardware: "str | Profile" =
     classes = _layer_classes(captured, space, node_costs, memory, share_layers)
     shared = classes.template
     if classes.num_classes:
-        log.info("%d repeated layers in %d classes share the choice of their class's first layer",
-                 classes.num_shared_layers, classes.num_classes)
-    log.info("solving for %d nodes with %d strategies on %s", len(space.nodes),
-             sum(len(n.strategies) for n in space.nodes), mesh)
+        log.info(
+            "%d repeated layers in %d classes share the choice of their class's first layer",
+            classes.num_shared_layers,
+            classes.num_classes,
+        )
+    log.info(
+        "solving for %d nodes with %d strategies on %s",
+        len(space.nodes),
+        sum(len(n.strategies) for n in space.nodes),
+        mesh,
+    )
     stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
 
     segments = {name: segment_of(path) for name, path in module_paths(captured).items()}
 
     def priced(solution: Solution) -> ShardingPlan:
-        return build_plan(captured, space, solution, costs, compute, memory, activations, hardware_name=profile.name,
-                          pinned=tuple(parsed), memory_budget_bytes=budget, stage_s=stages)
+        return build_plan(
+            captured,
+            space,
+            solution,
+            costs,
+            compute,
+            memory,
+            activations,
+            hardware_name=profile.name,
+            pinned=tuple(parsed),
+            memory_budget_bytes=budget,
+            stage_s=stages,
+        )
 
     start = _sharded_parameters(space, memory) if budget is not None else None
 
     def attempt(solver_budget: float | None, start: Solution | None):
         started = time.perf_counter()
-        solution = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, gather_s=costs.gather_s, segments=segments,
-                         one_step_moves=costs.one_step_moves, memory=memory if budget else None,
-                         budget_bytes=solver_budget, shared=shared, activations=activations,
-                         choose_recompute=chooses, host=host, time_limit_s=solver_time_limit_s, relative_gap=solver_gap,
-                         start=start, bucket_bytes=bucket_bytes)
+        solution = solve(
+            space,
+            node_costs,
+            costs.transition_s,
+            gradient_s=costs.gradient_s,
+            gather_s=costs.gather_s,
+            segments=segments,
+            one_step_moves=costs.one_step_moves,
+            memory=memory if budget else None,
+            budget_bytes=solver_budget,
+            shared=shared,
+            activations=activations,
+            choose_recompute=chooses,
+            host=host,
+            time_limit_s=solver_time_limit_s,
+            relative_gap=solver_gap,
+            start=start,
+            bucket_bytes=bucket_bytes,
+        )
         if solution.info.status == "START":  # nothing found in time: the retries keep the plan that fit
-            raise SolverTimeoutError("the solver found no plan within its time limit", solve_s=solution.info.solve_s,
-                                     num_variables=solution.info.num_variables,
-                                     num_constraints=solution.info.num_constraints)
+            raise SolverTimeoutError(
+                "the solver found no plan within its time limit",
+                solve_s=solution.info.solve_s,
+                num_variables=solution.info.num_variables,
+                num_constraints=solution.info.num_constraints,
+            )
         solved = time.perf_counter()
         plan = priced(solution)
         planned = time.perf_counter()
         live = plan_liveness(captured, plan)
-        return plan, live, {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}, solution
+        return (
+            plan,
+            live,
+            {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned},
+            solution,
+        )
 
     try:
         result, live, times, _ = _within_budget(lambda b, s: attempt(b, s or start), budget, mesh)
     except SolverTimeoutError as exc:
-        result, live, times = _no_plan_in_time(exc, captured, space, mesh, node_costs, costs, activations, priced, budget)
+        result, live, times = _no_plan_in_time(
+            exc, captured, space, mesh, node_costs, costs, activations, priced, budget
+        )
     except _NoPlanUnderBudget:
-        raise InfeasiblePlanError(_over_budget(space, node_costs, costs, memory, activations,
-                                               budget, mesh, shared, host, solver_time_limit_s, segments)) from None
+        raise InfeasiblePlanError(
+            _over_budget(
+                space, node_costs, costs, memory, activations, budget, mesh, shared, host, solver_time_limit_s, segments
+            )
+        ) from None
     if result.solver.status == "FEASIBLE":
-        result, live = _no_slower_than_a_layout(result, live, captured, space, mesh, node_costs, costs, activations,
-                                                priced, budget)
+        result, live = _no_slower_than_a_layout(
+            result, live, captured, space, mesh, node_costs, costs, activations, priced, budget
+        )
     result = dataclasses.replace(
-        result, memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
-        solver=dataclasses.replace(result.solver, layer_classes=classes.num_classes,
-                                   shared_layers=classes.num_shared_layers),
-        stage_s={**stages, **times})
+        result,
+        memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
+        solver=dataclasses.replace(
+            result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
+        ),
+        stage_s={**stages, **times},
+    )
     log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
-    log.info("planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
-             len(space.nodes), mesh, result.solver.status, result.predicted_step_s,
-             result.peak_memory_bytes / 1e9, len(result.collectives))
+    log.info(
+        "planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
+        len(space.nodes),
+        mesh,
+        result.solver.status,
+        result.predicted_step_s,
+        result.peak_memory_bytes / 1e9,
+        len(result.collectives),
+    )
     device = getattr(profile, "memory_bytes", None)
     if budget is None and device and result.peak_memory_bytes > device:
-        log.warning("the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "
-                    "memory left out; pass memory_budget=%d (%s) for one that fits", format_bytes(result.peak_memory_bytes),
-                    format_bytes(device), profile.name, device, format_bytes(device))
+        log.warning(
+            "the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "
+            "memory left out; pass memory_budget=%d (%s) for one that fits",
+            format_bytes(result.peak_memory_bytes),
+            format_bytes(device),
+            profile.name,
+            device,
+            format_bytes(device),
+        )
     return result
 
 
-def _best_layout(space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None,
-                 solver: SolverInfo) -> ShardingPlan | None:
+def _best_layout(
+    space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None, solver: SolverInfo
+) -> ShardingPlan | None:
     """The fastest standard layout (:mod:`autopar.passes.layouts`) whose predicted peak fits
     ``budget``, as a plan of status ``LAYOUT`` carrying the size and time of the search that
     ``solver`` describes; ``None`` when none fits."""
@@ -175,17 +260,28 @@ def _best_layout(space, mesh: Mesh, node_costs, costs: CostModel, activations, p
     for name, choice in standard_layouts(space, mesh, node_costs, costs.transition_s):
         info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
         plan = priced(Solution(choice, info, recomputed=activations.param_views))
-        if (budget is None or plan.peak_memory_bytes <= budget) and (best is None or plan.predicted_step_s < best.predicted_step_s):
+        if (budget is None or plan.peak_memory_bytes <= budget) and (
+            best is None or plan.predicted_step_s < best.predicted_step_s
+        ):
             best = plan
     return best
 
 
-def _no_plan_in_time(exc: SolverTimeoutError, captured, space, mesh, node_costs, costs, activations, priced,
-                     budget: int | None):
+def _no_plan_in_time(
+    exc: SolverTimeoutError, captured, space, mesh, node_costs, costs, activations, priced, budget: int | None
+):
     """The fastest standard layout that fits, when the search found no plan in its time limit;
     the error when none fits. Returns the plan, its program's liveness and the stage times."""
-    layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget,
-                          SolverInfo("LAYOUT", math.nan, -math.inf, exc.solve_s, exc.num_variables, exc.num_constraints))
+    layout = _best_layout(
+        space,
+        mesh,
+        node_costs,
+        costs,
+        activations,
+        priced,
+        budget,
+        SolverInfo("LAYOUT", math.nan, -math.inf, exc.solve_s, exc.num_variables, exc.num_constraints),
+    )
     live = plan_liveness(captured, layout) if layout is not None else None
     if layout is None or (budget is not None and live.peak_bytes > budget):
         raise exc
@@ -193,8 +289,18 @@ def _no_plan_in_time(exc: SolverTimeoutError, captured, space, mesh, node_costs,
     return layout, live, {"solve": exc.solve_s}
 
 
-def _no_slower_than_a_layout(result: ShardingPlan, live: Liveness, captured, space, mesh, node_costs, costs, activations,
-                             priced, budget: int | None) -> tuple[ShardingPlan, Liveness]:
+def _no_slower_than_a_layout(
+    result: ShardingPlan,
+    live: Liveness,
+    captured,
+    space,
+    mesh,
+    node_costs,
+    costs,
+    activations,
+    priced,
+    budget: int | None,
+) -> tuple[ShardingPlan, Liveness]:
     """``result``, a plan the search stopped at its time limit with, or the fastest standard
     layout that fits when that is predicted faster."""
     layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget, result.solver)
@@ -203,8 +309,10 @@ def _no_slower_than_a_layout(result: ShardingPlan, live: Liveness, captured, spa
     layout_live = plan_liveness(captured, layout)
     if budget is not None and layout_live.peak_bytes > budget:
         return result, live
-    log.warning("the solver stopped at its time limit with a plan predicted slower than the %s layout; returning "
-                "the layout", layout.solver.layout)
+    log.warning(
+        "the solver stopped at its time limit with a plan predicted slower than the %s layout; returning the layout",
+        layout.solver.layout,
+    )
     return layout, layout_live
 
 
@@ -212,8 +320,11 @@ def _sharded_parameters(space, memory) -> dict[str, int]:
     """A start for the search under a budget: every parameter in its layout with the fewest
     bytes per device (split over every axis it can be, as FSDP or ZeRO-3 would), the rest left
     for the solver to complete. HiGHS can take long to find any plan under a budget alone."""
-    return {n.name: min(range(len(n.strategies)), key=memory.params[n.name].__getitem__)
-            for n in space.nodes if n.kind == "param"}
+    return {
+        n.name: min(range(len(n.strategies)), key=memory.params[n.name].__getitem__)
+        for n in space.nodes
+        if n.kind == "param"
+    }
 
 
 LIVENESS_TRIES = 5
@@ -265,8 +376,11 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
                     break  # the solver's own optimum fits
                 fits = solver_budget
             else:
-                log.info("the program holds %s at its peak, %s over the budget: solving again",
-                         format_bytes(live.peak_bytes), format_bytes(live.peak_bytes - budget))
+                log.info(
+                    "the program holds %s at its peak, %s over the budget: solving again",
+                    format_bytes(live.peak_bytes),
+                    format_bytes(live.peak_bytes - budget),
+                )
                 over, over_sum = solver_budget, plan.memory.solver_bytes
         upper = budget if over is None else min(over, over_sum, budget)
         if fits is not None:
@@ -299,44 +413,101 @@ def _layer_classes(captured: Captured, space, node_costs, memory, share_layers: 
     return repeated_layers(captured, space, node_costs, memory)
 
 
-def _over_budget(space, node_costs, costs, memory, activations, budget: int, mesh: Mesh, shared, host,
-                 time_limit_s: float, segments: dict[str, str]) -> str:
+def _over_budget(
+    space,
+    node_costs,
+    costs,
+    memory,
+    activations,
+    budget: int,
+    mesh: Mesh,
+    shared,
+    host,
+    time_limit_s: float,
+    segments: dict[str, str],
+) -> str:
     """Why no plan fits: the least memory any plan reaches (offloading all it can), by part,
     and what would fit."""
-    least = solve(space, node_costs, costs.transition_s, gradient_s=costs.gradient_s, gather_s=costs.gather_s,
-                  segments=segments, one_step_moves=costs.one_step_moves,
-                  memory=memory, minimise="memory", shared=shared, activations=activations, host=host,
-                  time_limit_s=time_limit_s, bucket_bytes=costs.bucket_bytes)
+    least = solve(
+        space,
+        node_costs,
+        costs.transition_s,
+        gradient_s=costs.gradient_s,
+        gather_s=costs.gather_s,
+        segments=segments,
+        one_step_moves=costs.one_step_moves,
+        memory=memory,
+        minimise="memory",
+        shared=shared,
+        activations=activations,
+        host=host,
+        time_limit_s=time_limit_s,
+        bucket_bytes=costs.bucket_bytes,
+    )
     est = dataclasses.replace(
-        memory.estimate(least.choice, (frozenset(activations.nodes),
-                                       *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched)),
-                        least.host_optimizer, least.host_params),
-        moment_bytes=moment_bytes(memory, activations, least.choice, least.recomputed, least.offloaded, least.prefetched,
-                                  least.host_optimizer, least.host_params))
-    parts = {"parameters": est.params_bytes, "gradients": est.grads_bytes, "optimizer state": est.optimizer_bytes,
-             "activations": est.activations_bytes + est.recomputed_bytes, "largest temporary": est.transient_bytes}
+        memory.estimate(
+            least.choice,
+            (
+                frozenset(activations.nodes),
+                *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched),
+            ),
+            least.host_optimizer,
+            least.host_params,
+        ),
+        moment_bytes=moment_bytes(
+            memory,
+            activations,
+            least.choice,
+            least.recomputed,
+            least.offloaded,
+            least.prefetched,
+            least.host_optimizer,
+            least.host_params,
+        ),
+    )
+    parts = {
+        "parameters": est.params_bytes,
+        "gradients": est.grads_bytes,
+        "optimizer state": est.optimizer_bytes,
+        "activations": est.activations_bytes + est.recomputed_bytes,
+        "largest temporary": est.transient_bytes,
+    }
     largest = max(parts, key=parts.get)
     state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
     if state >= budget:
         over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
     else:
-        over = (f"the {largest} ({format_bytes(parts[largest])}) {'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
-                "not fit in what the rest leaves")
+        over = (
+            f"the {largest} ({format_bytes(parts[largest])}) "
+            f"{'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
+            "not fit in what the rest leaves"
+        )
     factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
     return (
         f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "
         f"is {format_bytes(est.peak_bytes)}, {format_bytes(est.peak_bytes - budget)} over ("
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-        + f", not all alive at once); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes ({format_bytes(est.peak_bytes)}), or plan for a mesh about "
+        + f", not all alive at once); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes "
+        f"({format_bytes(est.peak_bytes)}), or plan for a mesh about "
         f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
     )
 
 
-def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor], *,
-         hardware: "str | Profile" = "h100", pins: Pins | None = None,
-         memory_budget: "int | str | None" = None, fallback: bool = True,
-         solver_time_limit_s: float = 120.0, solver_gap: float = 1e-3, share_layers: bool | None = None,
-         recompute: str = "auto", mixed_precision: MixedPrecision | None = None) -> ShardingPlan:
+def plan(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    hardware: "str | Profile" = "h100",
+    pins: Pins | None = None,
+    memory_budget: "int | str | None" = None,
+    fallback: bool = True,
+    solver_time_limit_s: float = 120.0,
+    solver_gap: float = 1e-3,
+    share_layers: bool | None = None,
+    recompute: str = "auto",
+    mixed_precision: MixedPrecision | None = None,
+) -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
     Args:
@@ -373,6 +544,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tens
     check_recompute(recompute)
     check_gap(solver_gap)
     param_dtype = mixed_precision.param_dtype if mixed_precision is not None else None
-    return plan_captured(capture(model, tuple(example_inputs), param_dtype), mesh, hardware=hardware, pins=pins,
-                         memory_budget=memory_budget, fallback=fallback, solver_time_limit_s=solver_time_limit_s,
-                         solver_gap=solver_gap, share_layers=share_layers, recompute=recompute)
+    return plan_captured(
+        capture(model, tuple(example_inputs), param_dtype),
+        mesh,
+        hardware=hardware,
+        pins=pins,
+        memory_budget=memory_budget,
+        fallback=fallback,
+        solver_time_limit_s=solver_time_limit_s,
+        solver_gap=solver_gap,
+        share_layers=share_layers,
+        recompute=recompute,
+    )

@@ -24,9 +24,15 @@ class MixedPrecision:
     does; another is refused."""
 
     def __post_init__(self) -> None:
-        if self.param_dtype is not None and not (isinstance(self.param_dtype, torch.dtype) and self.param_dtype.is_floating_point):
-            raise ValueError(f"MixedPrecision(param_dtype={self.param_dtype!r}): give a floating-point torch.dtype, "
-                             "e.g. torch.bfloat16")
+        if self.param_dtype is not None and not (
+            isinstance(self.param_dtype, torch.dtype) and self.param_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"MixedPrecision(param_dtype={self.param_dtype!r}): give a floating-point torch.dtype, "
+                "e.g. torch.bfloat16"
+            )
         if self.reduce_dtype not in (None, torch.float32):
-            raise ValueError(f"MixedPrecision(reduce_dtype={self.reduce_dtype!r}): autopar reduces gradients in the "
-                             "float32 master parameters' dtype. Fix: leave reduce_dtype as torch.float32")
+            raise ValueError(
+                f"MixedPrecision(reduce_dtype={self.reduce_dtype!r}): autopar reduces gradients in the "
+                "float32 master parameters' dtype. Fix: leave reduce_dtype as torch.float32"
+            )

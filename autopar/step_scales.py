@@ -57,8 +57,9 @@ _STEP_LAYERS = 4
 _STEP_LAYOUTS = {
     "data parallel": lambda name: "S(0)" if name == "x" else "R",
     "fully sharded": lambda name: "S(0)",
-    "tensor parallel": lambda name: ("S(0)" if name.endswith(("up.weight", "up.bias")) else
-                                     "S(1)" if name.endswith("down.weight") else "R"),
+    "tensor parallel": lambda name: (
+        "S(0)" if name.endswith(("up.weight", "up.bias")) else "S(1)" if name.endswith("down.weight") else "R"
+    ),
 }
 
 
@@ -123,8 +124,12 @@ def scale_points(configurations: list, times: dict[str, list[float]]) -> dict[st
     points = {}
     for label, plan, _ in configurations:
         fixed = fixed_s(plan)
-        points[label] = (plan.predicted_step_s - plan.communication_s - fixed, plan.communication_s, fixed,
-                         statistics.mean(times[label]))
+        points[label] = (
+            plan.predicted_step_s - plan.communication_s - fixed,
+            plan.communication_s,
+            fixed,
+            statistics.mean(times[label]),
+        )
     return points
 
 
@@ -164,7 +169,9 @@ def fit_scales(points: list[tuple[float, float, float, float]]) -> tuple[float, 
     stretch its ops more than its collectives. Where the points do not tell the two apart
     (their shares of collectives alike) or the fit gives a scale of 0 or less, ``c`` is 1 and
     ``s`` the median of ``(measured - fixed) / (ops + collectives)``."""
-    rows = [(ops / measured, collectives / measured, 1 - fixed / measured) for ops, collectives, fixed, measured in points]
+    rows = [
+        (ops / measured, collectives / measured, 1 - fixed / measured) for ops, collectives, fixed, measured in points
+    ]
     uu, uv, vv = (sum(u * u for u, _, _ in rows), sum(u * v for u, v, _ in rows), sum(v * v for _, v, _ in rows))
     uy, vy = sum(u * y for u, _, y in rows), sum(v * y for _, v, y in rows)
     det = uu * vv - uv * uv
@@ -172,4 +179,6 @@ def fit_scales(points: list[tuple[float, float, float, float]]) -> tuple[float, 
         s, sc = (uy * vv - vy * uv) / det, (vy * uu - uy * uv) / det
         if s > 0 and sc > 0:
             return s, sc / s
-    return statistics.median((measured - fixed) / (ops + collectives) for ops, collectives, fixed, measured in points), 1.0
+    return statistics.median(
+        (measured - fixed) / (ops + collectives) for ops, collectives, fixed, measured in points
+    ), 1.0

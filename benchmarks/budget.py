@@ -30,9 +30,10 @@ GIB = 2**30
 
 
 def sweep(name: str, devices: int, time_limit_s: float) -> list[dict]:
+    from autopar.passes.capture import capture, segment_of
+
     import autopar
     from autopar.errors import InfeasiblePlanError
-    from autopar.passes.capture import capture, segment_of
     from autopar.planner import plan_captured
 
     model, batch = full_size(name, devices)
@@ -44,23 +45,37 @@ def sweep(name: str, devices: int, time_limit_s: float) -> list[dict]:
         row = {"model": name, "devices": devices, "fraction": fraction, "budget_bytes": budget}
         started = time.perf_counter()
         try:
-            plan = plan_captured(captured, mesh, hardware="h100", memory_budget=budget, solver_time_limit_s=time_limit_s)
+            plan = plan_captured(
+                captured, mesh, hardware="h100", memory_budget=budget, solver_time_limit_s=time_limit_s
+            )
         except InfeasiblePlanError as exc:
             rows.append({**row, "feasible": False, "reason": str(exc).splitlines()[0]})
             print(f"  {name} {fraction}: no plan fits", flush=True)
             continue
         free = free or plan
         offloaded = sum(n.activation_bytes for n in plan.nodes if n.activation == "offload")
-        rows.append({**row, "feasible": True, "plan_s": time.perf_counter() - started, "status": plan.solver.status,
-                     "predicted_s": plan.predicted_step_s, "slowdown": plan.predicted_step_s / free.predicted_step_s,
-                     "peak_bytes": plan.peak_memory_bytes, "offload_s": plan.offload_s, "recompute_s": plan.recompute_s,
-                     "recomputed_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "recompute"),
-                     "offloaded_bytes": offloaded, "host_state_bytes": plan.memory.host_bytes - offloaded,
-                     "host_optimizer": len(plan.host_optimizer), "host_params": len(plan.host_params),
-                     "prefetched": len(plan.prefetched),
-                     "offloading_layers": len({segment_of(n.module) for n in plan.nodes if n.activation == "offload"}),
-                     "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
-                     "params": len(plan.placements)})
+        rows.append(
+            {
+                **row,
+                "feasible": True,
+                "plan_s": time.perf_counter() - started,
+                "status": plan.solver.status,
+                "predicted_s": plan.predicted_step_s,
+                "slowdown": plan.predicted_step_s / free.predicted_step_s,
+                "peak_bytes": plan.peak_memory_bytes,
+                "offload_s": plan.offload_s,
+                "recompute_s": plan.recompute_s,
+                "recomputed_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "recompute"),
+                "offloaded_bytes": offloaded,
+                "host_state_bytes": plan.memory.host_bytes - offloaded,
+                "host_optimizer": len(plan.host_optimizer),
+                "host_params": len(plan.host_params),
+                "prefetched": len(plan.prefetched),
+                "offloading_layers": len({segment_of(n.module) for n in plan.nodes if n.activation == "offload"}),
+                "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
+                "params": len(plan.placements),
+            }
+        )
         print(f"  {name} {fraction}: planned in {rows[-1]['plan_s']:.0f} s", flush=True)
     return rows
 
@@ -74,21 +89,28 @@ def main() -> None:
     models = args.models.split(",")
     precision = float32_matmuls_as_on_gpus()
     rows = [r for name in models for r in sweep(name, args.devices, args.time_limit)]
-    header = (f"{'model':8} {'budget':>6} {'GiB':>6} {'step ms':>8} {'x free':>6} {'peak GiB':>8} {'recomp. GiB':>11} "
-              f"{'offl. GiB':>9} {'ahead':>9} {'state on host GiB':>17} {'stepped / in host':>17} {'split params':>12} {'plan s':>6}")
-    print(f"\npredicted step time and per-device memory against the memory budget, {args.devices} H100s\n"
-          f"{header}\n{'-' * len(header)}")
+    header = (
+        f"{'model':8} {'budget':>6} {'GiB':>6} {'step ms':>8} {'x free':>6} {'peak GiB':>8} {'recomp. GiB':>11} "
+        f"{'offl. GiB':>9} {'ahead':>9} {'state on host GiB':>17} {'stepped / in host':>17} "
+        f"{'split params':>12} {'plan s':>6}"
+    )
+    print(
+        f"\npredicted step time and per-device memory against the memory budget, {args.devices} H100s\n"
+        f"{header}\n{'-' * len(header)}"
+    )
     for r in rows:
         budget = "none" if r["fraction"] is None else f"{r['fraction']:.0%}"
         gib = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / GIB:.1f}"
         if not r["feasible"]:
             print(f"{r['model']:8} {budget:>6} {gib:>6}  no plan fits")
             continue
-        print(f"{r['model']:8} {budget:>6} {gib:>6} {r['predicted_s'] * 1e3:>8.1f} {r['slowdown']:>6.2f} "
-              f"{r['peak_bytes'] / GIB:>8.1f} {r['recomputed_bytes'] / GIB:>11.2f} {r['offloaded_bytes'] / GIB:>9.2f} "
-              f"{r['prefetched']:>3} / {r['offloading_layers']:<3} "
-              f"{r['host_state_bytes'] / GIB:>17.2f} {r['host_optimizer']:>8} / {r['host_params']:<6} "
-              f"{r['split_params']:>5} of {r['params']:<4} {r['plan_s']:>6.0f}")
+        print(
+            f"{r['model']:8} {budget:>6} {gib:>6} {r['predicted_s'] * 1e3:>8.1f} {r['slowdown']:>6.2f} "
+            f"{r['peak_bytes'] / GIB:>8.1f} {r['recomputed_bytes'] / GIB:>11.2f} {r['offloaded_bytes'] / GIB:>9.2f} "
+            f"{r['prefetched']:>3} / {r['offloading_layers']:<3} "
+            f"{r['host_state_bytes'] / GIB:>17.2f} {r['host_optimizer']:>8} / {r['host_params']:<6} "
+            f"{r['split_params']:>5} of {r['params']:<4} {r['plan_s']:>6.0f}"
+        )
     kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in models] if RESULTS.exists() else []
     write_results(RESULTS, devices=args.devices, hardware="h100", float32_matmul_precision=precision, rows=kept + rows)
 

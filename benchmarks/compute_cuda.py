@@ -68,15 +68,18 @@ def kernel_rates(fmt: str, heads: int, seq: int, head_dim: int, batch: int) -> d
 
 
 def measure(fmt: str, layers: int, steps: int, hardware: str) -> dict:
-    import autopar
     from autopar.examples.gpt import GPT, GPTConfig
+
+    import autopar
 
     dtype = _set_format(fmt)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=8192, block_size=1024, dim=1024, num_heads=16, num_layers=layers)
     model = GPT(cfg).to(device="cuda", dtype=dtype)
-    batch = (torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda"),
-             torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda"))
+    batch = (
+        torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda"),
+        torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda"),
+    )
     started = time.perf_counter()
     pmodel = autopar.compile(copy.deepcopy(model), autopar.Mesh((1,), ("x",)), batch, hardware=hardware)
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-4)
@@ -96,21 +99,31 @@ def measure(fmt: str, layers: int, steps: int, hardware: str) -> dict:
             forward_backward.append(middle - begun)
             whole.append(time.perf_counter() - begun)
     plan = pmodel.plan
-    return {"format": fmt, "predicted_s": plan.predicted_step_s, "compute_s": plan.compute_s,
-            "measured_s": statistics.median(forward_backward), "step_s": statistics.median(whole),
-            "plan_and_compile_s": compiled_s, "kernels": kernel_rates(fmt, cfg.num_heads, 1024, cfg.dim // cfg.num_heads, 8)}
+    return {
+        "format": fmt,
+        "predicted_s": plan.predicted_step_s,
+        "compute_s": plan.compute_s,
+        "measured_s": statistics.median(forward_backward),
+        "step_s": statistics.median(whole),
+        "plan_and_compile_s": compiled_s,
+        "kernels": kernel_rates(fmt, cfg.num_heads, 1024, cfg.dim // cfg.num_heads, 8),
+    }
 
 
 def print_table(rows: list[dict], hardware: str, peaks: dict) -> None:
     print(f"\nGPT on one GPU, Inductor, planned with the {hardware!r} profile (fwd+bwd ms; TFLOP/s)")
-    header = (f"{'format':>8} {'pred. ms':>8} {'meas. ms':>8} {'meas./pred.':>11} {'step ms':>8} "
-              f"{'peak':>6} {'matmul':>7} {'attention':>9}")
+    header = (
+        f"{'format':>8} {'pred. ms':>8} {'meas. ms':>8} {'meas./pred.':>11} {'step ms':>8} "
+        f"{'peak':>6} {'matmul':>7} {'attention':>9}"
+    )
     print(f"{header}\n{'-' * len(header)}")
     for r in rows:
         k = r["kernels"]
-        print(f"{r['format']:>8} {r['predicted_s'] * 1e3:>8.2f} {r['measured_s'] * 1e3:>8.2f} "
-              f"{r['measured_s'] / r['predicted_s']:>11.2f} {r['step_s'] * 1e3:>8.2f} {peaks[r['format']] / 1e12:>6.0f} "
-              f"{k['matmul_flops_per_s'] / 1e12:>7.0f} {k['attention_flops_per_s'] / 1e12:>9.0f}")
+        print(
+            f"{r['format']:>8} {r['predicted_s'] * 1e3:>8.2f} {r['measured_s'] * 1e3:>8.2f} "
+            f"{r['measured_s'] / r['predicted_s']:>11.2f} {r['step_s'] * 1e3:>8.2f} {peaks[r['format']] / 1e12:>6.0f} "
+            f"{k['matmul_flops_per_s'] / 1e12:>7.0f} {k['attention_flops_per_s'] / 1e12:>9.0f}"
+        )
 
 
 def main() -> None:
@@ -122,7 +135,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.compute_cuda needs a CUDA device")
     import torch.distributed as dist
-
     from autopar.cost_model.hardware import resolve_profile
 
     hardware = cuda_profile()
@@ -139,8 +151,9 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     print_table(rows, hardware, peaks)
-    write_results(RESULTS, device=torch.cuda.get_device_name(), hardware=hardware, layers=args.layers,
-                  steps=args.steps, rows=rows)
+    write_results(
+        RESULTS, device=torch.cuda.get_device_name(), hardware=hardware, layers=args.layers, steps=args.steps, rows=rows
+    )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import calibrated_profile, step_peak_bytes, take_turns, write_results
-
 import torch
+
+from benchmarks import calibrated_profile, step_peak_bytes, take_turns, write_results
 
 RESULTS = Path(__file__).parent / "results" / "fidelity.json"
 WARMUP = 3
@@ -63,9 +63,20 @@ def _pins(layout: str, model_name: str, model, input_names, world: int) -> dict 
         return {**batch, **{k: "R" for k in params}}
     if layout == "fsdp":
         return {**batch, **{k: "S(0)" if k in divisible else "R" for k in params}}  # FSDP would pad the rest
-    split = {"mlp": {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)"},
-             "gpt": {f"blocks.{i}.{k}": v for i in range(2) for k, v in (("attn.qkv.weight", "S(0)"),
-                     ("attn.proj.weight", "S(1)"), ("fc1.weight", "S(0)"), ("fc1.bias", "S(0)"), ("fc2.weight", "S(1)"))}}
+    split = {
+        "mlp": {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)"},
+        "gpt": {
+            f"blocks.{i}.{k}": v
+            for i in range(2)
+            for k, v in (
+                ("attn.qkv.weight", "S(0)"),
+                ("attn.proj.weight", "S(1)"),
+                ("fc1.weight", "S(0)"),
+                ("fc1.bias", "S(0)"),
+                ("fc2.weight", "S(1)"),
+            )
+        },
+    }
     return split[model_name]
 
 
@@ -88,11 +99,11 @@ def _steps_per_round(warm_s: list[float], steps: int, round_s: float) -> int:
 
 def worker(profile: str, models: list[str], steps: int, round_s: float, out: str) -> None:
     import torch.distributed as dist
+    from autopar.cost_model.hardware import load_profile
+    from autopar.examples import make_example
 
     import autopar
     from autopar.step_scales import fit_scales, fixed_s, scale_configurations, scale_points, training_step
-    from autopar.cost_model.hardware import load_profile
-    from autopar.examples import make_example
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -114,25 +125,45 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
             runs.append((layout, pmodel, opt, local, step, _steps_per_round(warm, steps, round_s)))
         configurations = scale_configurations(unscaled, world)
         calls = [step for *_, step, _ in runs] + [step for _, _, step in configurations]
-        counts = ([count for *_, count in runs]
-                  + [_steps_per_round([step() for _ in range(WARMUP)], steps, round_s) for _, _, step in configurations])
+        counts = [count for *_, count in runs] + [
+            _steps_per_round([step() for _ in range(WARMUP)], steps, round_s) for _, _, step in configurations
+        ]
         measured = take_turns(calls, counts, ROUNDS)
-        points = scale_points(configurations, {label: [t for r in rounds for t in r]
-                                               for (label, _, _), rounds in zip(configurations, measured[len(runs):])})
+        points = scale_points(
+            configurations,
+            {
+                label: [t for r in rounds for t in r]
+                for (label, _, _), rounds in zip(configurations, measured[len(runs) :])
+            },
+        )
         step_scale, collective_scale = fit_scales(list(points.values()))
         alongside[name] = {"step_scale": step_scale, "collective_scale": collective_scale, "points": points}
         for (layout, pmodel, opt, local, _, _), rounds in zip(runs, measured):
             times = [t for r in rounds for t in r]
             quartiles = statistics.quantiles(times, n=4)
             plan = pmodel.plan
-            parts = {"compute": plan.compute_s + plan.recompute_s - plan.node_overhead_s,
-                     "communication": plan.communication_s, "overhead": fixed_s(plan)}
-            rows.append({"model": name, "ranks": world, "layout": layout, "predicted_s": plan.predicted_step_s,
-                         "predicted_parts_s": parts, "collectives": len(plan.collectives),
-                         "measured_s": statistics.mean(times), "measured_median_s": statistics.median(times), "measured_steps": len(times), "measured_quartiles_s": [quartiles[0], quartiles[2]],
-                         "measured_round_s": [statistics.mean(r) for r in rounds],
-                         "predicted_peak_bytes": plan.peak_memory_bytes,
-                         "measured_peak_bytes": step_peak_bytes(pmodel, opt, local)})
+            parts = {
+                "compute": plan.compute_s + plan.recompute_s - plan.node_overhead_s,
+                "communication": plan.communication_s,
+                "overhead": fixed_s(plan),
+            }
+            rows.append(
+                {
+                    "model": name,
+                    "ranks": world,
+                    "layout": layout,
+                    "predicted_s": plan.predicted_step_s,
+                    "predicted_parts_s": parts,
+                    "collectives": len(plan.collectives),
+                    "measured_s": statistics.mean(times),
+                    "measured_median_s": statistics.median(times),
+                    "measured_steps": len(times),
+                    "measured_quartiles_s": [quartiles[0], quartiles[2]],
+                    "measured_round_s": [statistics.mean(r) for r in rounds],
+                    "predicted_peak_bytes": plan.peak_memory_bytes,
+                    "measured_peak_bytes": step_peak_bytes(pmodel, opt, local),
+                }
+            )
         if rank == 0:
             print(f"  {name} on {_ranks(world)} done", file=sys.stderr, flush=True)
     if rank == 0:
@@ -160,10 +191,15 @@ def _order(rows: list[dict], key: str = "predicted_s") -> dict:
     ``unresolved``, the pairs predicted apart that neither plan measured faster in every round
     (the measurements do not order them, so no prediction can match or contradict them)."""
     pairs = _predicted_pairs(rows, key)
-    return {"matches": all(a["measured_s"] < b["measured_s"] for a, b in pairs),
-            "contradicted": [[a["layout"], b["layout"]] for a, b in pairs if _faster_every_round(b, a)],
-            "unresolved": [[a["layout"], b["layout"]] for a, b in pairs
-                           if not _faster_every_round(a, b) and not _faster_every_round(b, a)]}
+    return {
+        "matches": all(a["measured_s"] < b["measured_s"] for a, b in pairs),
+        "contradicted": [[a["layout"], b["layout"]] for a, b in pairs if _faster_every_round(b, a)],
+        "unresolved": [
+            [a["layout"], b["layout"]]
+            for a, b in pairs
+            if not _faster_every_round(a, b) and not _faster_every_round(b, a)
+        ],
+    }
 
 
 def _ranks(world: int) -> str:
@@ -179,7 +215,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per plan and round, at least")
-    parser.add_argument("--round-s", type=float, default=0.2, help="seconds of timed steps per plan and round, at least")
+    parser.add_argument(
+        "--round-s", type=float, default=0.2, help="seconds of timed steps per plan and round, at least"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.models.split(",")
@@ -188,9 +226,8 @@ def main() -> None:
     if args.worker:
         return worker(args.worker[0], models, args.steps, args.round_s, args.worker[1])
 
-    from autopar.runtime.launch import torchrun
-
     from autopar.cost_model.hardware import load_profile
+    from autopar.runtime.launch import torchrun
 
     rows, profiles, scales, alongside = [], {}, {}, {}
     for world in (int(n) for n in args.ranks.split(",")):
@@ -200,39 +237,75 @@ def main() -> None:
             profiles[f"{name}@{world}"] = dataclasses.asdict(profile)
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rows.json")
-                if torchrun(world, ["-m", "benchmarks.fidelity", "--models", name, "--steps", str(args.steps),
-                                    "--round-s", str(args.round_s), "--worker", str(path), out]):
+                if torchrun(
+                    world,
+                    [
+                        "-m",
+                        "benchmarks.fidelity",
+                        "--models",
+                        name,
+                        "--steps",
+                        str(args.steps),
+                        "--round-s",
+                        str(args.round_s),
+                        "--worker",
+                        str(path),
+                        out,
+                    ],
+                ):
                     raise SystemExit(f"the benchmark failed for {name} on {world} ranks")
                 result = json.loads(Path(out).read_text())
             fit = alongside[f"{name}@{world}"] = result["alongside"][name]
-            scales.setdefault(world, []).append((profile.step_scale, profile.collective_scale,
-                                                 fit["step_scale"], fit["collective_scale"]))
-            rows += [{**r, "step_scale": profile.step_scale, "collective_scale": profile.collective_scale,
-                      "alongside_step_scale": fit["step_scale"], "alongside_collective_scale": fit["collective_scale"]}
-                     for r in result["rows"]]
-    header = (f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'median ms':>9} {'quartiles ms':>13} {'error':>7} "
-              f"{'alongside':>9} {'unscaled':>8} {'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}")
+            scales.setdefault(world, []).append(
+                (profile.step_scale, profile.collective_scale, fit["step_scale"], fit["collective_scale"])
+            )
+            rows += [
+                {
+                    **r,
+                    "step_scale": profile.step_scale,
+                    "collective_scale": profile.collective_scale,
+                    "alongside_step_scale": fit["step_scale"],
+                    "alongside_collective_scale": fit["collective_scale"],
+                }
+                for r in result["rows"]
+            ]
+    header = (
+        f"{'model':5} {'ranks':>5} {'plan':8} {'predicted ms':>12} {'measured ms':>11} {'median ms':>9} "
+        f"{'quartiles ms':>13} {'error':>7} "
+        f"{'alongside':>9} {'unscaled':>8} {'pred. peak MiB':>14} {'meas. peak MiB':>14} {'error':>7}"
+    )
     print()
     for world, s in scales.items():
-        print(f"{_ranks(world)}: a step runs {_span(s, 0)}x its ops and collectives timed alone, its collectives "
-              f"{_span(s, 1)}x that again (the profiles' scales); {_span(s, 2)}x and {_span(s, 3)}x fitted alongside")
-    print(f"forward+backward step time (mean of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
-          f"with the median and quartiles) and peak memory of a training step, gloo on this machine; the error of the "
-          f"prediction with the profile's scales, and with the scales fitted to the calibration model's steps taken in "
-          f"the same rounds as the plans' (alongside)\n{header}\n{'-' * len(header)}")
+        print(
+            f"{_ranks(world)}: a step runs {_span(s, 0)}x its ops and collectives timed alone, its collectives "
+            f"{_span(s, 1)}x that again (the profiles' scales); {_span(s, 2)}x and {_span(s, 3)}x fitted alongside"
+        )
+    print(
+        f"forward+backward step time (mean of {ROUNDS} rounds of at least {args.steps} steps and {args.round_s} s, "
+        f"with the median and quartiles) and peak memory of a training step, gloo on this machine; the error of the "
+        f"prediction with the profile's scales, and with the scales fitted to the calibration model's steps taken in "
+        f"the same rounds as the plans' (alongside)\n{header}\n{'-' * len(header)}"
+    )
     for r in rows:
         parts = r["predicted_parts_s"]
         ops = parts["compute"] / r["step_scale"]
         collectives = parts["communication"] / (r["step_scale"] * r["collective_scale"])
-        r["alongside_s"] = parts["overhead"] + r["alongside_step_scale"] * (ops + r["alongside_collective_scale"] * collectives)
+        r["alongside_s"] = parts["overhead"] + r["alongside_step_scale"] * (
+            ops + r["alongside_collective_scale"] * collectives
+        )
         r["time_error"] = r["predicted_s"] / r["measured_s"] - 1
         r["alongside_error"] = r["alongside_s"] / r["measured_s"] - 1
         r["unscaled_error"] = (parts["overhead"] + ops + collectives) / r["measured_s"] - 1
         r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
-        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} {r['measured_s'] * 1e3:>11.2f} {r['measured_median_s'] * 1e3:>9.2f} "
-              f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} {r['alongside_error']:>+9.0%} "
-              f"{r['unscaled_error']:>+8.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} {r['measured_peak_bytes'] / 2**20:>14.2f} "
-              f"{r['memory_error']:>+7.0%}")
+        print(
+            f"{r['model']:5} {r['ranks']:>5} {r['layout']:8} {r['predicted_s'] * 1e3:>12.2f} "
+            f"{r['measured_s'] * 1e3:>11.2f} {r['measured_median_s'] * 1e3:>9.2f} "
+            f"{'-'.join(f'{q * 1e3:.1f}' for q in r['measured_quartiles_s']):>13} {r['time_error']:>+7.0%} "
+            f"{r['alongside_error']:>+9.0%} "
+            f"{r['unscaled_error']:>+8.0%} {r['predicted_peak_bytes'] / 2**20:>14.2f} "
+            f"{r['measured_peak_bytes'] / 2**20:>14.2f} "
+            f"{r['memory_error']:>+7.0%}"
+        )
     orders = {}
     for r in rows:
         orders.setdefault((r["model"], r["ranks"]), []).append(r)
@@ -242,28 +315,50 @@ def main() -> None:
     compared_alongside = {key: _order(group, "alongside_s") for key, group in orders.items()}
     for (name, world), group in orders.items():
         order = compared[name, world]
-        print(f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) {'matches' if order['matches'] else 'DIFFERS FROM'} the measured one "
-              f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)"
-              + "".join(f"; {a} predicted faster than {b}, measured slower in every round" for a, b in order["contradicted"])
-              + "".join(f"; {a} predicted faster than {b}, neither faster in every round" for a, b in order["unresolved"])
-              + ("" if compared_alongside[name, world]["matches"] else "; with the scales fitted alongside, it differs"))
+        print(
+            f"{name:5} on {world} ranks: predicted order of plans (more than 5% apart) "
+            f"{'matches' if order['matches'] else 'DIFFERS FROM'} the measured one "
+            f"({', '.join(r['layout'] for r in sorted(group, key=lambda r: r['measured_s']))} measured fastest first)"
+            + "".join(
+                f"; {a} predicted faster than {b}, measured slower in every round" for a, b in order["contradicted"]
+            )
+            + "".join(f"; {a} predicted faster than {b}, neither faster in every round" for a, b in order["unresolved"])
+            + ("" if compared_alongside[name, world]["matches"] else "; with the scales fitted alongside, it differs")
+        )
     print()
     for world in scales:
         group = [r for r in rows if r["ranks"] == world]
-        within = {key: sum(abs(r[key]) <= 0.3 for r in group) for key in ("time_error", "alongside_error", "unscaled_error")}
-        print(f"{_ranks(world)}: {within['time_error']} of {len(group)} step-time predictions within ±30% "
-              f"({within['alongside_error']} with the scales fitted alongside, {within['unscaled_error']} without the step and "
-              f"collective scales), median error {statistics.median(r['time_error'] for r in group):+.0%}")
+        within = {
+            key: sum(abs(r[key]) <= 0.3 for r in group) for key in ("time_error", "alongside_error", "unscaled_error")
+        }
+        print(
+            f"{_ranks(world)}: {within['time_error']} of {len(group)} step-time predictions within ±30% "
+            f"({within['alongside_error']} with the scales fitted alongside, "
+            f"{within['unscaled_error']} without the step and "
+            f"collective scales), median error {statistics.median(r['time_error'] for r in group):+.0%}"
+        )
     pairs = sum(len(_predicted_pairs(g)) for g in orders.values())
     contradicted = sum(len(c["contradicted"]) for c in compared.values())
     unresolved = sum(len(c["unresolved"]) for c in compared.values())
-    print(f"plan order: {sum(c['matches'] for c in compared.values())} of {len(orders)} models and rank counts measured in the "
-          f"predicted order ({sum(c['matches'] for c in compared_alongside.values())} with the scales fitted alongside); of "
-          f"{pairs} pairs of plans predicted more than 5% apart, {pairs - contradicted - unresolved} measured in that "
-          f"order in every round, {contradicted} in the reverse order in every round, {unresolved} in neither")
-    write_results(RESULTS, profiles=profiles, alongside=alongside, steps=args.steps, round_s=args.round_s, rounds=ROUNDS,
-                  warmup=WARMUP, rows=rows, order={f"{k[0]}@{k[1]}": c for k, c in compared.items()},
-                  order_alongside={f"{k[0]}@{k[1]}": c for k, c in compared_alongside.items()})
+    print(
+        f"plan order: {sum(c['matches'] for c in compared.values())} of {len(orders)} models and rank counts "
+        "measured in the predicted order "
+        f"({sum(c['matches'] for c in compared_alongside.values())} with the scales fitted alongside); of "
+        f"{pairs} pairs of plans predicted more than 5% apart, {pairs - contradicted - unresolved} measured in that "
+        f"order in every round, {contradicted} in the reverse order in every round, {unresolved} in neither"
+    )
+    write_results(
+        RESULTS,
+        profiles=profiles,
+        alongside=alongside,
+        steps=args.steps,
+        round_s=args.round_s,
+        rounds=ROUNDS,
+        warmup=WARMUP,
+        rows=rows,
+        order={f"{k[0]}@{k[1]}": c for k, c in compared.items()},
+        order_alongside={f"{k[0]}@{k[1]}": c for k, c in compared_alongside.items()},
+    )
 
 
 if __name__ == "__main__":

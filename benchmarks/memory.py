@@ -71,9 +71,9 @@ def _measure(pmodel, batch, steps: int) -> tuple[list[float], float, int]:
 
 def worker(models: list[str], steps: int, out: str) -> None:
     import torch.distributed as dist
+    from autopar.examples import make_example
 
     import autopar
-    from autopar.examples import make_example
 
     dist.init_process_group("gloo")
     mesh = autopar.Mesh((dist.get_world_size(),), ("ranks",))
@@ -96,12 +96,20 @@ def worker(models: list[str], steps: int, out: str) -> None:
             plan = pmodel.plan
             unbounded = unbounded or plan.peak_memory_bytes
             losses, step_s, peak = _measure(pmodel, batch, steps)
-            rows.append({**row, "feasible": True, "predicted_s": plan.predicted_step_s, "measured_s": step_s,
-                         "predicted_peak_bytes": plan.peak_memory_bytes, "measured_peak_bytes": peak,
-                         "recomputed_ops": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in plan.nodes),
-                         "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
-                         "params": len(plan.placements),
-                         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, reference))})
+            rows.append(
+                {
+                    **row,
+                    "feasible": True,
+                    "predicted_s": plan.predicted_step_s,
+                    "measured_s": step_s,
+                    "predicted_peak_bytes": plan.peak_memory_bytes,
+                    "measured_peak_bytes": peak,
+                    "recomputed_ops": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in plan.nodes),
+                    "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
+                    "params": len(plan.placements),
+                    "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, reference)),
+                }
+            )
             if dist.get_rank() == 0:
                 print(f"  {name} budget {fraction or 'none'} done", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
@@ -125,12 +133,19 @@ def main() -> None:
         raise SystemExit(f"{PROFILE} is missing: run `autopar calibrate -n 4 --out {PROFILE}` first")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        if torchrun(4, ["-m", "benchmarks.memory", "--steps", str(args.steps), "--models", args.models, "--worker", out]):
+        if torchrun(
+            4, ["-m", "benchmarks.memory", "--steps", str(args.steps), "--models", args.models, "--worker", out]
+        ):
             raise SystemExit("the benchmark failed")
         rows = json.loads(Path(out).read_text())
-    header = (f"{'model':5} {'budget':>6} {'budget MiB':>10} {'pred. ms':>8} {'meas. ms':>8} {'pred. MiB':>9} "
-              f"{'meas. MiB':>9} {'error':>6} {'recomputed':>10} {'split params':>12} {'loss rel':>8}")
-    print(f"\nstep time and per-rank peak memory against the memory budget, 4 gloo ranks, AdamW\n{header}\n{'-' * len(header)}")
+    header = (
+        f"{'model':5} {'budget':>6} {'budget MiB':>10} {'pred. ms':>8} {'meas. ms':>8} {'pred. MiB':>9} "
+        f"{'meas. MiB':>9} {'error':>6} {'recomputed':>10} {'split params':>12} {'loss rel':>8}"
+    )
+    print(
+        "\nstep time and per-rank peak memory against the memory budget, 4 gloo ranks, AdamW\n"
+        f"{header}\n{'-' * len(header)}"
+    )
     for r in rows:
         budget = "none" if r["fraction"] is None else f"{r['fraction']:.0%}"
         mib = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**20:.2f}"
@@ -138,9 +153,12 @@ def main() -> None:
             print(f"{r['model']:5} {budget:>6} {mib:>10}  no plan fits")
             continue
         r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
-        print(f"{r['model']:5} {budget:>6} {mib:>10} {r['predicted_s'] * 1e3:>8.2f} {r['measured_s'] * 1e3:>8.2f} "
-              f"{r['predicted_peak_bytes'] / 2**20:>9.2f} {r['measured_peak_bytes'] / 2**20:>9.2f} {r['memory_error']:>+6.0%} "
-              f"{r['recomputed_ops']:>10} {r['split_params']:>5} of {r['params']:<4} {r['loss_rel']:>8.1e}")
+        print(
+            f"{r['model']:5} {budget:>6} {mib:>10} {r['predicted_s'] * 1e3:>8.2f} {r['measured_s'] * 1e3:>8.2f} "
+            f"{r['predicted_peak_bytes'] / 2**20:>9.2f} {r['measured_peak_bytes'] / 2**20:>9.2f} "
+            f"{r['memory_error']:>+6.0%} "
+            f"{r['recomputed_ops']:>10} {r['split_params']:>5} of {r['params']:<4} {r['loss_rel']:>8.1e}"
+        )
     kept = [r for r in json.loads(RESULTS.read_text())["rows"] if r["model"] not in models] if RESULTS.exists() else []
     write_results(RESULTS, steps=args.steps, warmup=WARMUP, rows=kept + rows)
 

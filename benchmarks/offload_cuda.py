@@ -41,7 +41,9 @@ def _model(layers: int):
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=8192, block_size=1024, dim=1024, num_heads=16, num_layers=layers)
-    batches = [(torch.randint(0, cfg.vocab_size, (8, 1024)), torch.randint(0, cfg.vocab_size, (8, 1024))) for _ in range(2)]
+    batches = [
+        (torch.randint(0, cfg.vocab_size, (8, 1024)), torch.randint(0, cfg.vocab_size, (8, 1024))) for _ in range(2)
+    ]
     return GPT(cfg), batches
 
 
@@ -100,9 +102,14 @@ def copy_overlap(trace: dict) -> dict:
         for stream in sorted({e["args"].get("stream") for e in copies}):
             busy = _merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels if k["args"].get("stream") != stream])
             mine = [e for e in copies if e["args"].get("stream") == stream]
-            overlapped = sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start)) for e in mine for start, end in busy)
-            result[f"{direction} stream {stream}"] = {"copies": len(mine), "ms": sum(e["dur"] for e in mine) / 1e3,
-                                                      "overlapped_ms": overlapped / 1e3}
+            overlapped = sum(
+                max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start)) for e in mine for start, end in busy
+            )
+            result[f"{direction} stream {stream}"] = {
+                "copies": len(mine),
+                "ms": sum(e["dur"] for e in mine) / 1e3,
+                "overlapped_ms": overlapped / 1e3,
+            }
     return result
 
 
@@ -118,8 +125,9 @@ def _profile(model, opt, batch) -> dict:
         return copy_overlap(json.loads(Path(path).read_text()))
 
 
-def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float, backend: str,
-            hardware: str) -> list[dict]:
+def measure(
+    layers: int, fractions: list[float], steps: int, time_limit_s: float, backend: str, hardware: str
+) -> list[dict]:
     import autopar
 
     mesh = autopar.Mesh((1,), ("x",))
@@ -127,14 +135,17 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
     batches = [tuple(t.cuda() for t in b) for b in cpu_batches]
 
     reference = copy.deepcopy(cpu_model).cuda()
-    ref_losses, ref_s, ref_forward, ref_peak = _run(reference, torch.optim.AdamW(reference.parameters(), lr=LR), batches, steps)
+    ref_losses, ref_s, ref_forward, ref_peak = _run(
+        reference, torch.optim.AdamW(reference.parameters(), lr=LR), batches, steps
+    )
     ref_params = {k: v.detach().cpu() for k, v in reference.state_dict().items()}
     del reference
     torch.cuda.empty_cache()
     print(f"eager reference: {ref_s * 1e3:.1f} ms per step, peak {ref_peak / GIB:.2f} GiB", flush=True)
 
-    unbudgeted = autopar.plan(copy.deepcopy(cpu_model).cuda(), mesh, batches[0], hardware=hardware,
-                              solver_time_limit_s=time_limit_s).peak_memory_bytes
+    unbudgeted = autopar.plan(
+        copy.deepcopy(cpu_model).cuda(), mesh, batches[0], hardware=hardware, solver_time_limit_s=time_limit_s
+    ).peak_memory_bytes
     rows = [{"eager": True, "measured_s": ref_s, "forward_peak_bytes": ref_forward, "measured_peak_bytes": ref_peak}]
     for fraction in [None, *fractions]:
         budget = None if fraction is None else int(unbudgeted * fraction)
@@ -143,10 +154,19 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
         outside = torch.cuda.memory_allocated()  # the batches, cuBLAS's workspaces
         model = copy.deepcopy(cpu_model).cuda()
         try:
-            pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, memory_budget=budget,
-                                     solver_time_limit_s=time_limit_s, backend=backend)
+            pmodel = autopar.compile(
+                model,
+                mesh,
+                batches[0],
+                hardware=hardware,
+                memory_budget=budget,
+                solver_time_limit_s=time_limit_s,
+                backend=backend,
+            )
         except autopar.InfeasiblePlanError as exc:
-            rows.append({"fraction": fraction, "budget_bytes": budget, "feasible": False, "reason": str(exc).splitlines()[0]})
+            rows.append(
+                {"fraction": fraction, "budget_bytes": budget, "feasible": False, "reason": str(exc).splitlines()[0]}
+            )
             print(f"  budget {fraction}: no plan ({rows[-1]['reason']})", flush=True)
             continue
         opt = pmodel.optimizer(torch.optim.AdamW, lr=LR)
@@ -154,17 +174,26 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
         params = {k: v.cpu() for k, v in pmodel.full_state_dict().items()}
         overlap = _profile(pmodel, opt, batches[0])
         plan = pmodel.plan
-        row = {"fraction": fraction, "budget_bytes": budget, "feasible": True, "solve_s": plan.solver.solve_s,
-               "predicted_s": plan.predicted_step_s, "measured_s": step_s,
-               "predicted_peak_bytes": plan.peak_memory_bytes, "forward_peak_bytes": forward_peak,
-               "measured_peak_bytes": peak, "outside_bytes": outside,
-               "offloaded_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "offload"),
-               "recomputed_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "recompute"),
-               "prefetched": len(plan.prefetched), "host_params": len(plan.host_params),
-               "host_optimizer": len(plan.host_optimizer),
-               "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-               "param_max_diff": max(float((params[k].float() - ref_params[k].float()).abs().max()) for k in ref_params),
-               "copies": overlap}
+        row = {
+            "fraction": fraction,
+            "budget_bytes": budget,
+            "feasible": True,
+            "solve_s": plan.solver.solve_s,
+            "predicted_s": plan.predicted_step_s,
+            "measured_s": step_s,
+            "predicted_peak_bytes": plan.peak_memory_bytes,
+            "forward_peak_bytes": forward_peak,
+            "measured_peak_bytes": peak,
+            "outside_bytes": outside,
+            "offloaded_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "offload"),
+            "recomputed_bytes": sum(n.activation_bytes for n in plan.nodes if n.activation == "recompute"),
+            "prefetched": len(plan.prefetched),
+            "host_params": len(plan.host_params),
+            "host_optimizer": len(plan.host_optimizer),
+            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "param_max_diff": max(float((params[k].float() - ref_params[k].float()).abs().max()) for k in ref_params),
+            "copies": overlap,
+        }
         rows.append(row)
         print(f"  budget {fraction or 'none'} done", flush=True)
         del pmodel, opt, model, params
@@ -173,24 +202,36 @@ def measure(layers: int, fractions: list[float], steps: int, time_limit_s: float
 
 
 def print_table(rows: list[dict], backend: str, hardware: str) -> None:
-    header = (f"{'budget':>6} {'pred. ms':>8} {'meas. ms':>8} {'pred. GiB':>9} {'fwd GiB':>7} {'meas. GiB':>9} {'outside':>7} "
-              f"{'offl. GiB':>9} {'recomp. GiB':>11} {'ahead':>5} {'loss rel':>8} {'param diff':>10}  host copies")
+    header = (
+        f"{'budget':>6} {'pred. ms':>8} {'meas. ms':>8} {'pred. GiB':>9} {'fwd GiB':>7} {'meas. GiB':>9} "
+        f"{'outside':>7} "
+        f"{'offl. GiB':>9} {'recomp. GiB':>11} {'ahead':>5} {'loss rel':>8} {'param diff':>10}  host copies"
+    )
     print(f"\nGPT on one GPU (fp32, {backend}), planned for the {hardware} profile\n{header}\n{'-' * len(header)}")
     for r in rows:
         if r.get("eager"):
-            print(f"{'eager':>6} {'':>8} {r['measured_s'] * 1e3:>8.1f} {'':>9} {r['forward_peak_bytes'] / GIB:>7.2f} "
-                  f"{r['measured_peak_bytes'] / GIB:>9.2f}")
+            print(
+                f"{'eager':>6} {'':>8} {r['measured_s'] * 1e3:>8.1f} {'':>9} {r['forward_peak_bytes'] / GIB:>7.2f} "
+                f"{r['measured_peak_bytes'] / GIB:>9.2f}"
+            )
             continue
         budget = "none" if r["fraction"] is None else f"{r['fraction']:.0%}"
         if not r["feasible"]:
             print(f"{budget:>6}  no plan: {r['reason']}")
             continue
-        copies = "; ".join(f"{k}: {c['copies']} in {c['ms']:.1f} ms, {c['overlapped_ms'] / c['ms']:.0%} beside kernels"
-                           for k, c in r["copies"].items() if c["ms"] > 0.01)
-        print(f"{budget:>6} {r['predicted_s'] * 1e3:>8.1f} {r['measured_s'] * 1e3:>8.1f} "
-              f"{r['predicted_peak_bytes'] / GIB:>9.2f} {r['forward_peak_bytes'] / GIB:>7.2f} {r['measured_peak_bytes'] / GIB:>9.2f} "
-              f"{r['outside_bytes'] / GIB:>7.2f} {r['offloaded_bytes'] / GIB:>9.2f} {r['recomputed_bytes'] / GIB:>11.2f} {r['prefetched']:>5} "
-              f"{r['loss_rel']:>8.1e} {r['param_max_diff']:>10.1e}  {copies or '-'}")
+        copies = "; ".join(
+            f"{k}: {c['copies']} in {c['ms']:.1f} ms, {c['overlapped_ms'] / c['ms']:.0%} beside kernels"
+            for k, c in r["copies"].items()
+            if c["ms"] > 0.01
+        )
+        print(
+            f"{budget:>6} {r['predicted_s'] * 1e3:>8.1f} {r['measured_s'] * 1e3:>8.1f} "
+            f"{r['predicted_peak_bytes'] / GIB:>9.2f} {r['forward_peak_bytes'] / GIB:>7.2f} "
+            f"{r['measured_peak_bytes'] / GIB:>9.2f} "
+            f"{r['outside_bytes'] / GIB:>7.2f} {r['offloaded_bytes'] / GIB:>9.2f} {r['recomputed_bytes'] / GIB:>11.2f} "
+            f"{r['prefetched']:>5} "
+            f"{r['loss_rel']:>8.1e} {r['param_max_diff']:>10.1e}  {copies or '-'}"
+        )
 
 
 def main() -> None:
@@ -213,13 +254,26 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     try:
-        rows = measure(args.layers, [float(f) for f in args.fractions.split(",")], args.steps, args.time_limit, args.backend,
-                       hardware)
+        rows = measure(
+            args.layers,
+            [float(f) for f in args.fractions.split(",")],
+            args.steps,
+            args.time_limit,
+            args.backend,
+            hardware,
+        )
     finally:
         dist.destroy_process_group()
     print_table(rows, args.backend, hardware)
-    write_results(RESULTS, device=torch.cuda.get_device_name(), hardware=hardware, backend=args.backend,
-                  layers=args.layers, steps=args.steps, rows=rows)
+    write_results(
+        RESULTS,
+        device=torch.cuda.get_device_name(),
+        hardware=hardware,
+        backend=args.backend,
+        layers=args.layers,
+        steps=args.steps,
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -40,9 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import calibrated_profile, take_turns, write_results
-
 import torch
+
+from benchmarks import calibrated_profile, take_turns, write_results
 
 RESULTS = Path(__file__).parent / "results" / "overhead.json"
 WARMUP = 3
@@ -173,20 +173,40 @@ def main() -> None:
         profile = calibrated_profile(world)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            if torchrun(world, ["-m", "benchmarks.overhead", "--models", args.models, "--steps", str(args.steps),
-                                "--worker", str(profile), out]):
+            if torchrun(
+                world,
+                [
+                    "-m",
+                    "benchmarks.overhead",
+                    "--models",
+                    args.models,
+                    "--steps",
+                    str(args.steps),
+                    "--worker",
+                    str(profile),
+                    out,
+                ],
+            ):
                 raise SystemExit(f"the benchmark failed on {world} ranks")
             rows += json.loads(Path(out).read_text())
-    header = (f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13} {'by round':>11}  "
-              f"autopar's collectives over 64 bytes")
-    print(f"\nmean step time of {ROUNDS} rounds of {args.steps} steps, torch's and autopar's module taking turns, "
-          f"after {WARMUP} warm-up steps each, gloo on this machine\n{header}\n{'-' * len(header)}")
+    header = (
+        f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13} "
+        f"{'by round':>11}  "
+        f"autopar's collectives over 64 bytes"
+    )
+    print(
+        f"\nmean step time of {ROUNDS} rounds of {args.steps} steps, torch's and autopar's module taking turns, "
+        f"after {WARMUP} warm-up steps each, gloo on this machine\n{header}\n{'-' * len(header)}"
+    )
     for r in rows:
         torch_ms = r.get("torch_s", float("nan")) * 1e3
         ratio = f"{r['autopar_s'] / r['torch_s']:.2f}" if "torch_s" in r else "-"
         spread = f"{min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}" if "torch_s" in r else "-"
-        print(f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} {ratio:>13} {spread:>11}  "
-              f"{r['autopar_collectives']}")
+        print(
+            f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} "
+            f"{ratio:>13} {spread:>11}  "
+            f"{r['autopar_collectives']}"
+        )
     write_results(RESULTS, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows)
 
 

@@ -32,21 +32,33 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks import float32_matmuls_as_on_gpus, write_results
-
 import torch
+
+from benchmarks import float32_matmuls_as_on_gpus, write_results
 
 RESULTS = Path(__file__).parent / "results" / "plan_quality.json"
 
 # Megatron's split of each example's parameters: "col" splits the output features (dim 0 of a
 # Linear weight, and its bias), "row" the input features (dim 1).
 MEGATRON = {
-    "gpt": {r"attn\.qkv\.(weight|bias)": "col", r"attn\.proj\.weight": "row", r"fc1\.(weight|bias)": "col",
-            r"fc2\.weight": "row"},
-    "bert": {r"(query|key|value)\.(weight|bias)": "col", r"\.out\.weight": "row", r"fc1\.(weight|bias)": "col",
-             r"fc2\.weight": "row"},
-    "llama": {r"attn\.(wq|wk|wv)\.weight": "col", r"attn\.wo\.weight": "row", r"\.(w1|w3)\.weight": "col",
-              r"\.w2\.weight": "row"},
+    "gpt": {
+        r"attn\.qkv\.(weight|bias)": "col",
+        r"attn\.proj\.weight": "row",
+        r"fc1\.(weight|bias)": "col",
+        r"fc2\.weight": "row",
+    },
+    "bert": {
+        r"(query|key|value)\.(weight|bias)": "col",
+        r"\.out\.weight": "row",
+        r"fc1\.(weight|bias)": "col",
+        r"fc2\.weight": "row",
+    },
+    "llama": {
+        r"attn\.(wq|wk|wv)\.weight": "col",
+        r"attn\.wo\.weight": "row",
+        r"\.(w1|w3)\.weight": "col",
+        r"\.w2\.weight": "row",
+    },
     "mlp": {r"layers\.[0-9]*[02468]\.(weight|bias)": "col", r"layers\.[0-9]*[13579]\.weight": "row"},
 }
 
@@ -70,12 +82,28 @@ def full_size(name: str, devices: int):
             cfg = BertConfig(vocab_size=30720, max_seq=512, dim=1024, num_heads=16, hidden=4096, num_layers=24)
             model, batch, seq, vocab = Bert(cfg), 4 * devices, 512, cfg.vocab_size
         elif name == "llama":  # LLaMA-3-8B-shaped
-            cfg = LlamaConfig(vocab_size=128256, dim=4096, num_heads=32, num_kv_heads=8, hidden=14336,
-                              num_layers=32, max_seq=2048, rope_theta=500000.0)
+            cfg = LlamaConfig(
+                vocab_size=128256,
+                dim=4096,
+                num_heads=32,
+                num_kv_heads=8,
+                hidden=14336,
+                num_layers=32,
+                max_seq=2048,
+                rope_theta=500000.0,
+            )
             model, batch, seq, vocab = Llama(cfg), devices, 2048, cfg.vocab_size
         elif name == "moe":  # 12 GPT blocks of width 1024 whose MLPs are 64 experts, top-2
-            cfg = MoEConfig(vocab_size=50432, block_size=1024, dim=1024, num_heads=16, num_layers=12, num_experts=64,
-                            expert_hidden=4096, group_size=1024)
+            cfg = MoEConfig(
+                vocab_size=50432,
+                block_size=1024,
+                dim=1024,
+                num_heads=16,
+                num_layers=12,
+                num_experts=64,
+                expert_hidden=4096,
+                group_size=1024,
+            )
             model, batch, seq, vocab = MoEGPT(cfg), 2 * devices, 1024, cfg.vocab_size
         elif name == "mlp":
             model = MLP(8192, 32768, num_layers=8)
@@ -103,8 +131,10 @@ def hand_written(name: str, model: torch.nn.Module, batch_names, mesh_shape: tup
     def megatron_split(k: str) -> str | None:
         return next((kind for pattern, kind in MEGATRON[name].items() if re.search(pattern, k)), None)
 
-    layouts = {"ddp": {**batch, **{k: ("R",) * ndim for k in shapes}},
-               "fsdp": {**batch, **{k: _fit(every, shape, mesh_shape) for k, shape in shapes.items()}}}
+    layouts = {
+        "ddp": {**batch, **{k: ("R",) * ndim for k in shapes}},
+        "fsdp": {**batch, **{k: _fit(every, shape, mesh_shape) for k, shape in shapes.items()}},
+    }
     if name == "moe":
         experts = _fit(("R",) * (ndim - 1) + ("S(0)",), shapes["blocks.0.moe.w1"], mesh_shape)
         layouts["experts"] = {**layouts["ddp"], **{k: experts for k in shapes if k.endswith((".moe.w1", ".moe.w2"))}}
@@ -146,8 +176,13 @@ def _plan(captured, mesh, **kwargs) -> dict:
         plan = plan_captured(captured, mesh, hardware="h100", **kwargs)
     except AutoparError as exc:
         return {"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started}
-    return {"status": plan.solver.status, "step_s": plan.predicted_step_s, "peak_bytes": plan.peak_memory_bytes,
-            "collectives": len(plan.collectives), "wall_s": time.perf_counter() - started}
+    return {
+        "status": plan.solver.status,
+        "step_s": plan.predicted_step_s,
+        "peak_bytes": plan.peak_memory_bytes,
+        "collectives": len(plan.collectives),
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def main() -> None:
@@ -157,43 +192,67 @@ def main() -> None:
     parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per plan")
     args = parser.parse_args()
 
-    import autopar
     from autopar.cost_model.hardware import resolve_profile
     from autopar.passes.capture import capture
+
+    import autopar
 
     device_bytes = resolve_profile("h100").memory_bytes
     precision = float32_matmuls_as_on_gpus()
     rows = []
     header = f"{'model':6} {'mesh':6} {'plan':9} {'step ms':>9} {'peak GiB':>9} {'fits':>4} {'vs autopar':>10}  status"
-    print(f"H100 profile, {device_bytes / 2**30:.0f} GiB per device; autopar plans under that budget\n{header}\n{'-' * len(header)}")
+    print(
+        f"H100 profile, {device_bytes / 2**30:.0f} GiB per device; autopar plans under that budget\n"
+        f"{header}\n{'-' * len(header)}"
+    )
     for name in args.models.split(","):
         for spec in args.meshes.split(","):
             shape = tuple(int(n) for n in spec.split("x"))
             model, inputs = full_size(name, math.prod(shape))
             captured = capture(model, inputs)
             batch_names = [k.name for k in captured.inputs if k.kind == "input"]
-            mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):])
+            mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape) :])
             results = {"autopar": _plan(captured, mesh, memory_budget=device_bytes, solver_time_limit_s=args.limit_s)}
             for label, pins in hand_written(name, model, batch_names, shape).items():
                 results[label] = _plan(captured, mesh, pins=pins, solver_time_limit_s=args.limit_s)
-            fitting = [r["step_s"] for k, r in results.items() if k != "autopar" and r.get("peak_bytes", 1e30) <= device_bytes]
+            fitting = [
+                r["step_s"] for k, r in results.items() if k != "autopar" and r.get("peak_bytes", 1e30) <= device_bytes
+            ]
             best_hand = min(fitting, default=None)
             for label, r in results.items():
                 fits = r.get("peak_bytes", 1e30) <= device_bytes
-                ratio = r["step_s"] / results["autopar"]["step_s"] if "step_s" in r and "step_s" in results["autopar"] else None
+                ratio = (
+                    r["step_s"] / results["autopar"]["step_s"]
+                    if "step_s" in r and "step_s" in results["autopar"]
+                    else None
+                )
                 rows.append({"model": name, "mesh": spec, "plan": label, "fits": fits, "ratio_to_autopar": ratio, **r})
-                print(f"{name:6} {spec:6} {label:9} {r.get('step_s', float('nan')) * 1e3:>9.2f} "
-                      f"{r.get('peak_bytes', float('nan')) / 2**30:>9.2f} {'yes' if fits else 'no':>4} "
-                      f"{'' if ratio is None else f'{ratio:.3f}':>10}  {r['status']}", flush=True)
+                print(
+                    f"{name:6} {spec:6} {label:9} {r.get('step_s', float('nan')) * 1e3:>9.2f} "
+                    f"{r.get('peak_bytes', float('nan')) / 2**30:>9.2f} {'yes' if fits else 'no':>4} "
+                    f"{'' if ratio is None else f'{ratio:.3f}':>10}  {r['status']}",
+                    flush=True,
+                )
             auto = results["autopar"].get("step_s")
             if auto is not None and best_hand is not None:
                 verdict = "autopar at least as fast" if auto <= best_hand * (1 + 1e-9) else "HAND-WRITTEN FASTER"
                 print(f"{name:6} {spec:6} best hand-written that fits / autopar = {best_hand / auto:.3f}  ({verdict})")
-            rows.append({"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto})
+            rows.append(
+                {"model": name, "mesh": spec, "summary": True, "best_hand_written_s": best_hand, "autopar_s": auto}
+            )
     planned = {(r["model"], r["mesh"]) for r in rows}
-    kept = [r for r in json.loads(RESULTS.read_text())["rows"] if (r["model"], r["mesh"]) not in planned] if RESULTS.exists() else []
-    write_results(RESULTS, hardware_profile="h100", float32_matmul_precision=precision, device_memory_bytes=device_bytes,
-                  rows=kept + rows)
+    kept = (
+        [r for r in json.loads(RESULTS.read_text())["rows"] if (r["model"], r["mesh"]) not in planned]
+        if RESULTS.exists()
+        else []
+    )
+    write_results(
+        RESULTS,
+        hardware_profile="h100",
+        float32_matmul_precision=precision,
+        device_memory_bytes=device_bytes,
+        rows=kept + rows,
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ LLaMA-3-8B-shaped model for 64 H100s (8x8) from 2 to 64 layers, without a memory
 under the device's memory (planned with ``solver_gap=0.01``: proven within 1% of the fastest plan
 that fits), and the block stack meta-pytorch/autoparallel benchmarks its planner on
 (:mod:`autopar.examples.stack`: 8, 32 and 80 LLaMA-dimension blocks, batch 16 x sequence 1024, its
-input needing a gradient and not) for 8x8 H100s.
+input needing a gradient and not) for 8x8 H100s; and, on 4 local gloo ranks (2x2), how long a
+compiled example takes to lower its plan to a batch of half the size on the first call with it,
+against the time ``autopar.compile`` took to plan it.
 
 The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
 global batch 64 x sequence 8192) is built under ``torch.device("meta")`` with meta inputs, as
@@ -13,11 +15,14 @@ stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.j
 
     python -m benchmarks.planning [--limit-s 120] [--hardware h100] [--layers 2,8,32,64]
                                   [--budget 80GB] [--budget-layers 32] [--budget-gap 0.01]
-                                  [--stack-layers 8,32,80] [--only stack]
+                                  [--stack-layers 8,32,80] [--only {stack,relower}]
 """
 
 import argparse
+import json
 import multiprocessing as mp
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +37,18 @@ RESULTS = Path(__file__).parent / "results" / "planning.json"
 def llama3_8b_shaped(num_layers: int):
     """The LLaMA-3-8B-shaped model and a global batch, on the meta device."""
     import torch
-
     from autopar.examples.llama import Llama, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=128256, dim=4096, num_heads=32, num_kv_heads=8, hidden=14336,
-                      num_layers=num_layers, max_seq=8192, rope_theta=500000.0)
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        dim=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        hidden=14336,
+        num_layers=num_layers,
+        max_seq=8192,
+        rope_theta=500000.0,
+    )
     with torch.device("meta"):
         model = Llama(cfg)
         tokens = torch.randint(0, cfg.vocab_size, (64, cfg.max_seq))
@@ -51,7 +63,6 @@ on a machine like this one (2 cores, CPU torch 2.13, an H100 cost model)."""
 def block_stack(num_layers: int, input_grad: bool):
     """autoparallel's benchmark stack and its input, on the meta device."""
     import torch
-
     from autopar.examples.stack import BlockStack, StackConfig
 
     with torch.device("meta"):
@@ -70,8 +81,15 @@ def _build(name: str, layers: int):
     return make_example(name)
 
 
-def _plan_one(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limit_s: float, budget: str | None,
-              gap: float, queue) -> None:
+def _plan_one(
+    model_spec: tuple[str, int],
+    shape: tuple[int, ...],
+    hardware: str,
+    limit_s: float,
+    budget: str | None,
+    gap: float,
+    queue,
+) -> None:
     import autopar
 
     float32_matmuls_as_on_gpus()
@@ -80,29 +98,46 @@ def _plan_one(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str
     model, inputs = _build(name, layers)
     names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
     try:
-        plan = autopar.plan(model, autopar.Mesh(shape, names), inputs, hardware=hardware, solver_time_limit_s=limit_s,
-                            memory_budget=budget, solver_gap=gap)
+        plan = autopar.plan(
+            model,
+            autopar.Mesh(shape, names),
+            inputs,
+            hardware=hardware,
+            solver_time_limit_s=limit_s,
+            memory_budget=budget,
+            solver_gap=gap,
+        )
     except autopar.AutoparError as exc:
         queue.put({"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started})
         return
-    queue.put({
-        "wall_s": time.perf_counter() - started,
-        "stage_s": dict(plan.stage_s),
-        "status": plan.solver.status,
-        "gap": (plan.solver.objective_s - plan.solver.bound_s) / plan.solver.objective_s if plan.solver.objective_s else 0.0,
-        "variables": plan.solver.num_variables,
-        "shared_nodes": plan.solver.shared_nodes,
-        "layer_classes": plan.solver.layer_classes,
-        "shared_layers": plan.solver.shared_layers,
-        "nodes": len(plan.nodes),
-        "predicted_step_s": plan.predicted_step_s,
-        "peak_memory_bytes": plan.peak_memory_bytes,
-        "collectives": len(plan.collectives),
-    })
+    queue.put(
+        {
+            "wall_s": time.perf_counter() - started,
+            "stage_s": dict(plan.stage_s),
+            "status": plan.solver.status,
+            "gap": (plan.solver.objective_s - plan.solver.bound_s) / plan.solver.objective_s
+            if plan.solver.objective_s
+            else 0.0,
+            "variables": plan.solver.num_variables,
+            "shared_nodes": plan.solver.shared_nodes,
+            "layer_classes": plan.solver.layer_classes,
+            "shared_layers": plan.solver.shared_layers,
+            "nodes": len(plan.nodes),
+            "predicted_step_s": plan.predicted_step_s,
+            "peak_memory_bytes": plan.peak_memory_bytes,
+            "collectives": len(plan.collectives),
+        }
+    )
 
 
-def run(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limit_s: float, budget: str | None = None,
-        gap: float = 1e-3) -> dict:
+def run(
+    model_spec: tuple[str, int],
+    shape: tuple[int, ...],
+    hardware: str,
+    limit_s: float,
+    budget: str | None = None,
+    gap: float = 1e-3,
+) -> dict:
     from autopar.planner import LIVENESS_TRIES
 
     ctx = mp.get_context("spawn")
@@ -110,7 +145,9 @@ def run(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limi
     proc = ctx.Process(target=_plan_one, args=(model_spec, shape, hardware, limit_s, budget, gap, queue))
     started = time.perf_counter()
     proc.start()
-    proc.join(limit_s * (1.5 if budget is None else LIVENESS_TRIES + 1) + 120)  # under a budget, a solve per liveness try
+    proc.join(
+        limit_s * (1.5 if budget is None else LIVENESS_TRIES + 1) + 120
+    )  # under a budget, a solve per liveness try
     if proc.is_alive():
         proc.kill()
         proc.join()
@@ -120,20 +157,26 @@ def run(model_spec: tuple[str, int], shape: tuple[int, ...], hardware: str, limi
     return queue.get()
 
 
-_HEADER = (f"{'model':10} {'layers':>6} {'mesh':5} {'nodes':>5} {'shared':>6} {'variables':>9} {'status':12} "
-           f"{'gap':>6} {'wall s':>7} {'capture':>7} {'propagate':>9} {'solve':>7} {'memory':>7}")
+_HEADER = (
+    f"{'model':10} {'layers':>6} {'mesh':5} {'nodes':>5} {'shared':>6} {'variables':>9} {'status':12} "
+    f"{'gap':>6} {'wall s':>7} {'capture':>7} {'propagate':>9} {'solve':>7} {'memory':>7}"
+)
 
 
 def _row(r: dict) -> str:
     stages = r.get("stage_s", {})
-    return (f"{r['model']:10} {r['layers'] or '':>6} {r['mesh']:5} {r.get('nodes', ''):>5} {r.get('shared_nodes', ''):>6} "
-            f"{r.get('variables', ''):>9} {r['status']:12} {r['gap'] * 100 if 'gap' in r else float('nan'):>5.2f}% "
-            f"{r['wall_s']:>7.1f} {stages.get('capture', float('nan')):>7.2f} "
-            f"{stages.get('propagate', float('nan')):>9.2f} {stages.get('solve', float('nan')):>7.2f} "
-            f"{stages.get('memory', float('nan')):>7.2f}")
+    return (
+        f"{r['model']:10} {r['layers'] or '':>6} {r['mesh']:5} {r.get('nodes', ''):>5} {r.get('shared_nodes', ''):>6} "
+        f"{r.get('variables', ''):>9} {r['status']:12} {r['gap'] * 100 if 'gap' in r else float('nan'):>5.2f}% "
+        f"{r['wall_s']:>7.1f} {stages.get('capture', float('nan')):>7.2f} "
+        f"{stages.get('propagate', float('nan')):>9.2f} {stages.get('solve', float('nan')):>7.2f} "
+        f"{stages.get('memory', float('nan')):>7.2f}"
+    )
 
 
-def _table(title: str, configs, hardware: str, limit_s: float, budget: str | None = None, gap: float = 1e-3) -> list[dict]:
+def _table(
+    title: str, configs, hardware: str, limit_s: float, budget: str | None = None, gap: float = 1e-3
+) -> list[dict]:
     print(f"\n{title}\n{_HEADER}\n{'-' * len(_HEADER)}", flush=True)
     rows = []
     for spec, shape in configs:
@@ -144,40 +187,155 @@ def _table(title: str, configs, hardware: str, limit_s: float, budget: str | Non
     return rows
 
 
+RELOWER_MESH = (2, 2)
+
+
+def relower_worker(models: list[str], out: str) -> None:
+    """On each rank (under torchrun): compile each example for its batch, then time the first
+    call with half that batch (capture on fake tensors, the plan checked to fit, lowering, one
+    step) less a second call with it (the step alone)."""
+    import torch.distributed as dist
+    from autopar.examples import make_example
+
+    import autopar
+
+    dist.init_process_group("gloo")
+    rows = []
+    for name in models:
+        model, inputs = make_example(name)
+        dist.barrier()
+        started = time.perf_counter()
+        pmodel = autopar.compile(model, autopar.Mesh(RELOWER_MESH, ("dp", "tp")), inputs, hardware="h100")
+        compile_s = time.perf_counter() - started
+        half = tuple(x[: x.shape[0] // 2] for x in inputs)
+        steps = []
+        for _ in range(2):
+            dist.barrier()
+            started = time.perf_counter()
+            pmodel(*half).backward()
+            steps.append(time.perf_counter() - started)
+        rows.append(
+            {
+                "model": name,
+                "batch": inputs[0].shape[0],
+                "half": half[0].shape[0],
+                "compile_s": compile_s,
+                "plan_s": sum(pmodel.plan.stage_s.values()),
+                "relower_s": steps[0] - steps[1],
+                "step_s": steps[1],
+            }
+        )
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def relower_table(models: list[str]) -> list[dict]:
+    from autopar.runtime.launch import torchrun
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        if torchrun(4, ["-m", "benchmarks.planning", "--relower-worker", ",".join(models), out]):
+            raise SystemExit("the re-lowering benchmark failed")
+        rows = json.loads(Path(out).read_text())
+    header = (
+        f"{'model':6} {'batch':>5} {'half':>4} {'plan s':>7} {'compile s':>9} {'relower s':>9} {'relower/plan':>12}"
+    )
+    print(
+        f"\nLowering a plan to half the batch on 2x2 gloo ranks (rank 0; plan s: the plan's stages)\n{header}\n"
+        f"{'-' * len(header)}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:6} {r['batch']:>5} {r['half']:>4} {r['plan_s']:>7.2f} {r['compile_s']:>9.2f} "
+            f"{r['relower_s']:>9.2f} {r['relower_s'] / r['plan_s']:>12.2f}"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per configuration")
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--layers", default="2,8,32,64", help="layer counts of the 8B-shaped model")
     parser.add_argument("--budget", default="80GB", help="the device memory the budgeted 8B plans must fit")
-    parser.add_argument("--budget-layers", default="32", help="layer counts of the 8B-shaped model planned under --budget")
+    parser.add_argument(
+        "--budget-layers", default="32", help="layer counts of the 8B-shaped model planned under --budget"
+    )
     parser.add_argument("--budget-gap", type=float, default=0.01, help="solver_gap of the budgeted plans")
     parser.add_argument("--stack-layers", default="8,32,80", help="block counts of autoparallel's stack")
-    parser.add_argument("--only", choices=("stack",), help="plan only autoparallel's stack (results to planning-stack.json)")
+    parser.add_argument(
+        "--only",
+        choices=("stack", "relower"),
+        help="plan only autoparallel's stack, or time only the re-lowering (results to planning-<only>.json)",
+    )
+    parser.add_argument("--relower-worker", nargs=2, metavar=("MODELS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    stack = _table(f"autoparallel's block stack on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device); "
-                   f"autoparallel: {AUTOPARALLEL_STACK_S:.0f} s at 32 blocks, proven optimal",
-                   [((name, int(n)), SCALE_MESH) for name in ("stack", "stack+grad") for n in args.stack_layers.split(",")],
-                   args.hardware, args.limit_s)
-    if args.only == "stack":
-        write_results(RESULTS.with_name("planning-stack.json"), hardware_profile=args.hardware,
-                      float32_matmul_precision=FLOAT32_MATMULS, solver_time_limit_s=args.limit_s, stack=stack,
-                      autoparallel_stack_s=AUTOPARALLEL_STACK_S)
+    if args.relower_worker:
+        return relower_worker(args.relower_worker[0].split(","), args.relower_worker[1])
+    if args.only == "relower":
+        write_results(
+            RESULTS.with_name("planning-relower.json"), mesh=list(RELOWER_MESH), relower=relower_table(list(MODELS))
+        )
         return
-    zoo = _table("Example models (autopar.examples, as `autopar plan` builds them)",
-                 [((name, 0), shape) for name in MODELS for shape in MESHES], args.hardware, args.limit_s)
-    scale = _table(f"LLaMA-3-8B-shaped on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device), by layer count",
-                   [(("llama3-8b", int(n)), SCALE_MESH) for n in args.layers.split(",")], args.hardware, args.limit_s)
-    budgeted = _table(f"The same under memory_budget={args.budget!r} per device, solver_gap={args.budget_gap}",
-                      [(("llama3-8b", int(n)), SCALE_MESH) for n in args.budget_layers.split(",")], args.hardware,
-                      args.limit_s, args.budget, args.budget_gap)
+    stack = _table(
+        f"autoparallel's block stack on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device); "
+        f"autoparallel: {AUTOPARALLEL_STACK_S:.0f} s at 32 blocks, proven optimal",
+        [((name, int(n)), SCALE_MESH) for name in ("stack", "stack+grad") for n in args.stack_layers.split(",")],
+        args.hardware,
+        args.limit_s,
+    )
+    if args.only == "stack":
+        write_results(
+            RESULTS.with_name("planning-stack.json"),
+            hardware_profile=args.hardware,
+            float32_matmul_precision=FLOAT32_MATMULS,
+            solver_time_limit_s=args.limit_s,
+            stack=stack,
+            autoparallel_stack_s=AUTOPARALLEL_STACK_S,
+        )
+        return
+    zoo = _table(
+        "Example models (autopar.examples, as `autopar plan` builds them)",
+        [((name, 0), shape) for name in MODELS for shape in MESHES],
+        args.hardware,
+        args.limit_s,
+    )
+    scale = _table(
+        f"LLaMA-3-8B-shaped on {'x'.join(map(str, SCALE_MESH))} {args.hardware} (meta device), by layer count",
+        [(("llama3-8b", int(n)), SCALE_MESH) for n in args.layers.split(",")],
+        args.hardware,
+        args.limit_s,
+    )
+    budgeted = _table(
+        f"The same under memory_budget={args.budget!r} per device, solver_gap={args.budget_gap}",
+        [(("llama3-8b", int(n)), SCALE_MESH) for n in args.budget_layers.split(",")],
+        args.hardware,
+        args.limit_s,
+        args.budget,
+        args.budget_gap,
+    )
+    relower = relower_table(list(MODELS))
     for r in scale + budgeted:
         if "peak_memory_bytes" in r:
-            print(f"{r['layers']:>3} layers: predicted step {r['predicted_step_s']:.3f} s, peak {r['peak_memory_bytes'] / 1e9:.1f} GB per device")
-    write_results(RESULTS, hardware_profile=args.hardware, float32_matmul_precision=FLOAT32_MATMULS,
-                  solver_time_limit_s=args.limit_s, examples=zoo,
-                  llama3_8b_shaped=scale, llama3_8b_shaped_budget=budgeted, budget=args.budget, budget_gap=args.budget_gap,
-                  stack=stack, autoparallel_stack_s=AUTOPARALLEL_STACK_S)
+            print(
+                f"{r['layers']:>3} layers: predicted step {r['predicted_step_s']:.3f} s, "
+                f"peak {r['peak_memory_bytes'] / 1e9:.1f} GB per device"
+            )
+    write_results(
+        RESULTS,
+        hardware_profile=args.hardware,
+        float32_matmul_precision=FLOAT32_MATMULS,
+        solver_time_limit_s=args.limit_s,
+        examples=zoo,
+        llama3_8b_shaped=scale,
+        llama3_8b_shaped_budget=budgeted,
+        budget=args.budget,
+        budget_gap=args.budget_gap,
+        stack=stack,
+        autoparallel_stack_s=AUTOPARALLEL_STACK_S,
+        relower=relower,
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 FLOPs come from :mod:`torch.utils.flop_counter`'s formulas (matmuls, convolutions, attention,
 and its attention formulas for the CPU flash-attention kernels a model captured on a CPU runs,
-which the flop counter does not list); other ops count one FLOP per output element. Bytes moved are the op's inputs and outputs.
+which the flop counter does not list); other ops count one FLOP per output element.
+Bytes moved are the op's inputs and outputs.
 A matrix product's FLOPs run at the profile's rate for the format of its multiply-adds
 (:func:`math_format`): on a GPU, float32 without TF32 is 15 times slower than bfloat16.
 Views and other metadata-only ops are free. A rank's share is what its local shapes hold: a mesh
@@ -14,33 +15,47 @@ and runs the whole op, so redundant compute costs its full price.
 import math
 
 import torch
-from torch import fx
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-from torch.utils._pytree import tree_flatten, tree_map
-
 from autopar.cost_model.hardware import Profile
-from autopar.mesh import Mesh
-from autopar.placement import Shard
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from autopar.mesh import Mesh
+from autopar.placement import Shard
 
 aten = torch.ops.aten
 
 FREE_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-    aten.transpose.int, aten.permute.default, aten.expand.default, aten.detach.default,
-    aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
-    aten.select.int, aten._assert_tensor_metadata.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten._assert_tensor_metadata.default,
 }
 
 
 _CPU_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default:
-        lambda query, key, value, *_, **__: sdpa_flop_count(query.shape, key.shape, value.shape),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        lambda grad_out, query, key, value, *_, **__: sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape,
-                                                                               value.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: lambda query, key, value, *_, **__: sdpa_flop_count(
+        query.shape, key.shape, value.shape
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda grad_out, query, key, value, *_, **__: (
+        sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    ),
 }
 
 
@@ -49,8 +64,17 @@ _TF32_FLAGS = {
     # (torch.set_float32_matmul_precision("high")); convolutions when torch.backends.cudnn.allow_tf32
     # is (torch's default)
     **dict.fromkeys((aten.mm, aten.addmm, aten.bmm, aten.baddbmm), lambda: torch.backends.cuda.matmul.allow_tf32),
-    **dict.fromkeys((aten.convolution, aten._convolution, aten.convolution_backward, aten.cudnn_convolution,
-                     aten.convolution_overrideable, aten._slow_conv2d_forward), lambda: torch.backends.cudnn.allow_tf32),
+    **dict.fromkeys(
+        (
+            aten.convolution,
+            aten._convolution,
+            aten.convolution_backward,
+            aten.cudnn_convolution,
+            aten.convolution_overrideable,
+            aten._slow_conv2d_forward,
+        ),
+        lambda: torch.backends.cudnn.allow_tf32,
+    ),
 }
 
 
@@ -84,8 +108,11 @@ def node_work(node: fx.Node) -> tuple[float, float]:
         return 0.0, 0.0
     out = node.meta.get("val")
     outs = _tensors(out)
-    ins = [a.meta["val"] for a in tree_flatten((node.args, node.kwargs))[0]
-           if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    ins = [
+        a.meta["val"]
+        for a in tree_flatten((node.args, node.kwargs))[0]
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
     nbytes = sum(t.numel() * t.element_size() for t in outs + ins)
     if node.target in _CPU_ATTENTION:
         args = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, node.args)
@@ -102,10 +129,7 @@ def work_divisor(strategy: Strategy, mesh: Mesh) -> int:
     """How many ranks share the op's work under ``strategy``: the product of the axes on which
     it splits an input or output."""
     placements = [p for p in strategy.outputs + strategy.inputs if p is not None]
-    return math.prod(
-        n for axis, n in enumerate(mesh.shape)
-        if any(isinstance(p[axis], Shard) for p in placements)
-    )
+    return math.prod(n for axis, n in enumerate(mesh.shape) if any(isinstance(p[axis], Shard) for p in placements))
 
 
 def rank_flops(node: fx.Node, strategy: Strategy, mesh: Mesh) -> float:
@@ -116,8 +140,9 @@ def rank_flops(node: fx.Node, strategy: Strategy, mesh: Mesh) -> float:
     return node_work(node)[0] / work_divisor(strategy, mesh)
 
 
-def compute_s(work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile,
-              fmt: str | None = None) -> float:
+def compute_s(
+    work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile, fmt: str | None = None
+) -> float:
     """Roofline time of a rank's share of ``work`` (:func:`node_work`) under ``strategy``, its
     multiply-adds in the format ``fmt`` (:func:`math_format`)."""
     flops, nbytes = work

@@ -4,17 +4,17 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
 from autopar.cost_model.compute import compute_s, math_format, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.liveness import ADAM_SLOTS
 from autopar.cost_model.op_timing import OpTimer
-from autopar.mesh import Mesh
 from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
 from autopar.passes.capture import Captured
 from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
+
+from autopar.mesh import Mesh
 from autopar.placement import Placements, R
 from autopar.plan import MemoryEstimate
 
@@ -29,7 +29,11 @@ class CostModel:
         self.links = mesh_links(hardware, mesh)
         self.bucket_bytes = bucket_bytes
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
-        self.timer = OpTimer(mesh, working_set=step_working_set(captured, mesh)) if getattr(hardware, "timed_ops", False) else None
+        self.timer = (
+            OpTimer(mesh, working_set=step_working_set(captured, mesh))
+            if getattr(hardware, "timed_ops", False)
+            else None
+        )
         self.scale = getattr(hardware, "step_scale", 1.0)
         self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
         self._local_bytes: dict[tuple, int] = {}
@@ -54,8 +58,11 @@ class CostModel:
             costs[n.name] = []
             for s in n.strategies:
                 timed = self._timed(node, s)
-                costs[n.name].append(self.scale * compute_s(work, s, self.mesh, self.hardware, fmt) if timed is None
-                                     else self.scale * timed + self._per_node_s())
+                costs[n.name].append(
+                    self.scale * compute_s(work, s, self.mesh, self.hardware, fmt)
+                    if timed is None
+                    else self.scale * timed + self._per_node_s()
+                )
         return costs
 
     def node_overhead_s(self, name: str, strategy: Strategy) -> float:
@@ -93,9 +100,13 @@ class CostModel:
     def node_costs(self, space: StrategySpace, compute: dict[str, list[float]]) -> dict[str, list[float]]:
         """Node → seconds under each of its strategies: its ``compute`` (:meth:`compute_costs`),
         and the all-reduces of an op that splits a dim it reduces (:meth:`split_steps`)."""
-        return {n.name: [c + sum(self.step_s(s) for s in self.split_steps(n.name, strategy)) if n.kind == "op" else c
-                         for c, strategy in zip(compute[n.name], n.strategies)]
-                for n in space.nodes}
+        return {
+            n.name: [
+                c + sum(self.step_s(s) for s in self.split_steps(n.name, strategy)) if n.kind == "op" else c
+                for c, strategy in zip(compute[n.name], n.strategies)
+            ]
+            for n in space.nodes
+        }
 
     def split_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
         """The all-reduces node ``name`` makes itself under ``strategy``, when the strategy
@@ -112,8 +123,9 @@ class CostModel:
 
     def steps(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...]:
         value = self.value(ref)
-        return transition(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
-                          self.mesh, self.links)
+        return transition(
+            src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point, self.mesh, self.links
+        )
 
     def step_s(self, step: Step) -> float:
         return step_s(step, self.mesh, self.links)
@@ -137,8 +149,16 @@ class CostModel:
         """The collectives by which gradient ``ref`` joins a bucket moving from ``src`` to ``dst``
         (:func:`~autopar.passes.buckets.gradient_chain`), or ``None``."""
         value = self.value(ref)
-        return gradient_chain(src, dst, tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
-                              self.mesh, self.links, self.bucket_bytes)
+        return gradient_chain(
+            src,
+            dst,
+            tuple(value.shape),
+            value.element_size(),
+            value.dtype.is_floating_point,
+            self.mesh,
+            self.links,
+            self.bucket_bytes,
+        )
 
     def gather_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter ``ref`` into placements an op reads it in, as :meth:`gradient_s` does
@@ -148,7 +168,9 @@ class CostModel:
         steps = self.steps(ref, src, dst)
         return self._bucketed(ref, steps, steps if len(steps) == 1 and steps[0].kind == "all_gather" else None)
 
-    def _bucketed(self, ref: ValueRef, steps: tuple[Step, ...], chain: tuple[Step, ...] | None) -> tuple[float, BucketShare | None]:
+    def _bucketed(
+        self, ref: ValueRef, steps: tuple[Step, ...], chain: tuple[Step, ...] | None
+    ) -> tuple[float, BucketShare | None]:
         if chain is None:
             return sum(self.step_s(s) for s in steps), None
         fixed = bucket_fixed_s(chain, self.mesh, self.links)
@@ -159,8 +181,9 @@ class CostModel:
     def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
         """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""
         value = self.value(ref)
-        return one_step_moves(tuple(value.shape), value.element_size(), value.dtype.is_floating_point,
-                              self.mesh, self.links)
+        return one_step_moves(
+            tuple(value.shape), value.element_size(), value.dtype.is_floating_point, self.mesh, self.links
+        )
 
     def local_bytes(self, ref: ValueRef, placements: Placements) -> int:
         found = self._bytes_of.get((ref, placements))
@@ -179,7 +202,9 @@ def step_working_set(captured: Captured, mesh: Mesh, optimizer_slots: int = ADAM
     ``optimizer_slots`` optimizer states each (2 for Adam), which the optimizer step walks through
     after the backward (:class:`~autopar.cost_model.op_timing.OpTimer` times large ops on copies
     spanning it)."""
-    params = sum(n.meta["val"].nbytes for n, kind in zip(captured.placeholders, captured.inputs) if kind.kind == "param")
+    params = sum(
+        n.meta["val"].nbytes for n, kind in zip(captured.placeholders, captured.inputs) if kind.kind == "param"
+    )
     return (2 + optimizer_slots) * params * mesh.size
 
 
@@ -205,22 +230,39 @@ class MemoryTerms:
         """The bytes of the copies op ``name`` reads that are larger than the values they copy."""
         return sum(max(0.0, read[choice[name]] - made[choice[ref[0]]]) for ref, read, made in self.moved.get(name, ()))
 
-    def estimate(self, choice: dict[str, int], activations: tuple[frozenset[str], int, int, int] | None = None,
-                 host_optimizer: frozenset[str] = frozenset(), host_params: frozenset[str] = frozenset()) -> MemoryEstimate:
+    def estimate(
+        self,
+        choice: dict[str, int],
+        activations: tuple[frozenset[str], int, int, int] | None = None,
+        host_optimizer: frozenset[str] = frozenset(),
+        host_params: frozenset[str] = frozenset(),
+    ) -> MemoryEstimate:
         """The parts under ``choice``. ``activations`` = (ops priced by a keep, recompute or
         offload choice, their kept, recomputed and offloaded bytes) replaces those ops'
         activations, and their outputs are no temporaries (they are held while the backward
         needs them); the optimizer state of the ``host_optimizer`` parameters, and the
         ``host_params`` with their gradients, are in host memory."""
+
         def total(part, exclude=frozenset()):
             return int(sum(sizes[choice[name]] for name, sizes in part.items() if name not in exclude))
 
         chosen, kept, recomputed, offloaded = activations if activations is not None else (frozenset(), 0, 0, 0)
-        temporaries = max((sizes[choice[name]] for name, sizes in self.temporaries.items() if name not in chosen), default=0)
-        on_host = sum(total(part) - total(part, names) for part, names in
-                      ((self.optimizer, host_optimizer), (self.params, host_params), (self.grads, host_params)))
-        return MemoryEstimate(total(self.params, host_params), total(self.grads, host_params), total(self.optimizer, host_optimizer),
-                              total(self.activations, chosen) + kept, int(temporaries), recomputed, offloaded + on_host)
+        temporaries = max(
+            (sizes[choice[name]] for name, sizes in self.temporaries.items() if name not in chosen), default=0
+        )
+        on_host = sum(
+            total(part) - total(part, names)
+            for part, names in ((self.optimizer, host_optimizer), (self.params, host_params), (self.grads, host_params))
+        )
+        return MemoryEstimate(
+            total(self.params, host_params),
+            total(self.grads, host_params),
+            total(self.optimizer, host_optimizer),
+            total(self.activations, chosen) + kept,
+            int(temporaries),
+            recomputed,
+            offloaded + on_host,
+        )
 
 
 def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = ADAM_SLOTS) -> MemoryTerms:
@@ -242,19 +284,34 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
                 grads[n.name] = sizes
                 optimizer[n.name] = [optimizer_slots * b for b in sizes]
         if n.name in saved:
-            activations[n.name] = [float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in saved[n.name]))
-                                   for s in n.strategies]
+            activations[n.name] = [
+                float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in saved[n.name])) for s in n.strategies
+            ]
         if n.kind == "op":
-            temporaries[n.name] = [float(max((costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None), default=0))
-                                   for s in n.strategies]
-    made: dict[ValueRef, list[float]] = {}  # a value's bytes under each of its producer's strategies, for all its readers
+            temporaries[n.name] = [
+                float(
+                    max(
+                        (costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None), default=0
+                    )
+                )
+                for s in n.strategies
+            ]
+    made: dict[
+        ValueRef, list[float]
+    ] = {}  # a value's bytes under each of its producer's strategies, for all its readers
 
     def made_as(ref: ValueRef) -> list[float]:
         if ref not in made:
             made[ref] = [float(costs.local_bytes(ref, s.outputs[ref[1]])) for s in by_name[ref[0]].strategies]
         return made[ref]
 
-    moved = {n.name: [(ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies], made_as(ref))
-                      for j, ref in enumerate(n.args) if ref[0] != n.name]
-             for n in space.nodes if n.kind == "op"}
+    moved = {
+        n.name: [
+            (ref, [float(costs.local_bytes(ref, s.inputs[j])) for s in n.strategies], made_as(ref))
+            for j, ref in enumerate(n.args)
+            if ref[0] != n.name
+        ]
+        for n in space.nodes
+        if n.kind == "op"
+    }
     return MemoryTerms(params, grads, optimizer, activations, temporaries, moved)

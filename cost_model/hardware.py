@@ -37,14 +37,23 @@ class Link:
     @classmethod
     def from_dict(cls, data: dict) -> "Link":
         """The inverse of ``dataclasses.asdict``, as plans and profile files store links."""
-        return cls(data["latency_s"], data["s_per_byte"], tuple(tuple(k) for k in data["per_kind"]),
-                   data.get("local_op_s", 0.0), data.get("local_s_per_byte", 0.0))
+        return cls(
+            data["latency_s"],
+            data["s_per_byte"],
+            tuple(tuple(k) for k in data["per_kind"]),
+            data.get("local_op_s", 0.0),
+            data.get("local_s_per_byte", 0.0),
+        )
 
     def scaled(self, factor: float) -> "Link":
         """This link with every time ``factor`` times longer."""
-        return Link(self.latency_s * factor, self.s_per_byte * factor,
-                    tuple((kind, alpha * factor, beta * factor) for kind, alpha, beta in self.per_kind),
-                    self.local_op_s * factor, self.local_s_per_byte * factor)
+        return Link(
+            self.latency_s * factor,
+            self.s_per_byte * factor,
+            tuple((kind, alpha * factor, beta * factor) for kind, alpha, beta in self.per_kind),
+            self.local_op_s * factor,
+            self.local_s_per_byte * factor,
+        )
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         for name, alpha, beta in self.per_kind:
@@ -210,9 +219,7 @@ class SyntheticProfile:
         beta = self.s_per_byte
         if isinstance(beta, tuple):
             if len(beta) != mesh.ndim:
-                raise ValueError(
-                    f"SyntheticProfile.s_per_byte has {len(beta)} entries but {mesh} has {mesh.ndim} axes"
-                )
+                raise ValueError(f"SyntheticProfile.s_per_byte has {len(beta)} entries but {mesh} has {mesh.ndim} axes")
             beta = beta[axis]
         return Link(self.latency_s, beta)
 
@@ -222,15 +229,26 @@ class SyntheticProfile:
 # ConnectX-7 NDR InfiniBand (400 Gb/s = 50 GB/s per GPU), PCIe Gen5 x16 to the host (64 GB/s per
 # direction, about 50 GB/s for pinned copies) and the DGX H100's two Xeon 8480C sockets (8
 # channels of DDR5-4800 each, 614 GB/s for 8 GPUs, 2 TB of memory).
-HOPPER_MATRIX_FLOPS = (("bfloat16", 989e12), ("float16", 989e12), ("tf32", 495e12), ("float32", 67e12),
-                       ("float64", 67e12))
+HOPPER_MATRIX_FLOPS = (
+    ("bfloat16", 989e12),
+    ("float16", 989e12),
+    ("tf32", 495e12),
+    ("float32", 67e12),
+    ("float64", 67e12),
+)
 H100 = HardwareProfile(
-    name="h100", flops_per_s=989e12, memory_bytes_per_s=3.35e12, efficiency=0.6,
-    memory_bytes=80 * 10**9, devices_per_host=8,
+    name="h100",
+    flops_per_s=989e12,
+    memory_bytes_per_s=3.35e12,
+    efficiency=0.6,
+    memory_bytes=80 * 10**9,
+    devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 450e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 50e9),
-    host_link=Link(latency_s=10e-6, s_per_byte=1 / 50e9), host_memory_bytes_per_s=614e9 / 8,
-    host_memory_bytes=2 * 10**12, matrix_flops_per_s=HOPPER_MATRIX_FLOPS,
+    host_link=Link(latency_s=10e-6, s_per_byte=1 / 50e9),
+    host_memory_bytes_per_s=614e9 / 8,
+    host_memory_bytes=2 * 10**12,
+    matrix_flops_per_s=HOPPER_MATRIX_FLOPS,
 )
 # NVIDIA H200 SXM datasheet: the H100's compute (above), 4.8 TB/s of HBM3e, 141 GB; the same
 # NVLink 4, network, PCIe and host as the H100 in an HGX H200.
@@ -241,19 +259,33 @@ H200 = dataclasses.replace(H100, name="h200", memory_bytes_per_s=4.8e12, memory_
 # GB/s pinned) and the DGX A100's two EPYC 7742 sockets (8 channels of DDR4-3200 each, 410 GB/s
 # for 8 GPUs, 1 TB of memory).
 A100 = HardwareProfile(
-    name="a100", flops_per_s=312e12, memory_bytes_per_s=2.04e12, efficiency=0.6,
-    memory_bytes=80 * 10**9, devices_per_host=8,
+    name="a100",
+    flops_per_s=312e12,
+    memory_bytes_per_s=2.04e12,
+    efficiency=0.6,
+    memory_bytes=80 * 10**9,
+    devices_per_host=8,
     intra_host=Link(latency_s=5e-6, s_per_byte=1 / 300e9),
     inter_host=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
-    host_link=Link(latency_s=10e-6, s_per_byte=1 / 25e9), host_memory_bytes_per_s=410e9 / 8,
+    host_link=Link(latency_s=10e-6, s_per_byte=1 / 25e9),
+    host_memory_bytes_per_s=410e9 / 8,
     host_memory_bytes=10**12,
-    matrix_flops_per_s=(("bfloat16", 312e12), ("float16", 312e12), ("tf32", 156e12), ("float32", 19.5e12),
-                        ("float64", 19.5e12)),
+    matrix_flops_per_s=(
+        ("bfloat16", 312e12),
+        ("float16", 312e12),
+        ("tf32", 156e12),
+        ("float32", 19.5e12),
+        ("float64", 19.5e12),
+    ),
 )
 # A small CPU host running gloo over loopback; order-of-magnitude figures for a 2-core VM.
 CPU = HardwareProfile(
-    name="cpu", flops_per_s=50e9, memory_bytes_per_s=10e9, efficiency=0.5,
-    memory_bytes=16 * 2**30, devices_per_host=64,
+    name="cpu",
+    flops_per_s=50e9,
+    memory_bytes_per_s=10e9,
+    efficiency=0.5,
+    memory_bytes=16 * 2**30,
+    devices_per_host=64,
     intra_host=Link(latency_s=50e-6, s_per_byte=1 / 1e9),
     inter_host=Link(latency_s=100e-6, s_per_byte=1 / 1e9),
 )
@@ -292,8 +324,10 @@ def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
     op_s = (fixed + getattr(hardware, "node_overhead_s", 0.0)) * contention
     per_byte = (hardware.compute_s(0, 2 * 2**20) - fixed) / 2**20 * contention  # each byte read and written
     scale = getattr(hardware, "step_scale", 1.0) * getattr(hardware, "collective_scale", 1.0)
-    return tuple(dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte).scaled(scale)
-                 for axis in range(mesh.ndim))
+    return tuple(
+        dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte).scaled(scale)
+        for axis in range(mesh.ndim)
+    )
 
 
 def save_profile(profile: HardwareProfile, path: "str | os.PathLike", **measured) -> None:
@@ -307,7 +341,9 @@ def load_profile(path: "str | os.PathLike") -> HardwareProfile:
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ValueError(f"hardware={str(path)!r}: no such profile file; `autopar calibrate --out {path}` writes one") from None
+        raise ValueError(
+            f"hardware={str(path)!r}: no such profile file; `autopar calibrate --out {path}` writes one"
+        ) from None
     if data.get("format") != "autopar-hardware-profile" or data.get("version") != 1:
         raise ValueError(f"{path} is not an autopar hardware profile (version 1); write one with `autopar calibrate`")
     fields = dict(data["profile"])

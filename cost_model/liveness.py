@@ -14,10 +14,9 @@ are not device memory, nor is optimizer state stepped on the host.
 from dataclasses import dataclass
 
 import torch
+from autopar.runtime.offload import OFFLOAD_OPS
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
-
-from autopar.runtime.offload import OFFLOAD_OPS
 
 _ALIASES = {torch.ops._c10d_functional.wait_tensor.default}
 """Ops whose result is their input (a collective's result is the buffer it was launched into)."""
@@ -39,9 +38,15 @@ class Liveness:
         return max(self.forward_bytes, self.backward_bytes, self.optimizer_bytes)
 
 
-def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list[str], *,
-                  optimizer_slots: int = ADAM_SLOTS, on_host: list[bool] | None = None,
-                  host_inputs: list[bool] | None = None) -> Liveness:
+def step_liveness(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    kinds: list[str],
+    *,
+    optimizer_slots: int = ADAM_SLOTS,
+    on_host: list[bool] | None = None,
+    host_inputs: list[bool] | None = None,
+) -> Liveness:
     """The peaks of one step of a partitioned per-rank program (see
     :func:`autopar.runtime.partition.partition`). ``kinds`` says what each input of the forward
     graph is: ``"param"``, ``"buffer"`` or ``"input"`` (a piece of the batch, alive for the
@@ -51,21 +56,28 @@ def step_liveness(forward: fx.GraphModule, backward: fx.GraphModule, kinds: list
     ``host_inputs`` marks (parameters living in host memory) are left out."""
     placeholders = [node for node in forward.graph.nodes if node.op == "placeholder"]
     host_inputs = host_inputs or [False] * len(kinds)
-    sizes = [0 if host else sum(n for _, n in _keys(node.meta.get("val"))) for node, host in zip(placeholders, host_inputs)]
+    sizes = [
+        0 if host else sum(n for _, n in _keys(node.meta.get("val"))) for node, host in zip(placeholders, host_inputs)
+    ]
     on_host = on_host or [False] * len(kinds)
     params = [n for n, kind, host in zip(sizes, kinds, on_host) if kind == "param" and not host]
     resident = sum(sizes) + optimizer_slots * sum(params)
     forward_peak, saved = _run(forward)
     backward_peak, grads = _run(backward, saved)
-    return Liveness(forward_bytes=resident + forward_peak,
-                    backward_bytes=resident + backward_peak,
-                    optimizer_bytes=resident + sum(grads.values()) + 2 * max(params, default=0))
+    return Liveness(
+        forward_bytes=resident + forward_peak,
+        backward_bytes=resident + backward_peak,
+        optimizer_bytes=resident + sum(grads.values()) + 2 * max(params, default=0),
+    )
 
 
 def _keys(value) -> list:
     values = value if isinstance(value, (list, tuple)) else [value]
-    return [(StorageWeakRef(v.untyped_storage()).cdata, v.untyped_storage().nbytes()) for v in values
-            if isinstance(v, torch.Tensor)]
+    return [
+        (StorageWeakRef(v.untyped_storage()).cdata, v.untyped_storage().nbytes())
+        for v in values
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +177,16 @@ def plan_liveness(captured, plan) -> Liveness:
 
     mesh = plan.mesh
     joint = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=[f"planning-{a}" for a in mesh.axis_names])
-    parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
-                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    parts = partition(
+        joint,
+        [k.kind == "tangent" for k in captured.inputs],
+        [None if k is None else k.kind == "grad" for k in captured.outputs],
+    )
     state = [k for k in captured.inputs if k.kind != "tangent"]
-    return step_liveness(parts.forward, parts.backward, [k.kind for k in state],
-                         on_host=[k.name in plan.host_optimizer for k in state],
-                         host_inputs=[k.name in plan.host_params for k in state])
+    return step_liveness(
+        parts.forward,
+        parts.backward,
+        [k.kind for k in state],
+        on_host=[k.name in plan.host_optimizer for k in state],
+        host_inputs=[k.name in plan.host_params for k in state],
+    )

@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 
 import torch
+from autopar.passes.rank_ops import local_call, piece_of
+from autopar.passes.redistribute import local_shape
+from autopar.passes.rules import tensor_args
+from autopar.passes.strategy import Strategy
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from autopar.mesh import Mesh
-from autopar.passes.redistribute import local_shape
-from autopar.passes.rank_ops import local_call, piece_of
-from autopar.passes.rules import tensor_args
-from autopar.passes.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,9 @@ class OpTimer:
         first = (0,) * self.mesh.ndim
 
         def call_on(args):
-            return local_call(node, args, strategy, self.mesh,
-                              lambda axes, whole: _Alone(*piece_of(whole, axes, self.mesh, first)))
+            return local_call(
+                node, args, strategy, self.mesh, lambda axes, whole: _Alone(*piece_of(whole, axes, self.mesh, first))
+            )
 
         try:
             with torch.no_grad():
@@ -204,4 +205,3 @@ def _like(whole: torch.Tensor, shape) -> torch.Tensor:
     order = sorted(range(whole.ndim), key=lambda d: -whole.stride()[d]) if whole.ndim else []
     t = torch.empty_permuted(shape, order, dtype=whole.dtype)
     return t.uniform_() if whole.dtype.is_floating_point else t.zero_()
-

@@ -45,8 +45,16 @@ def _mlp():
 def _moe():
     from autopar.examples.moe import MoEConfig, MoEGPT
 
-    cfg = MoEConfig(vocab_size=256, block_size=32, dim=64, num_heads=4, num_layers=2, num_experts=8,
-                    expert_hidden=128, group_size=32)
+    cfg = MoEConfig(
+        vocab_size=256,
+        block_size=32,
+        dim=64,
+        num_heads=4,
+        num_layers=2,
+        num_experts=8,
+        expert_hidden=128,
+        group_size=32,
+    )
     shape = (8, cfg.block_size)
     return MoEGPT(cfg), (torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape))
 
@@ -65,8 +73,16 @@ def _hf(build):
     return make
 
 
-EXAMPLES = {"bert": _bert, "convnet": _convnet, "gpt": _gpt, "llama": _llama, "mlp": _mlp, "moe": _moe,
-            "hf-gpt2": _hf("gpt2"), "hf-llama": _hf("llama")}
+EXAMPLES = {
+    "bert": _bert,
+    "convnet": _convnet,
+    "gpt": _gpt,
+    "llama": _llama,
+    "mlp": _mlp,
+    "moe": _moe,
+    "hf-gpt2": _hf("gpt2"),
+    "hf-llama": _hf("llama"),
+}
 """Name → function returning ``(model, example_inputs)``; the inputs are a global batch."""
 
 _NEEDS_TRANSFORMERS = {"hf-gpt2", "hf-llama"}
@@ -80,8 +96,11 @@ def check_example(name: str) -> None:
     if name in _NEEDS_TRANSFORMERS and importlib.util.find_spec("transformers") is None:
         from autopar.examples.hf import TRANSFORMERS
 
-        raise ModuleNotFoundError(f"the {name} example builds its model with Hugging Face transformers, which is "
-                                  f"not installed: pip install '{TRANSFORMERS}'", name="transformers")
+        raise ModuleNotFoundError(
+            f"the {name} example builds its model with Hugging Face transformers, which is "
+            f"not installed: pip install '{TRANSFORMERS}'",
+            name="transformers",
+        )
 
 
 def make_example(name: str):

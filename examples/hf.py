@@ -32,27 +32,60 @@ _TRAINABLE = {"use_cache": False, "attn_implementation": "sdpa", "bos_token_id":
 the small vocabularies (transformers warns about its defaults otherwise)."""
 
 
-def gpt2(*, vocab_size: int = 256, seq: int = 32, dim: int = 64, num_heads: int = 4, num_layers: int = 2,
-         dropout: float = 0.0) -> CausalLMLoss:
+def gpt2(
+    *,
+    vocab_size: int = 256,
+    seq: int = 32,
+    dim: int = 64,
+    num_heads: int = 4,
+    num_layers: int = 2,
+    dropout: float = 0.0,
+) -> CausalLMLoss:
     """``GPT2LMHeadModel`` (learned positions, tied output head, GELU MLP), with ``dropout`` on
     the embeddings, the attention weights and the residual branches."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=vocab_size, n_positions=seq, n_embd=dim, n_head=num_heads, n_layer=num_layers,
-                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **_TRAINABLE)
+    cfg = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=seq,
+        n_embd=dim,
+        n_head=num_heads,
+        n_layer=num_layers,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        **_TRAINABLE,
+    )
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"  # the class name does not name its loss; transformers warns and picks this one
     return CausalLMLoss(model)
 
 
-def llama(*, vocab_size: int = 256, seq: int = 32, dim: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
-          hidden: int = 128, num_layers: int = 2) -> CausalLMLoss:
+def llama(
+    *,
+    vocab_size: int = 256,
+    seq: int = 32,
+    dim: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    hidden: int = 128,
+    num_layers: int = 2,
+) -> CausalLMLoss:
     """``LlamaForCausalLM`` (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=seq, hidden_size=dim,
-                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=hidden,
-                      num_hidden_layers=num_layers, attention_dropout=0.0, pad_token_id=None, **_TRAINABLE)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=seq,
+        hidden_size=dim,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=hidden,
+        num_hidden_layers=num_layers,
+        attention_dropout=0.0,
+        pad_token_id=None,
+        **_TRAINABLE,
+    )
     return CausalLMLoss(LlamaForCausalLM(cfg))
 
 
@@ -79,72 +112,150 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
 
     vocab, heads = 256, 4
     tokens = lambda: torch.randint(0, vocab, (batch, seq))  # noqa: E731
-    common = dict(vocab_size=vocab, use_cache=False, attn_implementation="sdpa", pad_token_id=0, bos_token_id=0,
-                  eos_token_id=0)
-    decoder = dict(hidden_size=dim, num_hidden_layers=num_layers, num_attention_heads=heads, intermediate_size=2 * dim,
-                   max_position_embeddings=seq, **common)
+    common = dict(
+        vocab_size=vocab, use_cache=False, attn_implementation="sdpa", pad_token_id=0, bos_token_id=0, eos_token_id=0
+    )
+    decoder = dict(
+        hidden_size=dim,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * dim,
+        max_position_embeddings=seq,
+        **common,
+    )
 
     def causal(config_cls, model_cls, **fields):
         def build():
             model = model_cls(config_cls(**{**decoder, **fields}))
             return KeywordLoss(model, ("input_ids", "labels")), (tokens(), tokens())
+
         return build
 
     def masked(config_cls, model_cls, **fields):
         def build():
             cfg = config_cls(**{**decoder, **fields})
             return KeywordLoss(model_cls(cfg), ("input_ids", "labels")), (tokens(), tokens())
+
         return build
 
     def seq2seq(config_cls, model_cls, **fields):
         def build():
             model = model_cls(config_cls(**{**common, **fields}))
             return KeywordLoss(model, ("input_ids", "labels")), (tokens(), tokens())
+
         return build
 
     def vit():
-        cfg = tf.ViTConfig(hidden_size=dim, num_hidden_layers=num_layers, num_attention_heads=heads,
-                           intermediate_size=2 * dim, image_size=32, patch_size=8, num_labels=10,
-                           attn_implementation="sdpa")
+        cfg = tf.ViTConfig(
+            hidden_size=dim,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * dim,
+            image_size=32,
+            patch_size=8,
+            num_labels=10,
+            attn_implementation="sdpa",
+        )
         images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
         return KeywordLoss(tf.ViTForImageClassification(cfg), ("pixel_values", "labels")), (images, labels)
 
     def clip():
-        text = dict(vocab_size=vocab, hidden_size=dim, num_hidden_layers=num_layers, num_attention_heads=heads,
-                    intermediate_size=2 * dim, max_position_embeddings=seq, pad_token_id=0, bos_token_id=0,
-                    eos_token_id=2)
-        vision = dict(hidden_size=dim, num_hidden_layers=num_layers, num_attention_heads=heads,
-                      intermediate_size=2 * dim, image_size=32, patch_size=8)
+        text = dict(
+            vocab_size=vocab,
+            hidden_size=dim,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * dim,
+            max_position_embeddings=seq,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=2,
+        )
+        vision = dict(
+            hidden_size=dim,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * dim,
+            image_size=32,
+            patch_size=8,
+        )
         cfg = tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=dim, attn_implementation="sdpa")
         inputs = (tokens(), torch.randn(batch, 3, 32, 32))
         return KeywordLoss(tf.CLIPModel(cfg), ("input_ids", "pixel_values"), return_loss=True), inputs
 
     experts = dict(num_local_experts=4, num_experts_per_tok=2)
     return {
-        "gpt2": causal(tf.GPT2Config, tf.GPT2LMHeadModel, n_embd=dim, n_layer=num_layers, n_head=heads,
-                       n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "gpt2": causal(
+            tf.GPT2Config,
+            tf.GPT2LMHeadModel,
+            n_embd=dim,
+            n_layer=num_layers,
+            n_head=heads,
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
         "llama": causal(tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2),
         "mistral": causal(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2),
         "qwen2": causal(tf.Qwen2Config, tf.Qwen2ForCausalLM, num_key_value_heads=2),
         "qwen3": causal(tf.Qwen3Config, tf.Qwen3ForCausalLM, num_key_value_heads=2, head_dim=dim // heads),
-        "gemma2": causal(tf.Gemma2Config, tf.Gemma2ForCausalLM, num_key_value_heads=2, head_dim=dim // heads,
-                         attn_implementation="eager"),
+        "gemma2": causal(
+            tf.Gemma2Config,
+            tf.Gemma2ForCausalLM,
+            num_key_value_heads=2,
+            head_dim=dim // heads,
+            attn_implementation="eager",
+        ),
         "phi3": causal(tf.Phi3Config, tf.Phi3ForCausalLM, num_key_value_heads=2),
         "falcon": causal(tf.FalconConfig, tf.FalconForCausalLM, hidden_dropout=0.0, attention_dropout=0.0),
         "gpt_neox": causal(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, hidden_dropout=0.0, attention_dropout=0.0),
         "opt": causal(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=2 * dim, word_embed_proj_dim=dim, dropout=0.0),
         "bert": masked(tf.BertConfig, tf.BertForMaskedLM, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-        "roberta": masked(tf.RobertaConfig, tf.RobertaForMaskedLM, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0, max_position_embeddings=seq + 2),
-        "t5": seq2seq(tf.T5Config, tf.T5ForConditionalGeneration, d_model=dim, d_kv=dim // heads, d_ff=2 * dim,
-                      num_layers=num_layers, num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0),
-        "bart": seq2seq(tf.BartConfig, tf.BartForConditionalGeneration, d_model=dim, encoder_layers=num_layers,
-                        decoder_layers=num_layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
-                        encoder_ffn_dim=2 * dim, decoder_ffn_dim=2 * dim, max_position_embeddings=seq, dropout=0.0,
-                        attention_dropout=0.0, decoder_start_token_id=0, forced_eos_token_id=None),
+        "roberta": masked(
+            tf.RobertaConfig,
+            tf.RobertaForMaskedLM,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            max_position_embeddings=seq + 2,
+        ),
+        "t5": seq2seq(
+            tf.T5Config,
+            tf.T5ForConditionalGeneration,
+            d_model=dim,
+            d_kv=dim // heads,
+            d_ff=2 * dim,
+            num_layers=num_layers,
+            num_heads=heads,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        ),
+        "bart": seq2seq(
+            tf.BartConfig,
+            tf.BartForConditionalGeneration,
+            d_model=dim,
+            encoder_layers=num_layers,
+            decoder_layers=num_layers,
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=2 * dim,
+            decoder_ffn_dim=2 * dim,
+            max_position_embeddings=seq,
+            dropout=0.0,
+            attention_dropout=0.0,
+            decoder_start_token_id=0,
+            forced_eos_token_id=None,
+        ),
         "vit": vit,
         "clip": clip,
         "mixtral": causal(tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, **experts),
-        "qwen2_moe": causal(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, num_key_value_heads=2, num_experts=4,
-                            num_experts_per_tok=2, moe_intermediate_size=dim, shared_expert_intermediate_size=dim),
+        "qwen2_moe": causal(
+            tf.Qwen2MoeConfig,
+            tf.Qwen2MoeForCausalLM,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=dim,
+            shared_expert_intermediate_size=dim,
+        ),
     }

@@ -24,10 +24,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from autopar.examples.gpt import Attention, GPTConfig
 from torch import nn
 from torch.nn import functional as F
-
-from autopar.examples.gpt import Attention, GPTConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +91,18 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
-        self.w1 = nn.Parameter(torch.randn(cfg.num_experts, cfg.dim, cfg.expert_hidden) * cfg.dim ** -0.5)
-        self.w2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.expert_hidden, cfg.dim) * cfg.expert_hidden ** -0.5)
+        self.w1 = nn.Parameter(torch.randn(cfg.num_experts, cfg.dim, cfg.expert_hidden) * cfg.dim**-0.5)
+        self.w2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.expert_hidden, cfg.dim) * cfg.expert_hidden**-0.5)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[B, T, D]`` → the experts' output of the same shape and the load-balancing term."""
         cfg = self.cfg
         if x.shape[0] * x.shape[1] % cfg.group_size:
-            raise ValueError(f"MoE: the batch's {x.shape[0] * x.shape[1]} tokens ({x.shape[0]} x {x.shape[1]}) do not "
-                             f"split into groups of group_size={cfg.group_size}; pass a batch whose token count is a "
-                             "multiple of it")
+            raise ValueError(
+                f"MoE: the batch's {x.shape[0] * x.shape[1]} tokens ({x.shape[0]} x {x.shape[1]}) do not "
+                f"split into groups of group_size={cfg.group_size}; pass a batch whose token count is a "
+                "multiple of it"
+            )
         tokens = x.reshape(-1, cfg.group_size, cfg.dim)  # [G, S, D]
         probs = self.router(tokens).softmax(-1)
         dispatch, combine, first_choice = routing(probs, cfg.top_k, cfg.capacity)

@@ -10,10 +10,9 @@ the output, so both differ from the blocks between them: the shape layer sharing
 from dataclasses import dataclass
 
 import torch
+from autopar.examples.llama import RMSNorm
 from torch import nn
 from torch.nn import functional as F
-
-from autopar.examples.llama import RMSNorm
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.cost_model.hardware import Link
-from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, captured_backward, module_paths, segment_of
 from autopar.passes.redistribute import Step, bandwidth_s, one_axis_step, step_s, transition
 from autopar.passes.rules import tensor_args
 from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
+
+from autopar.mesh import Mesh
 from autopar.placement import Placements
 
 BUCKET_BYTES = 25 * 2**20
@@ -72,8 +73,16 @@ def bucketed_steps(steps: Sequence[Step]) -> tuple[Step, ...] | None:
     return None
 
 
-def gradient_chain(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, partial: bool,
-                   mesh: Mesh, links: tuple[Link, ...], bucket_bytes: int) -> tuple[Step, ...] | None:
+def gradient_chain(
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    partial: bool,
+    mesh: Mesh,
+    links: tuple[Link, ...],
+    bucket_bytes: int,
+) -> tuple[Step, ...] | None:
     """The collectives by which a gradient moving from ``src`` to ``dst`` joins a bucket of
     ``bucket_bytes``: those of its cheapest move (:func:`bucketed_steps`), or, where the
     cheapest priced alone is another (an all-reduce and a slice), the one reduce-scatter that
@@ -87,7 +96,9 @@ def gradient_chain(src: Placements, dst: Placements, shape: tuple[int, ...], ite
     if len(differ) == 1:
         step = one_axis_step(src, dst, differ[0], shape, itemsize, mesh)
         if step is not None and step.kind == "reduce_scatter":
-            shared = piece_s((step,), mesh, links) + min(1.0, step.bytes / bucket_bytes) * bucket_fixed_s((step,), mesh, links)
+            shared = piece_s((step,), mesh, links) + min(1.0, step.bytes / bucket_bytes) * bucket_fixed_s(
+                (step,), mesh, links
+            )
             if shared < sum(step_s(s, mesh, links) for s in steps):
                 return (step,)
     return None
@@ -145,8 +156,10 @@ def bucket_fixed_s(steps: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -
     real = [s for s in steps if mesh.shape[s.axis] > 1]
     if not real:
         return 0.0
-    return (sum(links[s.axis].alpha_beta(s.kind)[0] for s in real)
-            + _BUCKET_OPS[steps[0].kind][0] * links[real[0].axis].local_op_s)
+    return (
+        sum(links[s.axis].alpha_beta(s.kind)[0] for s in real)
+        + _BUCKET_OPS[steps[0].kind][0] * links[real[0].axis].local_op_s
+    )
 
 
 def piece_s(piece: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -> float:
@@ -162,8 +175,11 @@ def piece_s(piece: Sequence[Step], mesh: Mesh, links: tuple[Link, ...]) -> float
         copied = first.bytes // mesh.shape[first.axis] + (first.bytes if first.dim else 0)
     else:
         copied = first.bytes * (2 if first.kind == "reduce_scatter" else 1)
-    return (sum(bandwidth_s(s, mesh, links) for s in real) + _BUCKET_OPS[first.kind][1] * link.local_op_s
-            + copied * link.local_s_per_byte)
+    return (
+        sum(bandwidth_s(s, mesh, links) for s in real)
+        + _BUCKET_OPS[first.kind][1] * link.local_op_s
+        + copied * link.local_s_per_byte
+    )
 
 
 def bucket_s(steps: Sequence[Step], pieces: Sequence[Sequence[Step]], mesh: Mesh, links: tuple[Link, ...]) -> float:
@@ -186,8 +202,15 @@ class ParameterGather:
     segment: str
 
 
-def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recomputed: set[str] | frozenset[str],
-                      host_params: set[str], mesh: Mesh, links: tuple[Link, ...], bucket_bytes: int) -> list[ParameterGather]:
+def parameter_gathers(
+    captured: Captured,
+    strategies: dict[str, Strategy],
+    recomputed: set[str] | frozenset[str],
+    host_params: set[str],
+    mesh: Mesh,
+    links: tuple[Link, ...],
+    bucket_bytes: int,
+) -> list[ParameterGather]:
     """The parameters' all-gathers that run in buckets, for the rewriter and for the plan: every
     move of a parameter (not one in host memory, ``host_params`` by placeholder name) that is one
     all-gather, grouped by the phase and segment (layer) of the op that first reads it, by mesh
@@ -203,7 +226,13 @@ def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recom
     for n in graph.nodes:
         if n.op != "call_function" or n.name in aliases:
             continue
-        runs = (("backward", True),) if n in backward else (("forward", False), ("recompute", True)) if n.name in recomputed else (("forward", False),)
+        runs = (
+            (("backward", True),)
+            if n in backward
+            else (("forward", False), ("recompute", True))
+            if n.name in recomputed
+            else (("forward", False),)
+        )
         for phase, in_backward in runs:
             for a, dst in zip(tensor_args(n), strategies[n.name].inputs):
                 ref = aliases.get(a.name, (a.name, 0))
@@ -213,12 +242,18 @@ def parameter_gathers(captured: Captured, strategies: dict[str, Strategy], recom
                 seen.add(key)
                 val = params[ref[0]].meta["val"]
                 src = strategies[ref[0]].outputs[0]
-                steps = transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, mesh, links) if src != dst else []
+                steps = (
+                    transition(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, mesh, links)
+                    if src != dst
+                    else []
+                )
                 if len(steps) == 1 and steps[0].kind == "all_gather":
                     moves.append((key, steps[0], val.dtype, (phase, segment_of(paths.get(n.name, "")))))
     found = []
     for bucket in gradient_buckets([((step,), *rest) for _, step, *rest in moves], bucket_bytes):
         if len(bucket.members) > 1:
             members = [moves[i] for i in bucket.members]
-            found.append(ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3]))
+            found.append(
+                ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3])
+            )
     return found

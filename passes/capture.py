@@ -78,12 +78,20 @@ def _dropout_drawn_whole(x: torch.Tensor, p: float, train: bool | None):
 # Losses, means and batch norm are decomposed into sums, divisions, gathers and masks so that a
 # batch split turns them into partial sums that one all-reduce makes whole.
 _DECOMPOSITIONS = {
-    **get_decompositions([
-        aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss, aten.mse_loss_backward,
-        aten.mean.dim, aten.mean.default,
-        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit,
-        aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
-    ]),
+    **get_decompositions(
+        [
+            aten.nll_loss_forward,
+            aten.nll_loss_backward,
+            aten.mse_loss,
+            aten.mse_loss_backward,
+            aten.mean.dim,
+            aten.mean.default,
+            aten._native_batch_norm_legit_functional,
+            aten._native_batch_norm_legit,
+            aten._native_batch_norm_legit_no_training,
+            aten.native_batch_norm_backward,
+        ]
+    ),
     aten.var_mean.correction: _var_mean_by_sums,
     aten.native_dropout.default: _dropout_drawn_whole,
 }
@@ -218,13 +226,20 @@ def _check_outputs(model: torch.nn.Module, args, output) -> None:
     """Forward hook run while ``torch.export`` traces: registers the dataclasses in the output
     as pytree nodes, then refuses every leaf that is not a tensor, naming its path."""
     while True:
-        new = {type(leaf) for leaf in pytree.tree_leaves(output) if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)}
+        new = {
+            type(leaf)
+            for leaf in pytree.tree_leaves(output)
+            if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+        }
         if not new:
             break
         for cls in new:
             torch.export.register_dataclass(cls)
-    bad = [f"output{pytree.keystr(path)} of type {type(leaf).__name__}"
-           for path, leaf in pytree.tree_leaves_with_path(output) if not isinstance(leaf, torch.Tensor)]
+    bad = [
+        f"output{pytree.keystr(path)} of type {type(leaf).__name__}"
+        for path, leaf in pytree.tree_leaves_with_path(output)
+        if not isinstance(leaf, torch.Tensor)
+    ]
     if bad:
         raise CaptureError(
             f"{type(model).__name__}'s forward() returns values that are not tensors: {'; '.join(bad)}. "
@@ -317,7 +332,9 @@ def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:
 
 def captured_backward(captured: Captured) -> set[fx.Node]:
     """:func:`backward_nodes` of the captured joint graph."""
-    return backward_nodes(captured.graph.graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"})
+    return backward_nodes(
+        captured.graph.graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"}
+    )
 
 
 def module_paths(captured: Captured) -> dict[str, str]:
@@ -383,7 +400,8 @@ _GRADIENT_ADDITION = "Gradient addition node"
 
 def _input_names(model: torch.nn.Module, count: int) -> list[str]:
     params = [
-        p.name for p in inspect.signature(model.forward).parameters.values()
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return [params[i] if i < len(params) else f"arg{i}" for i in range(count)]
@@ -455,8 +473,11 @@ def graph_lines(graph: fx.GraphModule) -> tuple[str, ...]:
     every argument (other nodes by name, and the values of dims, scalars, flags, dtypes) and
     the shape, dtype and device type of each value it makes. Devices of models planned on the
     meta device are left out, so that a plan made there serves the real model."""
-    return tuple(f"{node.name} = {node.op} {node.target}({_describe(node.args)}, {_describe(node.kwargs)}) "
-                 f"-> {_describe(node.meta.get('val'))}" for node in graph.graph.nodes)
+    return tuple(
+        f"{node.name} = {node.op} {node.target}({_describe(node.args)}, {_describe(node.kwargs)}) "
+        f"-> {_describe(node.meta.get('val'))}"
+        for node in graph.graph.nodes
+    )
 
 
 def fingerprint(lines: tuple[str, ...]) -> str:

@@ -51,8 +51,9 @@ def program(model: linear_solver_pb2.MPModelProto) -> highspy.HighsLp:
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = lp.num_col_, lp.num_row_
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = starts, index, value
-    lp.integrality_ = [highspy.HighsVarType.kInteger if v.is_integer else highspy.HighsVarType.kContinuous
-                       for v in model.variable]
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if v.is_integer else highspy.HighsVarType.kContinuous for v in model.variable
+    ]
     lp.offset_ = model.objective_offset
     lp.sense_ = highspy.ObjSense.kMaximize if model.maximize else highspy.ObjSense.kMinimize
     return lp
@@ -115,8 +116,8 @@ def main() -> None:
     data = sys.stdin.buffer.read()
     started = time.perf_counter()
     gap, time_limit_s, give_up_s, heuristic_effort, count = struct.unpack("ddddI", data[:36])
-    columns = list(array.array("i", data[36:36 + 4 * count]))
-    model = linear_solver_pb2.MPModelProto.FromString(data[36 + 4 * count:])
+    columns = list(array.array("i", data[36 : 36 + 4 * count]))
+    model = linear_solver_pb2.MPModelProto.FromString(data[36 + 4 * count :])
     result = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
@@ -143,8 +144,12 @@ def main() -> None:
     elif info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible:
         values = array.array("d", highs.getSolution().col_value)
         bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else info.objective_function_value
-        answer = (OPTIMAL if status == highspy.HighsModelStatus.kOptimal else FEASIBLE, values,
-                  info.objective_function_value, bound)
+        answer = (
+            OPTIMAL if status == highspy.HighsModelStatus.kOptimal else FEASIBLE,
+            values,
+            info.objective_function_value,
+            bound,
+        )
     else:
         answer = (NOT_SOLVED, None, None, None)
     pickle.dump(answer, result)

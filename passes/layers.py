@@ -38,8 +38,9 @@ class LayerClasses:
     """Layers that take their representative's choice (the layers of those classes, less one each)."""
 
 
-def repeated_layers(captured: Captured, space: StrategySpace, node_costs: dict[str, list[float]],
-                    memory: MemoryTerms) -> LayerClasses:
+def repeated_layers(
+    captured: Captured, space: StrategySpace, node_costs: dict[str, list[float]], memory: MemoryTerms
+) -> LayerClasses:
     """Group the layers of every stack into classes of identical layers (see the module)."""
     paths = module_paths(captured)
     groups: dict[tuple[str, int], list[NodeSpace]] = defaultdict(list)
@@ -71,10 +72,18 @@ def _layer_signature(layer: Sequence[NodeSpace], values: dict, node_costs, memor
     position = {n.name: k for k, n in enumerate(layer)}
     parts = (memory.params, memory.grads, memory.optimizer, memory.activations, memory.temporaries)
     return tuple(
-        (n.kind, n.phase, n.target if n.kind == "op" else None, n.strategies, _signature(values.get(n.name)),
-         tuple(node_costs[n.name]), tuple(_hashable(part.get(n.name)) for part in parts),
-         tuple((position.get(name), index) for name, index in n.args))
-        for n in layer)
+        (
+            n.kind,
+            n.phase,
+            n.target if n.kind == "op" else None,
+            n.strategies,
+            _signature(values.get(n.name)),
+            tuple(node_costs[n.name]),
+            tuple(_hashable(part.get(n.name)) for part in parts),
+            tuple((position.get(name), index) for name, index in n.args),
+        )
+        for n in layer
+    )
 
 
 def _hashable(value) -> object:

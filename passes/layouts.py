@@ -17,22 +17,27 @@ cannot see: the search finds them.
 import math
 from collections.abc import Callable, Iterator
 
+from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
+
 from autopar.mesh import Mesh
 from autopar.placement import Placements, Replicate, Shard
-from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
-def standard_layouts(space: StrategySpace, mesh: Mesh, node_costs: dict[str, list[float]],
-                     transition_s: TransitionCost) -> Iterator[tuple[str, dict[str, int]]]:
+def standard_layouts(
+    space: StrategySpace, mesh: Mesh, node_costs: dict[str, list[float]], transition_s: TransitionCost
+) -> Iterator[tuple[str, dict[str, int]]]:
     """``(name, strategy index of every node)`` of each standard layout the pins allow."""
     splits = [("data parallel", ()), ("fully sharded", tuple(range(mesh.ndim)))]
     if mesh.ndim > 1:
         splits += [(f"sharded over {mesh.axis_names[a]}", (a,)) for a in range(mesh.ndim)]
     for name, axes in splits:
-        fixed = {n.name: _closest(n, axes if n.kind == "param" else ())
-                 for n in space.nodes if n.kind in ("param", "buffer", "input")}
+        fixed = {
+            n.name: _closest(n, axes if n.kind == "param" else ())
+            for n in space.nodes
+            if n.kind in ("param", "buffer", "input")
+        }
         choice = _complete(space, fixed, node_costs, transition_s)
         if choice is not None:
             yield name, choice
@@ -41,6 +46,7 @@ def standard_layouts(space: StrategySpace, mesh: Mesh, node_costs: dict[str, lis
 def _closest(node: NodeSpace, axes: tuple[int, ...]) -> int:
     """The strategy of a placeholder splitting its first dim over as many of ``axes`` as it
     can, replicated elsewhere (its first strategy when none is of that form: a pin, an input)."""
+
     def split_axes(k: int) -> int | None:
         placements = node.strategies[k].outputs[0]
         if placements is None:
@@ -53,8 +59,9 @@ def _closest(node: NodeSpace, axes: tuple[int, ...]) -> int:
     return max(ranked, key=lambda sk: (sk[0], -sk[1]))[1] if ranked else 0
 
 
-def _complete(space: StrategySpace, fixed: dict[str, int], node_costs: dict[str, list[float]],
-              transition_s: TransitionCost) -> dict[str, int] | None:
+def _complete(
+    space: StrategySpace, fixed: dict[str, int], node_costs: dict[str, list[float]], transition_s: TransitionCost
+) -> dict[str, int] | None:
     """Every node's strategy: ``fixed`` ones as given, the others, in graph order, the cheapest
     given the layouts their operands already have (operands not yet placed, such as a
     parameter's gradient, are left out). ``None`` when some node has no strategy of finite cost."""

@@ -53,16 +53,24 @@ with ``h_p,k``, ``q_p,k`` the products of ``H_p``, ``P_p`` with the parameter's 
 
 from collections import defaultdict
 
-from autopar.cost_model.hardware import Host
 from autopar.cost_model.estimate import MemoryTerms
+from autopar.cost_model.hardware import Host
 from autopar.passes.memory_program import _represented
 from autopar.passes.mip import MEMORY_SCALE, SCALE
 from autopar.passes.remat import ActivationSpace
 
 
-def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_costs: dict[str, list[float]],
-                              reader_moves: dict, shared: dict[str, str], costs: dict, host: Host | None = None,
-                              host_mb: list | None = None):
+def keep_recompute_or_offload(
+    solver,
+    acts: ActivationSpace,
+    ind: dict,
+    node_costs: dict[str, list[float]],
+    reader_moves: dict,
+    shared: dict[str, str],
+    costs: dict,
+    host: Host | None = None,
+    host_mb: list | None = None,
+):
     """The activation constraints of the module docstring, with offload when ``host`` is
     given. Returns each op's recompute and offload variables, each segment's prefetch variable
     ``F_S``, the megabytes each op keeps (for each copy of a repeated layer) as ``{op:
@@ -99,8 +107,14 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         if away[name].ub():  # an op is offloaded in one strategy at most
             longest_out[acts.segment[name]] += count * host.copy_s(max(acts.bytes[name])) * SCALE
         if name in acts.extra:
-            _extra_kept(solver, acts.extra[name], ind[name], again[name],
-                        [again[shared.get(r, r)] for r in acts.extra[name][1]], kept_mb[name])
+            _extra_kept(
+                solver,
+                acts.extra[name],
+                ind[name],
+                again[name],
+                [again[shared.get(r, r)] for r in acts.extra[name][1]],
+                kept_mb[name],
+            )
         if name in acts.copied:
             _copy_kept(solver, acts.copied[name], kept_k, ind[acts.views[name]], kept_mb[name])
         if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
@@ -114,11 +128,19 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         backlog = 0.0
         for segment in dict.fromkeys(acts.segment[name] for name in own):  # in forward order
             after = solver.NumVar(0.0, solver.infinity(), "")
-            solver.Add(after >= backlog + sum(c * o for c, o in copied_out[segment]) - sum(work[segment]))  # B_S ≥ B_(S−1) + out_S − work_S
+            solver.Add(
+                after >= backlog + sum(c * o for c, o in copied_out[segment]) - sum(work[segment])
+            )  # B_S ≥ B_(S−1) + out_S − work_S
             backlog = after
         costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
-        backward_work = _segment_work(acts.backward_segment, acts.backward_segment, set(acts.backward_segment) - set(shared),
-                                      ind, node_costs, defaultdict(int))  # of one copy of a repeated layer
+        backward_work = _segment_work(
+            acts.backward_segment,
+            acts.backward_segment,
+            set(acts.backward_segment) - set(shared),
+            ind,
+            node_costs,
+            defaultdict(int),
+        )  # of one copy of a repeated layer
         for segment, beside in _reloaded_during(acts, own, shared, copies).items():
             if not copied_out[segment]:
                 continue
@@ -138,10 +160,14 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
                 reloaded[during].append(mb - sum(m for m, _ in offloaded[segment]) * (1 - ahead[segment]))
     for name in acts.nodes:
         k, r, o = keep[shared.get(name, name)], again[shared.get(name, name)], away[shared.get(name, name)]
-        solver.Add(k + r + o >= (1 if name in acts.saved else 0))  # the backward finds it kept, recomputes or reloads it
+        solver.Add(
+            k + r + o >= (1 if name in acts.saved else 0)
+        )  # the backward finds it kept, recomputes or reloads it
         for operand in acts.operands[name]:
             u = shared.get(operand, operand)
-            solver.Add(keep[u] + (0 if acts.crosses(name, operand) else again[u] + away[u]) >= r)  # a recomputed op's operands are at hand
+            solver.Add(
+                keep[u] + (0 if acts.crosses(name, operand) else again[u] + away[u]) >= r
+            )  # a recomputed op's operands are at hand
         if name in acts.views:
             base = acts.views[name]
             solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
@@ -150,16 +176,20 @@ def keep_recompute_or_offload(solver, acts: ActivationSpace, ind: dict, node_cos
         refilled[segment] = solver.NumVar(0.0, solver.infinity(), "")  # Q_S
         solver.Add(refilled[segment] >= sum(segments.get(segment, ())))
         for mb in reloaded.get(segment, ()):
-            solver.Add(refilled[segment] >= sum(segments.get(segment, ())) + mb)  # with the reloads copied back beside it
+            solver.Add(
+                refilled[segment] >= sum(segments.get(segment, ())) + mb
+            )  # with the reloads copied back beside it
     return again, away, ahead, kept_mb, refilled
 
 
-def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict,
-               host_mb: list | None = None):
+def host_state(
+    solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], host: Host, costs: dict, host_mb: list | None = None
+):
     """``H_p`` and ``P_p`` of the module docstring for every parameter: its optimizer state, and
     the parameter with its gradient, in host memory. Returns ``{parameter: H_p}``,
     ``{parameter: P_p}`` and the megabytes they take off the device, per copy of a repeated
-    layer, as terms of :func:`~autopar.passes.memory_program.memory_budget` (the gradient's only from when it is made; the
+    layer, as terms of :func:`~autopar.passes.memory_program.memory_budget` (the gradient's only
+    from when it is made; the
     backward that makes it holds the parameter's copy in and the gradient before it goes out).
     ``host_mb`` gets the megabytes they put in host memory, every copy counted, as linear terms."""
     copies = _copies(shared)
@@ -183,7 +213,9 @@ def host_state(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str], h
             saved_mb.append((name, param, (memory.params[name][k] + memory.grads[name][k]) * MEMORY_SCALE, "made"))
             costs[param] += count * host.copy_s(memory.params[name][k])  # copied in twice a step instead of back once
             if host_mb is not None:
-                host_mb.append(count * MEMORY_SCALE * (sizes[k] * state + (memory.params[name][k] + memory.grads[name][k]) * param))
+                host_mb.append(
+                    count * MEMORY_SCALE * (sizes[k] * state + (memory.params[name][k] + memory.grads[name][k]) * param)
+                )
     return optimizer, params, saved_mb
 
 
@@ -199,13 +231,17 @@ def _segment_work(names, segment: dict[str, str], own, ind: dict, node_costs: di
     work: dict[str, list] = defaultdict(list)
     for name in names:
         if name in own:
-            work[segment[name]].extend((1 + copies[name]) * node_costs[name][k] * SCALE * var
-                                       for k, group in enumerate(ind[name]) for var in group)
+            work[segment[name]].extend(
+                (1 + copies[name]) * node_costs[name][k] * SCALE * var
+                for k, group in enumerate(ind[name])
+                for var in group
+            )
     return work
 
 
-def _reloaded_during(acts: ActivationSpace, own: list[str], shared: dict[str, str],
-                     copies: dict) -> dict[str, list[tuple[str | None, float, int]]]:
+def _reloaded_during(
+    acts: ActivationSpace, own: list[str], shared: dict[str, str], copies: dict
+) -> dict[str, list[tuple[str | None, float, int]]]:
     """Per segment of ``own`` ops, beside whose backward its copies back run when prefetched:
     ``(segment of own ops or None, part of its copies, how many copies of that backward hide
     them)`` (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; a copy of a repeated
@@ -268,8 +304,11 @@ def _copy_kept(solver, copied: tuple[list[float], list[float]], kept_k: list, ba
     op it views."""
     read, made = copied
     extra = solver.NumVar(0.0, solver.infinity(), "")
-    solver.Add(extra >= sum(r * MEMORY_SCALE * var for r, var in zip(read, kept_k) if r)
-               - sum(m * MEMORY_SCALE * sum(group) for m, group in zip(made, base) if m))
+    solver.Add(
+        extra
+        >= sum(r * MEMORY_SCALE * var for r, var in zip(read, kept_k) if r)
+        - sum(m * MEMORY_SCALE * sum(group) for m, group in zip(made, base) if m)
+    )
     kept_mb[extra] += 1.0
 
 

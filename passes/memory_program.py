@@ -10,7 +10,8 @@ peak ``M`` under the budget::
                 M ≥ Σ_n Σ_k m_n,k,last · x_n,k + S,   S ≥ 2 Σ_k p_n,k · x_n,k  for every parameter n
                 M ≤ budget                                  (memory budget, when given)
                 T_S ≥ Σ_(u ∈ A_n) Σ_k a_u,k · x_u,k − Σ_(u ∈ D_n) h_u + Σ_j e_n,j  for every backward op n of segment S
-                M ≥ Σ_n Σ_k m_n,k,0 · x_n,k + T_F,   T_F ≥ Σ_(u ∈ A_n) Σ_k (a_u,k · x_u,k − b_u,k · k_u,k) + Σ_j e_n,j − L_n  for every forward op n
+                M ≥ Σ_n Σ_k m_n,k,0 · x_n,k + T_F,
+                T_F ≥ Σ_(u ∈ A_n) Σ_k (a_u,k · x_u,k − b_u,k · k_u,k) + Σ_j e_n,j − L_n  for every forward op n
                 L_n = Σ_(n' after n) Σ_k b_n',k · k_n',k
                 e_n,j ≥ Σ_k r_n,j,k · x_n,k − Σ_k' o_u,k' · x_u,k',  e_n,j ≥ 0   for every value u op n reads
 
@@ -31,7 +32,8 @@ the forward values ``D_n`` it has read for the last time by then
 (:attr:`~autopar.passes.remat.ActivationSpace.freed`; ``h_u`` their bytes kept, or recomputed
 or reloaded for the segment). ``T_F`` is what the forward holds beyond what it keeps for the
 backward at its fullest, counted with what the first moment holds (every kept activation, no
-gradient), less what the ops after ``n`` keep (``L_n``), not made yet. ``Q_S(t)`` is the values the backward of moment t's segment recomputes or
+gradient), less what the ops after ``n`` keep (``L_n``), not made yet. ``Q_S(t)`` is the values
+the backward of moment t's segment recomputes or
 copies back (:mod:`autopar.passes.memory_choices`), ``B`` the packed copy of a gradient bucket
 in flight beside the backward (:func:`in_flight_bucket`). Within a stack of repeated layers the
 memory of a moment lies on the line between the stack's first and last moments; only those are
@@ -48,24 +50,33 @@ parameter's optimizer state, and the parameter itself, live in host memory (term
 import time
 from collections import defaultdict
 
-from ortools.linear_solver import pywraplp
-
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.passes.mip import MEMORY_SCALE, solve_before_deadline
 from autopar.passes.remat import ActivationSpace
+from ortools.linear_solver import pywraplp
 
 
-def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | None, shared: dict[str, str],
-                  acts: ActivationSpace | None, chosen: tuple | None = None, terms: list | None = None):
+def memory_budget(
+    solver,
+    memory: MemoryTerms,
+    ind: dict,
+    budget_bytes: float | None,
+    shared: dict[str, str],
+    acts: ActivationSpace | None,
+    chosen: tuple | None = None,
+    terms: list | None = None,
+):
     """The per-device peak ``M`` of the module docstring: at least the memory alive at each
     moment of the backward, and at most the budget when one is given. ``acts`` gives the
     moments (one, holding everything, without it); ``chosen`` (the kept terms and the
     segments' recomputed megabytes of
     :func:`~autopar.passes.memory_choices.keep_recompute_or_offload`) replaces the
     activations of the forward ops; ``terms`` adds ``(node, variable, megabytes per copy,
-    kind)`` terms, as :func:`~autopar.passes.memory_choices.host_state` makes them: alive at every moment (``"always"``), from
+    kind)`` terms, as :func:`~autopar.passes.memory_choices.host_state` makes them: alive at every
+    moment (``"always"``), from
     the node's gradient on (``"grad"``; without a node, once the backward has begun), at the
-    start of the backward that makes it (``"made"``) or as long as its kept outputs (``"kept"``). Returns ``M`` and the budget row (``None`` without a
+    start of the backward that makes it (``"made"``) or as long as its kept outputs (``"kept"``).
+    Returns ``M`` and the budget row (``None`` without a
     budget)."""
     moments = acts.moments if acts is not None else 1
     released = acts.released if acts is not None else {}
@@ -78,14 +89,24 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
 
     def add(name: str | None, kind: str, var, megabytes: float) -> None:
         for copy in copies.get(name, (name,)):
-            span = ((made.get(copy, 0) if copy is not None else min(1, last), last) if kind == "grad"
-                    else (0, released.get(copy, last)) if kind == "kept"
-                    else (max(made.get(copy, 0) - 1, 0),) * 2 if kind == "made" else (0, last))
+            span = (
+                (made.get(copy, 0) if copy is not None else min(1, last), last)
+                if kind == "grad"
+                else (0, released.get(copy, last))
+                if kind == "kept"
+                else (max(made.get(copy, 0) - 1, 0),) * 2
+                if kind == "made"
+                else (0, last)
+            )
             alive[span][var] += megabytes
 
     exclude = frozenset(acts.nodes) if acts is not None and chosen is not None else frozenset()
-    for kind, part in (("always", memory.params), ("always", memory.optimizer), ("grad", memory.grads),
-                       ("kept", memory.activations)):
+    for kind, part in (
+        ("always", memory.params),
+        ("always", memory.optimizer),
+        ("grad", memory.grads),
+        ("kept", memory.activations),
+    ):
         for name, sizes in part.items():
             if name in shared or (part is memory.activations and name in exclude):
                 continue
@@ -125,13 +146,18 @@ def memory_budget(solver, memory: MemoryTerms, ind: dict, budget_bytes: float | 
             held = sum(sizes[k] * MEMORY_SCALE * sum(group) for k, group in enumerate(ind[name]) if group and sizes[k])
         else:
             held = sum(_made(acts, ind, u) for u in acts.alive[name]) - sum(
-                _freed_mb(memory, acts, ind, shared, picked, u, acts.backward_segment[name]) for u in acts.freed.get(name, ()))
+                _freed_mb(memory, acts, ind, shared, picked, u, acts.backward_segment[name])
+                for u in acts.freed.get(name, ())
+            )
         solver.Add(temporaries[segment] >= held + sum(_moved_copies(solver, memory, ind, name)))
     forward = _forward_held(solver, memory, acts, ind, shared, picked) if acts is not None else None
     stepped = solver.NumVar(0.0, solver.infinity(), "")  # the optimizer step's temporaries, S
     for name in memory.optimizer:
         if name not in shared:
-            solver.Add(stepped >= sum(2 * size * MEMORY_SCALE * sum(group) for size, group in zip(memory.params[name], ind[name])))
+            solver.Add(
+                stepped
+                >= sum(2 * size * MEMORY_SCALE * sum(group) for size, group in zip(memory.params[name], ind[name]))
+            )
     for segment, var in refilled.items():
         during(segment, var)
     for name, per_var in kept.items():
@@ -166,7 +192,9 @@ def _distinct_moments(alive: dict[tuple[int, int], dict], at_moment: list[dict])
     return rows
 
 
-def _forward_held(solver, memory: MemoryTerms, acts: ActivationSpace, ind: dict, shared: dict[str, str], kept: dict | None):
+def _forward_held(
+    solver, memory: MemoryTerms, acts: ActivationSpace, ind: dict, shared: dict[str, str], kept: dict | None
+):
     """``T_F`` of the module docstring: at least, for every forward op ``n``, the megabytes of
     the outputs alive while it runs beyond what they keep, with the copies it gathers, less
     what the ops after it keep (``L_n``). Of the copies of a repeated layer's op, only the last
@@ -218,11 +246,23 @@ def _kept(memory: MemoryTerms, ind: dict, shared: dict[str, str], kept: dict | N
     choices, the activations the backward reads."""
     if kept is not None:
         return kept.get(shared.get(name, name), {})
-    return {var: size * MEMORY_SCALE for size, group in zip(memory.activations.get(name, ()), ind[name]) if size for var in group}
+    return {
+        var: size * MEMORY_SCALE
+        for size, group in zip(memory.activations.get(name, ()), ind[name])
+        if size
+        for var in group
+    }
 
 
-def _freed_mb(memory: MemoryTerms, acts: ActivationSpace, ind: dict, shared: dict[str, str], kept: dict | None,
-              name: str, segment: str):
+def _freed_mb(
+    memory: MemoryTerms,
+    acts: ActivationSpace,
+    ind: dict,
+    shared: dict[str, str],
+    kept: dict | None,
+    name: str,
+    segment: str,
+):
     """The megabytes the backward of ``segment`` frees after its last read of forward op
     ``name``'s outputs: those it holds for the backward (kept, or recomputed or reloaded for
     its own segment's backward) or, without activation choices, the activations the backward
@@ -246,8 +286,11 @@ def _moved_copies(solver, memory: MemoryTerms, ind: dict, name: str) -> list:
         if max(read, default=0.0) <= min(made, default=0.0):
             continue
         extra = solver.NumVar(0.0, solver.infinity(), "")
-        solver.Add(extra >= sum(r * MEMORY_SCALE * sum(group) for r, group in zip(read, ind[name]) if r)
-                   - sum(m * MEMORY_SCALE * sum(group) for m, group in zip(made, ind[producer]) if m))
+        solver.Add(
+            extra
+            >= sum(r * MEMORY_SCALE * sum(group) for r, group in zip(read, ind[name]) if r)
+            - sum(m * MEMORY_SCALE * sum(group) for m, group in zip(made, ind[producer]) if m)
+        )
         found.append(extra)
     return found
 
@@ -269,7 +312,8 @@ def _between(a: dict, b: dict, c: dict) -> bool:
     largest = max(keys, key=lambda v: abs(step[v]), default=None)
     t = 0.0 if largest is None or step[largest] == 0 else (b.get(largest, 0.0) - a.get(largest, 0.0)) / step[largest]
     return -1e-12 <= t <= 1 + 1e-12 and all(
-        abs(b.get(v, 0.0) - a.get(v, 0.0) - t * step[v]) <= 1e-9 * max(1.0, abs(b.get(v, 0.0))) for v in keys)
+        abs(b.get(v, 0.0) - a.get(v, 0.0) - t * step[v]) <= 1e-9 * max(1.0, abs(b.get(v, 0.0))) for v in keys
+    )
 
 
 def in_flight_bucket(solver, bucketed: list[tuple], bucket_bytes: float):

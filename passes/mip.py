@@ -32,9 +32,15 @@ their plans within 0.1% in 81, 21 and 42 s at the default, and in more than 120,
 at 0.5, with the same plans."""
 
 
-def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tuple] = (),
-                          give_up_without_plan_s: float = math.inf, heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT,
-                          dive: Sequence = ()):
+def solve_before_deadline(
+    solver,
+    params,
+    time_limit_s: float,
+    hint: Sequence[tuple] = (),
+    give_up_without_plan_s: float = math.inf,
+    heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT,
+    dive: Sequence = (),
+):
     """Solve in a process of its own (:mod:`autopar.passes.highs_child`) with HiGHS's time limit
     at ``time_limit_s``, and give up on it at ``DEADLINE_FACTOR`` times that plus
     ``DEADLINE_GRACE_S``: MIP solvers honour their own time limit only between steps, not
@@ -57,11 +63,21 @@ def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tu
     for var, value in hint:
         model.solution_hint.var_index.append(var.index())
         model.solution_hint.var_value.append(value)
-    payload = (struct.pack("ddddI", params.GetDoubleParam(params.RELATIVE_MIP_GAP), time_limit_s, give_up_without_plan_s,
-                           heuristic_effort, len(dive))
-               + array.array("i", [var.index() for var in dive]).tobytes() + model.SerializeToString())
-    child = subprocess.Popen([sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    payload = (
+        struct.pack(
+            "ddddI",
+            params.GetDoubleParam(params.RELATIVE_MIP_GAP),
+            time_limit_s,
+            give_up_without_plan_s,
+            heuristic_effort,
+            len(dive),
+        )
+        + array.array("i", [var.index() for var in dive]).tobytes()
+        + model.SerializeToString()
+    )
+    child = subprocess.Popen(
+        [sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         out, err = child.communicate(payload, timeout=time_limit_s * DEADLINE_FACTOR + DEADLINE_GRACE_S)
     except subprocess.TimeoutExpired:
@@ -69,6 +85,8 @@ def solve_before_deadline(solver, params, time_limit_s: float, hint: Sequence[tu
         child.communicate()
         return None
     if child.returncode != 0 or not out:
-        raise InfeasiblePlanError(f"the MIP solver stopped without an answer (exit code {child.returncode}): "
-                                  f"{err.decode(errors='replace').strip()[-500:]}")
+        raise InfeasiblePlanError(
+            f"the MIP solver stopped without an answer (exit code {child.returncode}): "
+            f"{err.decode(errors='replace').strip()[-500:]}"
+        )
     return pickle.loads(out)

@@ -6,14 +6,15 @@ from collections import defaultdict
 from autopar.cost_model.compute import math_format, rank_flops
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.mesh import Mesh
-from autopar.placement import format_placement, format_placements
-from autopar.plan import Collective, NodePlan, ShardingPlan
 from autopar.passes.buckets import ParameterGather, bucket_s, gradient_buckets, parameter_gathers
 from autopar.passes.capture import Captured, module_paths
 from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops, refilled_bytes
 from autopar.passes.solver import Solution
 from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
+
+from autopar.mesh import Mesh
+from autopar.placement import format_placement, format_placements
+from autopar.plan import Collective, NodePlan, ShardingPlan
 
 
 def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed: frozenset[str] = frozenset()):
@@ -53,10 +54,20 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
             yield from move(ref, chosen[n.name].inputs[j], n, "recompute" if again else phase, in_backward)
 
 
-def build_plan(captured: Captured, space: StrategySpace, solution: Solution, costs: CostModel,
-               compute: dict[str, list[float]], memory: MemoryTerms, activations: ActivationSpace, *,
-               hardware_name: str, pinned: tuple[str, ...], memory_budget_bytes: int | None,
-               stage_s: dict[str, float]) -> ShardingPlan:
+def build_plan(
+    captured: Captured,
+    space: StrategySpace,
+    solution: Solution,
+    costs: CostModel,
+    compute: dict[str, list[float]],
+    memory: MemoryTerms,
+    activations: ActivationSpace,
+    *,
+    hardware_name: str,
+    pinned: tuple[str, ...],
+    memory_budget_bytes: int | None,
+    stage_s: dict[str, float],
+) -> ShardingPlan:
     """The plan of ``solution``; ``compute`` is each node's compute time under each strategy
     (:meth:`~autopar.cost_model.estimate.CostModel.compute_costs`)."""
     mesh = costs.mesh
@@ -64,8 +75,9 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     choice, recomputed, offloaded = solution.choice, solution.recomputed, solution.offloaded
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
     modules = module_paths(captured)
-    kept_total, recomputed_total, offloaded_total = activation_bytes(activations, choice, recomputed, offloaded,
-                                                                        solution.prefetched)
+    kept_total, recomputed_total, offloaded_total = activation_bytes(
+        activations, choice, recomputed, offloaded, solution.prefetched
+    )
     needed = kept_ops(activations, recomputed, offloaded)
 
     host = costs.host()
@@ -81,14 +93,24 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         return "", 0, 0.0
 
     nodes = tuple(
-        NodePlan(n.name, n.target, modules.get(n.name, ""), n.phase,
-                 tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
-                 tuple(format_placements(p) for p in chosen[n.name].inputs),
-                 compute[n.name][choice[n.name]], *activation(n.name), math_format(costs.graph_nodes[n.name]) or "",
-                 rank_flops(costs.graph_nodes[n.name], chosen[n.name], mesh))
-        for n in space.nodes if n.kind == "op"
+        NodePlan(
+            n.name,
+            n.target,
+            modules.get(n.name, ""),
+            n.phase,
+            tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
+            tuple(format_placements(p) for p in chosen[n.name].inputs),
+            compute[n.name][choice[n.name]],
+            *activation(n.name),
+            math_format(costs.graph_nodes[n.name]) or "",
+            rank_flops(costs.graph_nodes[n.name], chosen[n.name], mesh),
+        )
+        for n in space.nodes
+        if n.kind == "op"
     )
-    gathers = parameter_gathers(captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes)
+    gathers = parameter_gathers(
+        captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes
+    )
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers))
     in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
     placements = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")}
@@ -107,13 +129,27 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
         bucket_bytes=costs.bucket_bytes,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=dataclasses.replace(memory.estimate(choice, (frozenset(activations.nodes), kept_total, recomputed_total,
-                                                            offloaded_total), solution.host_optimizer, solution.host_params),
-                                   bucket_bytes=in_flight,
-                                   host_capacity_bytes=_host_capacity(host),
-                                   moment_bytes=moment_bytes(memory, activations, choice, recomputed, offloaded,
-                                                             solution.prefetched, solution.host_optimizer, solution.host_params,
-                                                             in_flight)),
+        memory=dataclasses.replace(
+            memory.estimate(
+                choice,
+                (frozenset(activations.nodes), kept_total, recomputed_total, offloaded_total),
+                solution.host_optimizer,
+                solution.host_params,
+            ),
+            bucket_bytes=in_flight,
+            host_capacity_bytes=_host_capacity(host),
+            moment_bytes=moment_bytes(
+                memory,
+                activations,
+                choice,
+                recomputed,
+                offloaded,
+                solution.prefetched,
+                solution.host_optimizer,
+                solution.host_params,
+                in_flight,
+            ),
+        ),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
@@ -128,16 +164,25 @@ def build_plan(captured: Captured, space: StrategySpace, solution: Solution, cos
     )
 
 
-def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
-                 offloaded: frozenset[str], prefetched: frozenset[str], host_optimizer: frozenset[str],
-                 host_params: frozenset[str], bucket: int = 0) -> int:
+def moment_bytes(
+    memory: MemoryTerms,
+    acts: ActivationSpace,
+    choice: dict[str, int],
+    recomputed: frozenset[str],
+    offloaded: frozenset[str],
+    prefetched: frozenset[str],
+    host_optimizer: frozenset[str],
+    host_params: frozenset[str],
+    bucket: int = 0,
+) -> int:
     """What the solver counts alive at the fullest moment of the training step
     (:func:`~autopar.passes.memory_program.memory_budget`): parameters and optimizer state not
     in host memory (those in host memory in the backward that makes their gradients), the
     gradients made by then, the activations kept until then and the
     values the moment's segment recomputes or reloads, with the most its backward holds beyond
     that while one of its ops runs (what it made, less the forward values it has read for the
-    last time; with the copies of operands that op gathers), and once the backward has begun the ``bucket`` of gradients in flight; or at the
+    last time; with the copies of operands that op gathers), and once the backward has begun the
+    ``bucket`` of gradients in flight; or at the
     optimizer step, what the backward's end holds with two of the largest parameter; or in the
     forward, while one of its ops runs, the activations kept by then and the values alive
     beside them."""
@@ -160,7 +205,9 @@ def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, i
     for name, sizes in memory.activations.items():
         if name not in acts.segment:
             add(0, acts.released.get(name, last), sizes[choice[name]])
-    kept = {name: kept_bytes(acts, name, choice, recomputed) for name in kept_ops(acts, recomputed, offloaded) - recomputed}
+    kept = {
+        name: kept_bytes(acts, name, choice, recomputed) for name in kept_ops(acts, recomputed, offloaded) - recomputed
+    }
     for name, size in kept.items():
         add(0, acts.released.get(name, last), size)
     during = defaultdict(float, refilled_bytes(acts, choice, recomputed, offloaded, prefetched))
@@ -170,7 +217,9 @@ def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, i
             segment = acts.backward_segment.get(name)
             segment = segment if segment in acts.backward_order else None
             made = sum(acts.made[u][choice[u]] for u in acts.alive[name]) - sum(
-                acts.bytes[u][choice[u]] if acts.segment[u] == segment else kept.get(u, 0) for u in acts.freed.get(name, ()))
+                acts.bytes[u][choice[u]] if acts.segment[u] == segment else kept.get(u, 0)
+                for u in acts.freed.get(name, ())
+            )
             largest[segment] = max(largest[segment], made + memory.moved_bytes(name, choice))
     forward = later = 0.0  # beyond what the forward keeps, less what the ops after the one running keep
     for name in reversed(acts.nodes):
@@ -180,15 +229,31 @@ def moment_bytes(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, i
     for segment, size in largest.items():
         during[segment] += size
     elsewhere = sum(size for segment, size in during.items() if segment not in acts.backward_order)
-    at = (*acts.backward_order, *acts.backward_order[-1:])  # each segment's backward starting, then the last one's ending
+    at = (
+        *acts.backward_order,
+        *acts.backward_order[-1:],
+    )  # each segment's backward starting, then the last one's ending
     moments = [held[k] + elsewhere + during[segment] + (bucket if k else 0) for k, segment in enumerate(at)]
-    stepped = 2 * max((sizes[choice[name]] for name, sizes in memory.params.items()
-                       if name in memory.optimizer and name not in host_optimizer), default=0)
-    return int(max(*(moments or [held[0] + elsewhere + bucket]), held[0] + elsewhere + forward, held[last] + elsewhere + stepped))
+    stepped = 2 * max(
+        (
+            sizes[choice[name]]
+            for name, sizes in memory.params.items()
+            if name in memory.optimizer and name not in host_optimizer
+        ),
+        default=0,
+    )
+    return int(
+        max(
+            *(moments or [held[0] + elsewhere + bucket]),
+            held[0] + elsewhere + forward,
+            held[last] + elsewhere + stepped,
+        )
+    )
 
 
-def offload_s(acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None,
-              compute: dict[str, float]) -> float:
+def offload_s(
+    acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None, compute: dict[str, float]
+) -> float:
     """Seconds per step that offloading costs, as the solver prices them
     (:mod:`autopar.passes.memory_choices`): what of the copies out is left when the forward's
     compute ends, each segment's copies back (when prefetched, what of them is left when the
@@ -230,8 +295,14 @@ def _fmt(strategy: Strategy) -> tuple[str, ...]:
     return tuple(format_placement(p) for p in strategy.outputs[0])
 
 
-def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh,
-                 gathers: list[ParameterGather]):
+def _collectives(
+    space: StrategySpace,
+    chosen,
+    recomputed: frozenset[str],
+    costs: CostModel,
+    mesh: Mesh,
+    gathers: list[ParameterGather],
+):
     """The collectives of every planned move, then the all-reduces ops make themselves
     (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
     per bucket of the gradient moves that are bucketed
@@ -251,30 +322,56 @@ def _collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs
         for step in steps:
             if step.is_collective:
                 yield Collective(
-                    kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase=phase,
-                    time_s=costs.step_s(step), tensor=_ref_name(ref),
-                    consumer=consumer.name, src=format_placements(src), dst=format_placements(dst),
+                    kind=step.kind,
+                    axis=mesh.axis_names[step.axis],
+                    bytes=step.bytes,
+                    phase=phase,
+                    time_s=costs.step_s(step),
+                    tensor=_ref_name(ref),
+                    consumer=consumer.name,
+                    src=format_placements(src),
+                    dst=format_placements(dst),
                 )
     for n in space.nodes:
         steps = costs.split_steps(n.name, chosen[n.name]) if n.kind == "op" else ()
         layout = format_placements(chosen[n.name].inputs[0]) if steps else ""
         for phase in (n.phase, "recompute") if n.name in recomputed else (n.phase,):
             for step in steps:
-                yield Collective(kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase=phase,
-                                 time_s=costs.step_s(step), tensor=n.name, consumer=n.name, src=layout, dst=layout)
+                yield Collective(
+                    kind=step.kind,
+                    axis=mesh.axis_names[step.axis],
+                    bytes=step.bytes,
+                    phase=phase,
+                    time_s=costs.step_s(step),
+                    tensor=n.name,
+                    consumer=n.name,
+                    src=layout,
+                    dst=layout,
+                )
     for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
         for k, step in enumerate(bucket.steps):  # the packing and the pieces' copies go with the first
             yield Collective(
-                kind=step.kind, axis=mesh.axis_names[step.axis], bytes=step.bytes, phase="backward",
-                time_s=bucket_s((step,), [m[0][:1] for m in members], mesh, costs.links) if k == 0 else costs.step_s(step),
-                tensor=f"bucket of {len(members)} gradients", consumer="gradients",
-                src=" | ".join(dict.fromkeys(m[2] for m in members)), dst=" | ".join(dict.fromkeys(m[3] for m in members)),
+                kind=step.kind,
+                axis=mesh.axis_names[step.axis],
+                bytes=step.bytes,
+                phase="backward",
+                time_s=bucket_s((step,), [m[0][:1] for m in members], mesh, costs.links)
+                if k == 0
+                else costs.step_s(step),
+                tensor=f"bucket of {len(members)} gradients",
+                consumer="gradients",
+                src=" | ".join(dict.fromkeys(m[2] for m in members)),
+                dst=" | ".join(dict.fromkeys(m[3] for m in members)),
             )
     for g in gathers:
         yield Collective(
-            kind="all_gather", axis=mesh.axis_names[g.bucket.step.axis], bytes=g.bucket.step.bytes, phase=g.phase,
-            time_s=bucket_s((g.bucket.step,), [(s,) for s in g.steps], mesh, costs.links), tensor=f"bucket of {len(g.keys)} parameters",
+            kind="all_gather",
+            axis=mesh.axis_names[g.bucket.step.axis],
+            bytes=g.bucket.step.bytes,
+            phase=g.phase,
+            time_s=bucket_s((g.bucket.step,), [(s,) for s in g.steps], mesh, costs.links),
+            tensor=f"bucket of {len(g.keys)} parameters",
             consumer=f"parameters of {g.segment or '(root)'}",
             src=" | ".join(dict.fromkeys(format_placements(chosen[k[1][0]].outputs[0]) for k in g.keys)),
             dst=" | ".join(dict.fromkeys(format_placements(k[2]) for k in g.keys)),

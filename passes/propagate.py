@@ -11,21 +11,22 @@ import logging
 import math
 
 import torch
+from autopar.passes.capture import Captured, captured_backward
+from autopar.passes.redistribute import valid_layouts
+from autopar.passes.rules import rule_for, tensor_args
+from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 from torch import fx
 
 from autopar.errors import InfeasiblePlanError, UnsupportedOpError
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, R, Shard, format_placements
-from autopar.passes.capture import Captured, captured_backward
-from autopar.passes.redistribute import valid_layouts
-from autopar.passes.rules import rule_for, tensor_args
-from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 
 log = logging.getLogger(__name__)
 
 
-def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | None = None,
-              fallback: bool = True) -> StrategySpace:
+def propagate(
+    captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | None = None, fallback: bool = True
+) -> StrategySpace:
     """Enumerate the strategies of every node of ``captured``'s joint graph on ``mesh``.
 
     ``pins`` fixes the placements of parameters, buffers or inputs by name. Ops with no rule run
@@ -55,17 +56,28 @@ def propagate(captured: Captured, mesh: Mesh, *, pins: dict[str, Placements] | N
                 unsupported.append(node)
             if key not in seen:
                 seen[key] = _op_strategies(node, mesh)
-            nodes.append(NodeSpace(node.name, "op", str(node.target), tuple(_ref(a, aliases) for a in tensor_args(node)),
-                                   seen[key], phase))
+            nodes.append(
+                NodeSpace(
+                    node.name,
+                    "op",
+                    str(node.target),
+                    tuple(_ref(a, aliases) for a in tensor_args(node)),
+                    seen[key],
+                    phase,
+                )
+            )
     nodes.append(_output_space(captured, mesh, aliases))
     if pins:
         known = sorted(k.name for k in captured.inputs if k.kind != "tangent")
-        raise ValueError(f"pins name {sorted(pins)}, which are not parameters, buffers or inputs of the model; known names: {known}")
+        raise ValueError(
+            f"pins name {sorted(pins)}, which are not parameters, buffers or inputs of the model; known names: {known}"
+        )
     if unsupported:
         lines = [f"  {n.name}: {n.target} on {_shapes(n)}" for n in unsupported]
         if not fallback:
             raise UnsupportedOpError(
-                f"{len(unsupported)} node(s) use operators with no sharding rule:\n" + "\n".join(lines)
+                f"{len(unsupported)} node(s) use operators with no sharding rule:\n"
+                + "\n".join(lines)
                 + "\nFix: pass fallback=True to run them replicated, or add a rule in autopar/passes/rules/"
             )
         log.warning("no sharding rule for %d node(s); they run replicated:\n%s", len(unsupported), "\n".join(lines))
@@ -116,7 +128,8 @@ def _state_updates(captured: Captured) -> dict[str, fx.Node]:
     buffer."""
     out = captured.graph.graph.output_node()
     return {
-        kind.name: value for kind, value in zip(captured.outputs, out.args[0])
+        kind.name: value
+        for kind, value in zip(captured.outputs, out.args[0])
         if kind is not None and kind.kind in ("grad", "buffer") and isinstance(value, fx.Node)
     }
 
@@ -192,7 +205,9 @@ def _op_strategies(node: fx.Node, mesh: Mesh) -> tuple[Strategy, ...]:
     rows = [replicated] if rule is None else rule(node)
     in_vals = [a.meta["val"] for a in args]
     strategies = []
-    for combo in itertools.product(*(rows if size > 1 else [replicated] for size in mesh.shape)):  # an axis of 1 rank only replicates
+    for combo in itertools.product(
+        *(rows if size > 1 else [replicated] for size in mesh.shape)
+    ):  # an axis of 1 rank only replicates
         outputs = tuple(
             None if not isinstance(o, torch.Tensor) else tuple(row[0][i] for row in combo)
             for i, o in enumerate(out_vals)
@@ -200,7 +215,9 @@ def _op_strategies(node: fx.Node, mesh: Mesh) -> tuple[Strategy, ...]:
         inputs = tuple(tuple(row[1][k] for row in combo) for k in range(len(args)))
         if not _co_split_rows_agree(combo, [p for p in outputs + inputs if p is not None]):
             continue
-        if all(placement_problem(v, p, mesh) is None for v, p in zip(out_vals + in_vals, outputs + inputs) if p is not None):
+        if all(
+            placement_problem(v, p, mesh) is None for v, p in zip(out_vals + in_vals, outputs + inputs) if p is not None
+        ):
             strategies.append(Strategy(outputs, inputs))
     strategies = tuple(dict.fromkeys(strategies))
     if not strategies:
@@ -211,7 +228,8 @@ def _op_strategies(node: fx.Node, mesh: Mesh) -> tuple[Strategy, ...]:
 def _output_space(captured: Captured, mesh: Mesh, aliases) -> NodeSpace:
     out = captured.graph.graph.output_node()
     refs = tuple(
-        _ref(value, aliases) for kind, value in zip(captured.outputs, out.args[0])
+        _ref(value, aliases)
+        for kind, value in zip(captured.outputs, out.args[0])
         if kind is not None and kind.kind == "output" and isinstance(value, fx.Node)
     )
     whole = Strategy((), tuple((R,) * mesh.ndim for _ in refs))  # outputs come back whole

@@ -11,16 +11,16 @@ local pieces, as the rewriter does and as :mod:`autopar.cost_model.op_timing` ti
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
 from autopar.cost_model.hardware import Link
-from autopar.errors import RewriteError
-from autopar.mesh import Mesh
-from autopar.placement import Placements
 from autopar.passes.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, arg_layout, shape_arg, split_op
 from autopar.passes.strategy import Strategy
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.errors import RewriteError
+from autopar.mesh import Mesh
+from autopar.placement import Placements
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -81,13 +81,16 @@ class Rank:
         """The rank's piece of a dim of length ``whole`` split by mesh ``axes`` (outer first)."""
         return _Split(*piece_of(whole, axes, self.mesh, self.coordinate), [self.group_names[a] for a in axes])
 
-    def bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step, then: Sequence[Step] = ()) -> list[torch.Tensor]:
+    def bucket(
+        self, pieces: list[torch.Tensor], steps: list[Step], step: Step, then: Sequence[Step] = ()
+    ) -> list[torch.Tensor]:
         """Move ``pieces``, whose moves start with ``steps``, with the bucket's collective
         ``step`` and the all-reduces ``then`` over further mesh axes."""
         return self.start_bucket(pieces, steps, step, then)()
 
-    def start_bucket(self, pieces: list[torch.Tensor], steps: list[Step], step: Step,
-                     then: Sequence[Step] = ()) -> Callable[[], list[torch.Tensor]]:
+    def start_bucket(
+        self, pieces: list[torch.Tensor], steps: list[Step], step: Step, then: Sequence[Step] = ()
+    ) -> Callable[[], list[torch.Tensor]]:
         """Launch :meth:`bucket`'s collectives (waiting only between one mesh axis and the
         next); the function returned waits for the last and unpacks the pieces."""
         n, group = self._n_group(step)
@@ -100,8 +103,9 @@ class Rank:
                 whole = []
                 for p, s, piece in zip(pieces, steps, rows.split([p.numel() for p in pieces], 1)):
                     stacked = piece.reshape(n, *p.shape).movedim(0, s.dim)  # the n pieces side by side at dim s.dim
-                    whole.append(stacked.reshape(*p.shape[:s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1:]))
+                    whole.append(stacked.reshape(*p.shape[: s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1 :]))
                 return whole
+
             return gathered
         if step.kind == "all_reduce":
             launched = c10d.all_reduce(torch.cat([p.reshape(-1) for p in pieces]), "sum", group)
@@ -111,6 +115,7 @@ class Rank:
             def reduced() -> list[torch.Tensor]:
                 flat = c10d.wait_tensor(launched)
                 return [r.view(p.shape) for r, p in zip(flat.split([p.numel() for p in pieces]), pieces)]
+
             return reduced
         shards = [torch.chunk(p, n, s.dim) for p, s in zip(pieces, steps)]
         rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
@@ -119,6 +124,7 @@ class Rank:
         def scattered() -> list[torch.Tensor]:
             mine = c10d.wait_tensor(launched)
             return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+
         return scattered
 
 
@@ -169,8 +175,13 @@ def _value(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
 
-def local_call(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh,
-               split_of: Callable[[tuple[int, ...], int], Split]) -> Callable[[], object]:
+def local_call(
+    node: fx.Node,
+    local_args: list[torch.Tensor],
+    strategy: Strategy,
+    mesh: Mesh,
+    split_of: Callable[[tuple[int, ...], int], Split],
+) -> Callable[[], object]:
     """A function computing ``node``'s outputs on one rank from its local arguments (in
     :func:`~autopar.passes.rules.tensor_args` order) under ``strategy``. An op whose strategy
     splits a dim it reduces or indexes runs as its :class:`~autopar.passes.rules.SplitOp` says,
@@ -206,7 +217,9 @@ def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Str
     it = iter(local_args)
     flat = [next(it) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a for a in flat]
     if any(isinstance(a, fx.Node) for a in flat):
-        raise RewriteError(f"node {node.name} ({node.target}) takes a non-tensor graph value; autopar needs static shapes")
+        raise RewriteError(
+            f"node {node.name} ({node.target}) takes a non-tensor graph value; autopar needs static shapes"
+        )
     args, kwargs = tree_unflatten(flat, spec)
     args = list(args)
     found = shape_arg(node.target)

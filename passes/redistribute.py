@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autopar.cost_model.hardware import Link
+
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placements, Replicate, Shard
 
@@ -92,11 +93,12 @@ def valid_layouts(shape: tuple[int, ...], mesh: Mesh, partial: bool) -> tuple[Pl
 def _innermost(layout: Placements, dim: int, axis: int) -> bool:
     """Whether no axis after ``axis`` splits ``dim``: only the innermost cut of a dim can be
     gathered, and a new cut can only go inside the existing ones."""
-    return not any(isinstance(p, Shard) and p.dim == dim for p in layout[axis + 1:])
+    return not any(isinstance(p, Shard) and p.dim == dim for p in layout[axis + 1 :])
 
 
-def one_axis_step(cur: Placements, nxt: Placements, axis: int, shape: tuple[int, ...], itemsize: int,
-                  mesh: Mesh) -> Step | None:
+def one_axis_step(
+    cur: Placements, nxt: Placements, axis: int, shape: tuple[int, ...], itemsize: int, mesh: Mesh
+) -> Step | None:
     """The step that changes ``cur`` into ``nxt`` on ``axis`` alone (they agree elsewhere), or
     ``None`` where no single step does: a split turning into a partial sum, or a cut of a dim
     that a later axis also cuts."""
@@ -132,7 +134,12 @@ def step_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
         return 0.0
     link = links[step.axis]
     ops, copied = local_work(step)
-    return link.alpha_beta(step.kind)[0] + bandwidth_s(step, mesh, links) + ops * link.local_op_s + copied * link.local_s_per_byte
+    return (
+        link.alpha_beta(step.kind)[0]
+        + bandwidth_s(step, mesh, links)
+        + ops * link.local_op_s
+        + copied * link.local_s_per_byte
+    )
 
 
 def bandwidth_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
@@ -155,8 +162,15 @@ def local_work(step: Step) -> tuple[int, int]:
     return 0, 0
 
 
-def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, partial: bool,
-               mesh: Mesh, links: tuple[Link, ...]) -> tuple[Step, ...]:
+def transition(
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    partial: bool,
+    mesh: Mesh,
+    links: tuple[Link, ...],
+) -> tuple[Step, ...]:
     """The cheapest steps that turn a tensor laid out as ``src`` into one laid out as ``dst``
     (``partial``: whether the tensor may be a partial sum, i.e. is floating point)."""
     if src == dst:
@@ -164,7 +178,9 @@ def transition(src: Placements, dst: Placements, shape: tuple[int, ...], itemsiz
     return _shortest_paths(src, shape, itemsize, partial, mesh, links)[dst][1]
 
 
-def neighbours(cur: Placements, layouts: tuple[Placements, ...], shape, itemsize: int, mesh: Mesh) -> Iterator[tuple[Placements, Step]]:
+def neighbours(
+    cur: Placements, layouts: tuple[Placements, ...], shape, itemsize: int, mesh: Mesh
+) -> Iterator[tuple[Placements, Step]]:
     """The layouts one step away from ``cur`` within ``layouts``, with that step."""
     for axis in range(mesh.ndim):
         for nxt in layouts:
@@ -175,17 +191,21 @@ def neighbours(cur: Placements, layouts: tuple[Placements, ...], shape, itemsize
 
 
 @functools.lru_cache(maxsize=1024)
-def _arcs(shape: tuple[int, ...], itemsize: int, partial: bool, mesh: Mesh,
-          links: tuple[Link, ...]) -> dict[Placements, tuple[tuple[Placements, Step, float], ...]]:
+def _arcs(
+    shape: tuple[int, ...], itemsize: int, partial: bool, mesh: Mesh, links: tuple[Link, ...]
+) -> dict[Placements, tuple[tuple[Placements, Step, float], ...]]:
     """Per valid layout of a tensor, the valid layouts one step away, with the step and its time."""
     layouts = valid_layouts(shape, mesh, partial)
-    return {u: tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(u, layouts, shape, itemsize, mesh))
-            for u in layouts}
+    return {
+        u: tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(u, layouts, shape, itemsize, mesh))
+        for u in layouts
+    }
 
 
 @functools.lru_cache(maxsize=4096)
-def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: Mesh,
-                    links: tuple[Link, ...]) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
+def _shortest_paths(
+    src: Placements, shape, itemsize: int, partial: bool, mesh: Mesh, links: tuple[Link, ...]
+) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
     arcs = _arcs(shape, itemsize, partial, mesh, links)
     best: dict[Placements, tuple[float, tuple[Step, ...]]] = {}
     order = itertools.count()
@@ -197,7 +217,9 @@ def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: 
         best[cur] = (cost, steps)
         out = arcs.get(cur)
         if out is None:  # a source outside the valid layouts
-            out = tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(cur, tuple(arcs), shape, itemsize, mesh))
+            out = tuple(
+                (v, step, step_s(step, mesh, links)) for v, step in neighbours(cur, tuple(arcs), shape, itemsize, mesh)
+            )
         for nxt, step, seconds in out:
             if nxt not in best:
                 heapq.heappush(heap, (cost + seconds, len(steps) + 1, next(order), nxt, steps + (step,)))
@@ -205,8 +227,11 @@ def _shortest_paths(src: Placements, shape, itemsize: int, partial: bool, mesh: 
 
 
 @functools.lru_cache(maxsize=1024)
-def one_step_moves(shape: tuple[int, ...], itemsize: int, partial: bool, mesh: Mesh,
-                   links: tuple[Link, ...]) -> tuple[tuple[Placements, Placements, float], ...]:
+def one_step_moves(
+    shape: tuple[int, ...], itemsize: int, partial: bool, mesh: Mesh, links: tuple[Link, ...]
+) -> tuple[tuple[Placements, Placements, float], ...]:
     """Every one-step move between valid layouts of a tensor, with its modelled time: the arcs
     whose shortest paths :func:`transition` takes."""
-    return tuple((u, v, seconds) for u, out in _arcs(shape, itemsize, partial, mesh, links).items() for v, _, seconds in out)
+    return tuple(
+        (u, v, seconds) for u, out in _arcs(shape, itemsize, partial, mesh, links).items() for v, _, seconds in out
+    )

@@ -24,7 +24,6 @@ parameter gathered for the forward is not held until the backward.
 from dataclasses import dataclass, field
 
 import torch
-
 from autopar.cost_model.estimate import CostModel
 from autopar.passes.capture import Captured, backward_segment_starts, is_layer, module_paths, segment_of
 from autopar.passes.strategy import StrategySpace
@@ -34,6 +33,7 @@ RECOMPUTE_OPTIONS = ("auto", "none", "layers")
 memory budget asks for (nothing without a budget); ``"none"`` keeps every activation;
 ``"layers"`` recomputes everything inside each layer of a stack from the layer's input, as
 activation checkpointing of every block does, and decides the rest as ``"auto"``."""
+
 
 @dataclass(frozen=True, slots=True)
 class ActivationSpace:
@@ -106,8 +106,9 @@ class ActivationSpace:
         return dict(zip(self.backward_order[1:], self.backward_order))
 
 
-def activation_space(captured: Captured, space: StrategySpace, costs: CostModel, recompute: str, *,
-                     offload: bool = False) -> ActivationSpace:
+def activation_space(
+    captured: Captured, space: StrategySpace, costs: CostModel, recompute: str, *, offload: bool = False
+) -> ActivationSpace:
     """The choices for ``space`` under the ``recompute`` option (see :data:`RECOMPUTE_OPTIONS`),
     with offload to host memory when ``offload``."""
     graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
@@ -120,7 +121,9 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
     segment = {n.name: segment_of(paths.get(n.name, "")) for n in forward}
     views = {n.name: n.args[0] for n in forward if _is_view(graph_nodes[n.name]) and n.args}
     param_views = _param_views(forward, read_back, views, by_name)
-    recomputable = {n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])} | param_views
+    recomputable = {
+        n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])
+    } | param_views
     never_kept = set(param_views)
     if recompute == "layers":
         for name in recomputable:
@@ -139,24 +142,48 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
         if n.name in held and others and n.name not in views:
             readers = set().union(*(read_forward[n.name][i] for i in others))
             extra[n.name] = sizes(n, others), tuple(sorted(readers))
-    kept = {n.name: [0.0] * len(n.strategies) if n.name in views else sizes(n, held.get(n.name) or set(read_forward.get(n.name, {})))
-            for n in forward}
-    offloadable = {n.name for n in forward if offload and recompute != "none" and n.name not in views
-                   and n.name not in never_kept and any(kept[n.name])}
+    kept = {
+        n.name: [0.0] * len(n.strategies)
+        if n.name in views
+        else sizes(n, held.get(n.name) or set(read_forward.get(n.name, {})))
+        for n in forward
+    }
+    offloadable = {
+        n.name
+        for n in forward
+        if offload and recompute != "none" and n.name not in views and n.name not in never_kept and any(kept[n.name])
+    }
     segments = set(segment.values())
-    backward_segment = {n.name: segment_of(paths[n.name]) for n in space.nodes
-                        if n.kind == "op" and n.phase == "backward" and n.name in paths}
+    backward_segment = {
+        n.name: segment_of(paths[n.name])
+        for n in space.nodes
+        if n.kind == "op" and n.phase == "backward" and n.name in paths
+    }
     backward_segment = {name: s for name, s in backward_segment.items() if s in segments}
     order = tuple(backward_segment_starts(captured, paths))
     released, grad_made = _moments(space, forward, segment, backward_segment, views, order)
-    made = {n.name: [0.0] * len(n.strategies) if n.name in views else
-            [float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None)) for s in n.strategies]
-            for n in forward}
+    made = {
+        n.name: [0.0] * len(n.strategies)
+        if n.name in views
+        else [
+            float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None))
+            for s in n.strategies
+        ]
+        for n in forward
+    }
     backward = [n for n in space.nodes if n.kind == "op" and n.phase == "backward"]
     backward_views = {n.name: n.args[0] for n in backward if _is_view(graph_nodes[n.name]) and n.args}
-    made.update({n.name: [0.0] * len(n.strategies) if n.name in backward_views else
-                 [float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None)) for s in n.strategies]
-                 for n in backward})
+    made.update(
+        {
+            n.name: [0.0] * len(n.strategies)
+            if n.name in backward_views
+            else [
+                float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None))
+                for s in n.strategies
+            ]
+            for n in backward
+        }
+    )
     alive = {**_alive(forward, readers_in, views), **_alive(backward, _readers(backward), backward_views)}
     copied = {}
     for n in forward:
@@ -166,15 +193,37 @@ def activation_space(captured: Captured, space: StrategySpace, costs: CostModel,
             made_as = [float(costs.local_bytes((base, index), s.outputs[index])) for s in by_name[base].strategies]
             if max(read) > min(made_as):
                 copied[n.name] = read, made_as
-    return ActivationSpace(tuple(n.name for n in forward), segment, frozenset(read_back), frozenset(recomputable),
-                           operands, kept, frozenset(never_kept),
-                           {v: base for v, (base, _) in views.items() if base in names}, extra, frozenset(param_views),
-                           frozenset(offloadable), backward_segment, order, released, grad_made, made,
-                           alive, copied, _freed(backward, backward_segment, views, names))
+    return ActivationSpace(
+        tuple(n.name for n in forward),
+        segment,
+        frozenset(read_back),
+        frozenset(recomputable),
+        operands,
+        kept,
+        frozenset(never_kept),
+        {v: base for v, (base, _) in views.items() if base in names},
+        extra,
+        frozenset(param_views),
+        frozenset(offloadable),
+        backward_segment,
+        order,
+        released,
+        grad_made,
+        made,
+        alive,
+        copied,
+        _freed(backward, backward_segment, views, names),
+    )
 
 
-def _moments(space: StrategySpace, forward, segment: dict[str, str], backward_segment: dict[str, str], views: dict,
-             order: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
+def _moments(
+    space: StrategySpace,
+    forward,
+    segment: dict[str, str],
+    backward_segment: dict[str, str],
+    views: dict,
+    order: tuple[str, ...],
+) -> tuple[dict[str, int], dict[str, int]]:
     """:attr:`ActivationSpace.released` and :attr:`ActivationSpace.grad_made`. A reader in no
     segment of ``order`` keeps an op alive to the end and makes a gradient from the start."""
     at = {s: i for i, s in enumerate(order)}
@@ -308,7 +357,11 @@ def _deterministic(node: torch.fx.Node) -> bool:
     if "dropout_p" not in names:
         return False
     i = names.index("dropout_p")
-    value = node.args[i] if len(node.args) > i else node.kwargs.get("dropout_p", node.target._schema.arguments[i].default_value)
+    value = (
+        node.args[i]
+        if len(node.args) > i
+        else node.kwargs.get("dropout_p", node.target._schema.arguments[i].default_value)
+    )
     return value == 0
 
 
@@ -333,21 +386,34 @@ def kept_ops(acts: ActivationSpace, recomputed: frozenset[str], offloaded: froze
     return kept
 
 
-def activation_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
-                     offloaded: frozenset[str] = frozenset(), prefetched: frozenset[str] = frozenset()) -> tuple[int, int, int]:
+def activation_bytes(
+    acts: ActivationSpace,
+    choice: dict[str, int],
+    recomputed: frozenset[str],
+    offloaded: frozenset[str] = frozenset(),
+    prefetched: frozenset[str] = frozenset(),
+) -> tuple[int, int, int]:
     """``(kept, recomputed, offloaded)`` bytes per device: every kept op's outputs; the largest
     of a segment's recomputed and reloaded outputs (:func:`refilled_bytes`); and the offloaded
     outputs, which wait in host memory."""
     needed = kept_ops(acts, recomputed, offloaded)
-    kept = sum(kept_bytes(acts, name, choice, recomputed) for name in acts.nodes
-               if name in needed and name not in recomputed and name not in offloaded)
+    kept = sum(
+        kept_bytes(acts, name, choice, recomputed)
+        for name in acts.nodes
+        if name in needed and name not in recomputed and name not in offloaded
+    )
     host = sum(acts.bytes[name][choice[name]] for name in acts.nodes if name in offloaded)
     refilled = refilled_bytes(acts, choice, recomputed, offloaded, prefetched)
     return int(kept), int(max(refilled.values(), default=0.0)), int(host)
 
 
-def refilled_bytes(acts: ActivationSpace, choice: dict[str, int], recomputed: frozenset[str],
-                   offloaded: frozenset[str] = frozenset(), prefetched: frozenset[str] = frozenset()) -> dict[str, float]:
+def refilled_bytes(
+    acts: ActivationSpace,
+    choice: dict[str, int],
+    recomputed: frozenset[str],
+    offloaded: frozenset[str] = frozenset(),
+    prefetched: frozenset[str] = frozenset(),
+) -> dict[str, float]:
     """Per segment, the bytes alive during its backward that the backward makes again: its
     recomputed and reloaded outputs, with those of the segment before it when they are
     ``prefetched`` (copied back during its backward)."""

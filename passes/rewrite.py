@@ -38,12 +38,19 @@ whole gradient is not held until the step's end. The gradient of a parameter in 
 copied there as soon as it is in its placements.
 """
 
-from collections.abc import Callable, Sequence
-
 import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx.traceback as fx_traceback
+from autopar.passes.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
+from autopar.passes.capture import Captured, backward_segment_starts, captured_backward, module_paths, segment_of
+from autopar.passes.propagate import placement_problem, propagate
+from autopar.passes.rank_ops import Rank, local_call
+from autopar.passes.redistribute import Step, local_shape
+from autopar.passes.rules import tensor_args
+from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
+from autopar.runtime.offload import offload, reload, reload_wait
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -51,15 +58,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.errors import InputError, RewriteError
 from autopar.placement import Placements, R, format_placements, parse_placement, parse_placements_text
 from autopar.plan import ShardingPlan
-from autopar.passes.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
-from autopar.passes.capture import Captured, captured_backward, backward_segment_starts, module_paths, segment_of
-from autopar.passes.propagate import placement_problem, propagate
-from autopar.passes.rank_ops import Rank, local_call
-from autopar.passes.redistribute import Step, local_shape
-from autopar.passes.rules import tensor_args
-from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
-from autopar.runtime.offload import offload, reload, reload_wait
-
 
 IN_BACKWARD = {"autopar": "backward"}
 """The ``node.meta["custom"]`` of per-rank nodes that run in the backward: the backward's ops,
@@ -81,8 +79,9 @@ def _parse(text: str | None) -> Placements | None:
 def plan_strategies(captured: Captured, plan: ShardingPlan) -> dict[str, Strategy]:
     """The plan's strategy of every op and placeholder of ``captured``."""
     mesh = plan.mesh
-    strategies = {n.name: Strategy(tuple(_parse(o) for o in n.outputs), tuple(_parse(i) for i in n.inputs))
-                  for n in plan.nodes}
+    strategies = {
+        n.name: Strategy(tuple(_parse(o) for o in n.outputs), tuple(_parse(i) for i in n.inputs)) for n in plan.nodes
+    }
     for node, kind in zip(captured.placeholders, captured.inputs):
         names = {"param": plan.placements, "buffer": plan.placements, "input": plan.inputs}.get(kind.kind)
         layout = tuple(parse_placement(p) for p in names[kind.name]) if names is not None else (R,) * mesh.ndim
@@ -95,7 +94,9 @@ def runs_planned_ops(captured: Captured, plan: ShardingPlan) -> bool:
     other input sizes may not: its code may branch on a size, and in eval mode dropout and batch
     norm run otherwise)."""
     aliases = getitem_aliases(captured.graph.graph)
-    ops = [(n.name, str(n.target)) for n in captured.graph.graph.nodes if n.op == "call_function" and n.name not in aliases]
+    ops = [
+        (n.name, str(n.target)) for n in captured.graph.graph.nodes if n.op == "call_function" and n.name not in aliases
+    ]
     return ops == [(n.name, n.op) for n in plan.nodes]
 
 
@@ -112,24 +113,29 @@ def check_fits(captured: Captured, plan: ShardingPlan) -> None:
             problem = placement_problem(node.meta["val"], strategies[node.name].outputs[0], plan.mesh)
             if problem is not None:
                 raise InputError(
-                    f"{kind.kind} '{kind.name}' of shape {tuple(node.meta['val'].shape)} cannot be laid out as planned: "
+                    f"{kind.kind} '{kind.name}' of shape {tuple(node.meta['val'].shape)} "
+                    "cannot be laid out as planned: "
                     f"{problem}. Fix: pass sizes the plan's splits divide (drop a smaller last batch, e.g. "
-                    "DataLoader(drop_last=True)), or compile with pins that leave this dim whole")
+                    "DataLoader(drop_last=True)), or compile with pins that leave this dim whole"
+                )
     graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
     for node in ops:
         if strategies[node.name] not in node.strategies:
             raise InputError(
                 f"at these input sizes {node.name} ({node.target}) cannot run as planned: "
                 f"{_misfit(graph_nodes[node.name], strategies[node.name], plan.mesh)}. Fix: pass sizes the plan's "
-                "splits divide (drop a smaller last batch, e.g. DataLoader(drop_last=True)), or compile again for them")
+                "splits divide (drop a smaller last batch, e.g. DataLoader(drop_last=True)), or compile again for them"
+            )
 
 
 def _misfit(node: fx.Node, strategy: Strategy, mesh) -> str:
     """Why ``strategy`` does not fit ``node``'s shapes: the first of its tensors whose planned
     placements cannot lay it out, or else its shapes (the op maps dims otherwise at these sizes)."""
     values = [a.meta["val"] for a in tensor_args(node)]
-    for what, value, placements in [*(("its input of shape", v, p) for v, p in zip(values, strategy.inputs)),
-                                    *(("its output of shape", v, p) for v, p in zip(_outputs(node), strategy.outputs))]:
+    for what, value, placements in [
+        *(("its input of shape", v, p) for v, p in zip(values, strategy.inputs)),
+        *(("its output of shape", v, p) for v, p in zip(_outputs(node), strategy.outputs)),
+    ]:
         problem = None if placements is None or value is None else placement_problem(value, placements, mesh)
         if problem is not None:
             return f"{what} {tuple(value.shape)}, planned {format_placements(placements)}: {problem}"
@@ -146,8 +152,9 @@ def placeholder_layouts(captured: Captured, plan: ShardingPlan) -> list[Placemen
     return [strategies[n.name].outputs[0] for n in captured.placeholders]
 
 
-def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int],
-            group_names: Sequence[str]) -> fx.GraphModule:
+def rewrite(
+    captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int], group_names: Sequence[str]
+) -> fx.GraphModule:
     """The per-rank joint graph of the rank at ``coordinate``.
 
     Its placeholders are the local pieces of the joint graph's inputs (in the plan's
@@ -164,29 +171,49 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
     offloaded = {n.name for n in plan.nodes if n.activation == "offload"}
     backward = captured_backward(captured)
-    to_host = {aliases.get(a.name, (a.name, 0)) for n in graph.nodes if n in backward or n.name in recomputed
-               for a in n.all_input_nodes}
+    to_host = {
+        aliases.get(a.name, (a.name, 0))
+        for n in graph.nodes
+        if n in backward or n.name in recomputed
+        for a in n.all_input_nodes
+    }
     to_host_of: dict[str, list[ValueRef]] = {}  # per offloaded op, its outputs the backward reads
     for ref in sorted(to_host):
         if ref[0] in offloaded:
             to_host_of.setdefault(ref[0], []).append(ref)
     paths = module_paths(captured)
     starts = backward_segment_starts(captured, paths)
-    prefetch_at = _prefetches(starts, {ref for refs in to_host_of.values() for ref in refs}, paths, set(plan.prefetched))
+    prefetch_at = _prefetches(
+        starts, {ref for refs in to_host_of.values() for ref in refs}, paths, set(plan.prefetched)
+    )
     part_of = {name: i + 1 for i, name in enumerate(starts.values())}
-    host_params = {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param" and k.name in plan.host_params}
+    host_params = {
+        n.name
+        for n, k in zip(captured.placeholders, captured.inputs)
+        if k.kind == "param" and k.name in plan.host_params
+    }
     devices = {n.name: n.meta["val"].device for n in captured.placeholders}
-    grad_of = {k.name: v for k, v in zip(captured.outputs, graph.output_node().args[0])
-               if k is not None and k.kind == "grad" and isinstance(v, fx.Node)}
-    gradients = [(n, grad_of[k.name]) for n, k in zip(captured.placeholders, captured.inputs)
-                 if k.kind == "param" and k.name in grad_of]  # (parameter, its gradient) in parameter order
+    grad_of = {
+        k.name: v
+        for k, v in zip(captured.outputs, graph.output_node().args[0])
+        if k is not None and k.kind == "grad" and isinstance(v, fx.Node)
+    }
+    gradients = [
+        (n, grad_of[k.name])
+        for n, k in zip(captured.placeholders, captured.inputs)
+        if k.kind == "param" and k.name in grad_of
+    ]  # (parameter, its gradient) in parameter order
 
     def phases(n: fx.Node) -> tuple[bool, ...]:  # whether n runs in the backward, in the forward, or in both
         return (True,) if n in backward else (False, True) if n.name in recomputed else (False,)
 
-    fetched = {(in_backward, aliases.get(a.name, (a.name, 0)), p)
-               for n in graph.nodes if n.op == "call_function" and n.name not in aliases for in_backward in phases(n)
-               for a, p in zip(tensor_args(n), strategies[n.name].inputs)}  # the moves ops make for themselves
+    fetched = {
+        (in_backward, aliases.get(a.name, (a.name, 0)), p)
+        for n in graph.nodes
+        if n.op == "call_function" and n.name not in aliases
+        for in_backward in phases(n)
+        for a, p in zip(tensor_args(n), strategies[n.name].inputs)
+    }  # the moves ops make for themselves
     bucket_keys, bucket_steps, buckets = _gradient_buckets(gradients, strategies, aliases, backward, fetched, plan)
     gathers = parameter_gathers(captured, strategies, recomputed, host_params, mesh, plan.links, plan.bucket_bytes)
     gathered_by = {key: g for g in gathers for key in g.keys}
@@ -245,7 +272,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
                 with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
                     if key in gathered_by:
                         gather = gathered_by[key]
-                        pieces = rank.bucket([env[k[1]][0] for k in gather.keys], list(gather.steps), gather.bucket.step)
+                        pieces = rank.bucket(
+                            [env[k[1]][0] for k in gather.keys], list(gather.steps), gather.bucket.step
+                        )
                         moved.update(zip(gather.keys, pieces))
                     else:
                         moved[key] = rank.move(t, src, dst, tuple(arg.meta["val"].shape))
@@ -284,8 +313,17 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
             until the next is launched."""
             finish_reduce()
             with fx_traceback.annotate(IN_BACKWARD):
-                in_flight.append((bucket, rank.start_bucket([env[bucket_keys[i][1]][0] for i in bucket.members],
-                                                            [bucket_steps[i] for i in bucket.members], bucket.step, bucket.then)))
+                in_flight.append(
+                    (
+                        bucket,
+                        rank.start_bucket(
+                            [env[bucket_keys[i][1]][0] for i in bucket.members],
+                            [bucket_steps[i] for i in bucket.members],
+                            bucket.step,
+                            bucket.then,
+                        ),
+                    )
+                )
 
         def finish_reduce() -> None:
             """Wait for the bucket in flight; its gradients then find their moves made."""
@@ -349,9 +387,14 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
 
     fake_mode = FakeTensorMode()
     with fake_mode:
-        fakes = [torch.empty(local_shape(tuple(n.meta["val"].shape), p, mesh), dtype=n.meta["val"].dtype,
-                             device="cpu" if n.name in host_params else n.meta["val"].device)
-                 for n, p in zip(captured.placeholders, layouts)]
+        fakes = [
+            torch.empty(
+                local_shape(tuple(n.meta["val"].shape), p, mesh),
+                dtype=n.meta["val"].dtype,
+                device="cpu" if n.name in host_params else n.meta["val"].device,
+            )
+            for n, p in zip(captured.placeholders, layouts)
+        ]
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
@@ -363,8 +406,9 @@ def rewrite(captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int]
     return gm
 
 
-def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[str, str],
-                prefetched: set[str]) -> dict[str, list[ValueRef]]:
+def _prefetches(
+    starts: dict[str, str], offloaded: set[ValueRef], paths: dict[str, str], prefetched: set[str]
+) -> dict[str, list[ValueRef]]:
     """Per backward op, the ``offloaded`` values of the ``prefetched`` segments to start copying
     back before it runs: a segment's values when the backward starts the segment it reaches
     just before (``starts``: :func:`~autopar.passes.capture.backward_segment_starts`). A value
@@ -378,8 +422,14 @@ def _prefetches(starts: dict[str, str], offloaded: set[ValueRef], paths: dict[st
     return at
 
 
-def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict[str, Strategy], aliases: dict,
-                      backward: set, fetched: set, plan: ShardingPlan) -> tuple[list, list[Step], list[Bucket]]:
+def _gradient_buckets(
+    gradients: list[tuple[fx.Node, fx.Node]],
+    strategies: dict[str, Strategy],
+    aliases: dict,
+    backward: set,
+    fetched: set,
+    plan: ShardingPlan,
+) -> tuple[list, list[Step], list[Bucket]]:
     """The gradient moves that go into buckets, in parameter order: each move's key
     ``(in backward, gradient, parameter's placements)`` and first collective step, and the
     buckets (:func:`~autopar.passes.buckets.gradient_buckets`, as the plan lists them). A move
@@ -394,8 +444,20 @@ def _gradient_buckets(gradients: list[tuple[fx.Node, fx.Node]], strategies: dict
         val = value.meta["val"]
         if src == dst or key in pending or key in fetched:
             continue
-        chain = gradient_chain(src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point,
-                               plan.mesh, plan.links, plan.bucket_bytes)
+        chain = gradient_chain(
+            src,
+            dst,
+            tuple(val.shape),
+            val.element_size(),
+            val.dtype.is_floating_point,
+            plan.mesh,
+            plan.links,
+            plan.bucket_bytes,
+        )
         if chain is not None:
             pending[key] = chain, val.dtype
-    return list(pending), [chain[0] for chain, _ in pending.values()], gradient_buckets(list(pending.values()), plan.bucket_bytes)
+    return (
+        list(pending),
+        [chain[0] for chain, _ in pending.values()],
+        gradient_buckets(list(pending.values()), plan.bucket_bytes),
+    )

@@ -44,19 +44,35 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ortools.linear_solver import pywraplp
-
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.passes.memory_choices import host_capacity, host_state, keep_recompute_or_offload
 from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
-from autopar.passes.mip import (BUDGET_HEURISTIC_ABOVE, BUDGET_HEURISTIC_EFFORT, DEFAULT_HEURISTIC_EFFORT, MEMORY_SCALE,
-                                SCALE, solve_before_deadline)
+from autopar.passes.mip import (
+    BUDGET_HEURISTIC_ABOVE,
+    BUDGET_HEURISTIC_EFFORT,
+    DEFAULT_HEURISTIC_EFFORT,
+    MEMORY_SCALE,
+    SCALE,
+    solve_before_deadline,
+)
 from autopar.passes.remat import ActivationSpace, backward_view_reads
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
-from autopar.passes.transport import (GradientCost, OneStepMoves, TransitionCost, enough_buckets, gathered, gradient_transport,
-                                      group_by_layout, is_gradient, layout_available, tensor_classes)
+from autopar.passes.transport import (
+    GradientCost,
+    OneStepMoves,
+    TransitionCost,
+    enough_buckets,
+    gathered,
+    gradient_transport,
+    group_by_layout,
+    is_gradient,
+    layout_available,
+    tensor_classes,
+)
+from ortools.linear_solver import pywraplp
+
+from autopar.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.plan import SolverInfo
 
 log = logging.getLogger(__name__)
@@ -83,13 +99,27 @@ class Solution:
     after them, ahead of their first read."""
 
 
-def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s: TransitionCost,
-          *, gradient_s: GradientCost | None = None, gather_s: GradientCost | None = None,
-          segments: Mapping[str, str] | None = None, memory: MemoryTerms | None = None, budget_bytes: float | None = None,
-          one_step_moves: OneStepMoves | None = None, shared: dict[str, str] | None = None,
-          activations: ActivationSpace | None = None, choose_recompute: bool = True, host: Host | None = None,
-          minimise: str = "time", time_limit_s: float = 120.0, relative_gap: float = 1e-3,
-          start: "Solution | Mapping[str, int] | None" = None, bucket_bytes: float | None = None) -> Solution:
+def solve(
+    space: StrategySpace,
+    node_costs: dict[str, list[float]],
+    transition_s: TransitionCost,
+    *,
+    gradient_s: GradientCost | None = None,
+    gather_s: GradientCost | None = None,
+    segments: Mapping[str, str] | None = None,
+    memory: MemoryTerms | None = None,
+    budget_bytes: float | None = None,
+    one_step_moves: OneStepMoves | None = None,
+    shared: dict[str, str] | None = None,
+    activations: ActivationSpace | None = None,
+    choose_recompute: bool = True,
+    host: Host | None = None,
+    minimise: str = "time",
+    time_limit_s: float = 120.0,
+    relative_gap: float = 1e-3,
+    start: "Solution | Mapping[str, int] | None" = None,
+    bucket_bytes: float | None = None,
+) -> Solution:
     """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
     ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
     reads: the seconds of the move without bucket latency, and its share of a bucket when it
@@ -176,21 +206,25 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
     for (ref, readers), count in tensor_classes(space, shared, followed, backward_reads).items():
         if gradient_s is not None and is_gradient(readers, by_name):
-            gradient_transport(solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares,
-                                bucketed)
+            gradient_transport(
+                solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares, bucketed
+            )
         elif gather_s is not None and by_name[ref[0]].kind == "param":
             price, joined = gathered(gather_s, ref, readers, count, by_name, segments or {}, bucket_shares)
             layout_available(solver, costs, ref, by_name, readers, count, ind, price, None, reader_moves, joined)
         else:
-            layout_available(solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves)
+            layout_available(
+                solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves
+            )
     enough_buckets(solver, costs, bucket_shares)
     again, away, ahead, on_host, params_on_host = {}, {}, {}, {}, {}
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
     host_mb: list = []
     if choosing:
-        again, away, ahead, kept_mb, refilled = keep_recompute_or_offload(solver, activations, ind, node_costs, reader_moves,
-                                                                              shared, costs, offloading, host_mb)
+        again, away, ahead, kept_mb, refilled = keep_recompute_or_offload(
+            solver, activations, ind, node_costs, reader_moves, shared, costs, offloading, host_mb
+        )
     terms = []
     if memory is not None and offloading is not None:
         on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs, host_mb)
@@ -200,8 +234,9 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         terms.append((None, in_flight_bucket(solver, bucketed, bucket_bytes), 1.0, "grad"))
     objective = solver.Objective()
     if memory is not None:
-        peak, budget_row = memory_budget(solver, memory, ind, budget_bytes, shared, activations,
-                                         (kept_mb, refilled) if choosing else None, terms)
+        peak, budget_row = memory_budget(
+            solver, memory, ind, budget_bytes, shared, activations, (kept_mb, refilled) if choosing else None, terms
+        )
     if minimise == "memory":
         objective.SetCoefficient(peak, 1.0)
         scale = MEMORY_SCALE
@@ -211,19 +246,39 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         scale = SCALE
     objective.SetMinimization()
     if solver.NumVariables() > _LARGE:
-        log.warning("the plan's integer program has %d variables; the solver may not finish within the time limit. "
-                    "Pins on the large tensors, or a 1-D mesh, shrink it.", solver.NumVariables())
+        log.warning(
+            "the plan's integer program has %d variables; the solver may not finish within the time limit. "
+            "Pins on the large tensors, or a 1-D mesh, shrink it.",
+            solver.NumVariables(),
+        )
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     priced = budget_bytes is not None and minimise == "time"
-    hint = _hint(start, ind, own, shared, ((again, "recomputed"), (away, "offloaded"), (ahead, "prefetched"),
-                                           (on_host, "host_optimizer"), (params_on_host, "host_params")))
+    hint = _hint(
+        start,
+        ind,
+        own,
+        shared,
+        (
+            (again, "recomputed"),
+            (away, "offloaded"),
+            (ahead, "prefetched"),
+            (on_host, "host_optimizer"),
+            (params_on_host, "host_params"),
+        ),
+    )
     large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
     effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
     strategy_vars = [var for name in own for terms in ind[name] for var in terms] if large else []
-    outcome = solve_before_deadline(solver, params, time_limit_s, () if priced else hint,
-                                    give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
-                                    heuristic_effort=effort, dive=strategy_vars)
+    outcome = solve_before_deadline(
+        solver,
+        params,
+        time_limit_s,
+        () if priced else hint,
+        give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
+        heuristic_effort=effort,
+        dive=strategy_vars,
+    )
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     left = started + time_limit_s - time.perf_counter()
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
@@ -233,14 +288,22 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
-        outcome = priced_memory(solver, params, peak, budget_row, budget_bytes,
-                                 started + time_limit_s, hint)
+        outcome = priced_memory(solver, params, peak, budget_row, budget_bytes, started + time_limit_s, hint)
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started
     if status not in answered and (whole := _complete_start(start, ind)) is not None:
-        log.warning("the solver found no plan within its time limit (%.0f s); keeping the plan it started from", elapsed)
-        info = SolverInfo(status="START", objective_s=math.nan, bound_s=-math.inf, solve_s=elapsed,
-                          num_variables=solver.NumVariables(), num_constraints=solver.NumConstraints(), shared_nodes=len(shared))
+        log.warning(
+            "the solver found no plan within its time limit (%.0f s); keeping the plan it started from", elapsed
+        )
+        info = SolverInfo(
+            status="START",
+            objective_s=math.nan,
+            bound_s=-math.inf,
+            solve_s=elapsed,
+            num_variables=solver.NumVariables(),
+            num_constraints=solver.NumConstraints(),
+            shared_nodes=len(shared),
+        )
         if isinstance(start, Solution):
             return dataclasses.replace(start, info=info)
         views = activations.param_views if activations is not None else frozenset()
@@ -249,7 +312,10 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         raise SolverTimeoutError(
             f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
             f"its time limit ({elapsed:.0f} s).\nFix: raise solver_time_limit_s, pin the large tensors, or plan "
-            "for a 1-D mesh", solve_s=elapsed, num_variables=solver.NumVariables(), num_constraints=solver.NumConstraints()
+            "for a 1-D mesh",
+            solve_s=elapsed,
+            num_variables=solver.NumVariables(),
+            num_constraints=solver.NumConstraints(),
         )
     if status == pywraplp.Solver.INFEASIBLE:
         reason = "within the memory budget" if budget_bytes is not None else "that satisfies the pins"
@@ -262,6 +328,7 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         name: max(range(len(terms)), key=lambda k: sum(values[v.index()] for v in terms[k]))
         for name, terms in ind.items()
     }
+
     def chosen(variables: dict, names) -> frozenset[str]:
         return frozenset(name for name in names if values[variables[shared.get(name, name)].index()] > 0.5)
 
@@ -269,8 +336,11 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
     if choosing:
         recomputed, offloaded = chosen(again, activations.nodes), chosen(away, activations.nodes)
         own = {name: activations.segment[shared.get(name, name)] for name in offloaded}
-        prefetched = frozenset(activations.segment[name] for name in offloaded
-                               if own[name] in ahead and values[ahead[own[name]].index()] > 0.5)
+        prefetched = frozenset(
+            activations.segment[name]
+            for name in offloaded
+            if own[name] in ahead and values[ahead[own[name]].index()] > 0.5
+        )
     else:
         recomputed, offloaded = activations.param_views if activations is not None else frozenset(), frozenset()
     stepped_on_host = [name for name in memory.optimizer if shared.get(name, name) in on_host] if on_host else []
@@ -284,13 +354,19 @@ def solve(space: StrategySpace, node_costs: dict[str, list[float]], transition_s
         num_constraints=solver.NumConstraints(),
         shared_nodes=len(shared),
     )
-    log.debug("solved %d variables, %d constraints in %.2fs: %s", info.num_variables,
-              info.num_constraints, elapsed, info.status)
+    log.debug(
+        "solved %d variables, %d constraints in %.2fs: %s",
+        info.num_variables,
+        info.num_constraints,
+        elapsed,
+        info.status,
+    )
     return Solution(choice, info, recomputed, offloaded, host_optimizer, host_params, prefetched)
 
 
-def _hint(start: "Solution | Mapping[str, int] | None", ind: dict, own: set[str], shared: dict[str, str],
-          families: tuple) -> list[tuple]:
+def _hint(
+    start: "Solution | Mapping[str, int] | None", ind: dict, own: set[str], shared: dict[str, str], families: tuple
+) -> list[tuple]:
     """``(variable, value)`` pairs setting the one-hots of the nodes ``start`` chooses for
     and, when it is a :class:`Solution`, the activation and host-memory choices: each family is
     the variables by name and the field of the solution naming those chosen."""
@@ -347,8 +423,9 @@ def _follow_operand(node: NodeSpace, by_name: dict[str, NodeSpace], ind: dict[st
     return [[v for terms in groups.get(s.inputs[0], []) for v in terms] for s in node.strategies]
 
 
-def _copied_with_operand(node: NodeSpace, shared: dict[str, str], copies: dict[str, list[str]],
-                         by_name: dict[str, NodeSpace]) -> bool:
+def _copied_with_operand(
+    node: NodeSpace, shared: dict[str, str], copies: dict[str, list[str]], by_name: dict[str, NodeSpace]
+) -> bool:
     """Whether following its operand means the same for every copy of ``node``: the operand
     is not itself a copy, and the operand of each copy of ``node`` is a copy of that operand
     (a layer's node reading the layer before it does not follow, since its copies read other
@@ -357,7 +434,8 @@ def _copied_with_operand(node: NodeSpace, shared: dict[str, str], copies: dict[s
         return False
     operand = node.args[0]
     return operand[0] not in shared and all(
-        (shared.get(by_name[c].args[0][0]), by_name[c].args[0][1]) == operand for c in copies.get(node.name, ()))
+        (shared.get(by_name[c].args[0][0]), by_name[c].args[0][1]) == operand for c in copies.get(node.name, ())
+    )
 
 
 def program_size(space: StrategySpace) -> int:

@@ -13,7 +13,8 @@ ValueRef = tuple[str, int]
 def getitem_aliases(graph: fx.Graph) -> dict[str, ValueRef]:
     """Nodes that only pick one output of a multi-output op (``getitem``), by name."""
     return {
-        node.name: (node.args[0].name, node.args[1]) for node in graph.nodes
+        node.name: (node.args[0].name, node.args[1])
+        for node in graph.nodes
         if node.op == "call_function" and node.target.__name__ == "getitem"
     }
 

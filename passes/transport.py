@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from autopar.passes.buckets import BucketShare
 from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
+
 from autopar.placement import Placements
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
@@ -52,8 +53,9 @@ def _flat(group: list[list]) -> list:
     return [v for terms in group for v in terms]
 
 
-def tensor_classes(space: StrategySpace, shared: dict[str, str], followed: set,
-                    backward_reads: dict[str, ValueRef]) -> dict[tuple, int]:
+def tensor_classes(
+    space: StrategySpace, shared: dict[str, str], followed: set, backward_reads: dict[str, ValueRef]
+) -> dict[tuple, int]:
     """Group the graph's tensors by what the program sees of them: the (shared) tensor and the
     set of (shared) readers that need it, in the forward or in the backward (which makes its
     own moves; ``backward_reads`` are views made again there, by the tensor they read, which
@@ -80,16 +82,29 @@ def is_gradient(readers: frozenset, by_name: dict[str, NodeSpace]) -> bool:
     return len(readers) == 1 and by_name[next(iter(readers))[0]].kind == "param"
 
 
-def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], readers: frozenset,
-                      count: int, ind: dict, transition_s: TransitionCost, one_step_moves: OneStepMoves | None,
-                      reader_moves: dict, joined: Callable | None = None) -> None:
+def layout_available(
+    solver,
+    costs: dict,
+    ref: ValueRef,
+    by_name: dict[str, NodeSpace],
+    readers: frozenset,
+    count: int,
+    ind: dict,
+    transition_s: TransitionCost,
+    one_step_moves: OneStepMoves | None,
+    reader_moves: dict,
+    joined: Callable | None = None,
+) -> None:
     """Tie every reader's needed layout to the producer's, and price each move ``count`` times.
     ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
     ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to.
     ``joined(p, q, made)``, when given, is told of every move and the variable (or 1) saying
     whether it is made (:func:`gathered`)."""
     producer = by_name[ref[0]]
-    src = {p: _flat(g) for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
+    src = {
+        p: _flat(g)
+        for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()
+    }
     moves: dict[tuple, object] = {}
     for name, j in sorted(readers):
         n = by_name[name]
@@ -109,8 +124,9 @@ def layout_available(solver, costs: dict, ref: ValueRef, by_name: dict[str, Node
                 continue
         t = _transport(solver, src, dst)
         priced = {(p, q): transition_s(ref, p, q) for p, q in t if p != q}
-        reader_moves.setdefault((name, j), ([(var, priced[pq]) for pq, var in t.items() if pq in priced],
-                                            max(priced.values(), default=0.0)))  # one pair of layouts is used
+        reader_moves.setdefault(
+            (name, j), ([(var, priced[pq]) for pq, var in t.items() if pq in priced], max(priced.values(), default=0.0))
+        )  # one pair of layouts is used
         for (p, q), var in t.items():
             if p != q and len(readers) == 1:
                 costs[var] += count * priced[p, q]  # the only reader: its transport is the move
@@ -131,14 +147,27 @@ def _transport(solver, src: dict, dst: dict) -> dict:
     return t
 
 
-def gradient_transport(solver, costs: dict, ref: ValueRef, by_name: dict[str, NodeSpace], reader: tuple[str, int],
-                        count: int, ind: dict, gradient_s: GradientCost, bucket_shares: dict, bucketed_shares: list) -> None:
+def gradient_transport(
+    solver,
+    costs: dict,
+    ref: ValueRef,
+    by_name: dict[str, NodeSpace],
+    reader: tuple[str, int],
+    count: int,
+    ind: dict,
+    gradient_s: GradientCost,
+    bucket_shares: dict,
+    bucketed_shares: list,
+) -> None:
     """Move a parameter's gradient to the parameter's layout by the parameter's transport, each
     move priced ``count`` times by ``gradient_s``. For every group of buckets its moves join,
     ``bucket_shares[group, α]`` gets whether the gradient joins one and its share of one, and
     ``bucketed_shares`` that share with its largest value."""
     producer, (name, j) = by_name[ref[0]], reader
-    src = {p: _flat(g) for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()}
+    src = {
+        p: _flat(g)
+        for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()
+    }
     dst = {q: _flat(g) for q, g in group_by_layout(ind[name], [s.inputs[j] for s in by_name[name].strategies]).items()}
     bucketed: dict[tuple, list] = defaultdict(list)
     for (p, q), var in _transport(solver, src, dst).items():
@@ -152,8 +181,15 @@ def gradient_transport(solver, costs: dict, ref: ValueRef, by_name: dict[str, No
         bucketed_shares.append((sum(fraction * var for var, fraction in moves), max(fraction for _, fraction in moves)))
 
 
-def gathered(gather_s: GradientCost, ref: ValueRef, readers: frozenset, count: int, by_name: dict[str, NodeSpace],
-              segments: Mapping[str, str], bucket_shares: dict) -> tuple[TransitionCost, Callable]:
+def gathered(
+    gather_s: GradientCost,
+    ref: ValueRef,
+    readers: frozenset,
+    count: int,
+    by_name: dict[str, NodeSpace],
+    segments: Mapping[str, str],
+    bucket_shares: dict,
+) -> tuple[TransitionCost, Callable]:
     """How parameter ``ref`` moves for ``readers``, ``count`` copies of it: each move priced by
     ``gather_s``, and a function that enters a move that joins a bucket, once made, in
     ``bucket_shares`` (see :func:`enough_buckets`) under its phase and its readers' layer: each
@@ -170,7 +206,9 @@ def gathered(gather_s: GradientCost, ref: ValueRef, readers: frozenset, count: i
     def joined(p, q, made) -> None:
         share = price(p, q)[1]
         if share is not None:
-            bucket_shares[(share.group, phase, segment), share.latency_s].append((count * made, count * share.fraction * made))
+            bucket_shares[(share.group, phase, segment), share.latency_s].append(
+                (count * made, count * share.fraction * made)
+            )
 
     return (lambda _, p, q: price(p, q)[0]), joined
 
@@ -205,13 +243,25 @@ def layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) -> 
         into[v].append(f)
         costs[f] += count * cost
         priced.append((f, cost))
-    for u in layouts:  # what leaves a layout is what the producer gives it plus what arrives, less what the reader keeps
+    for (
+        u
+    ) in layouts:  # what leaves a layout is what the producer gives it plus what arrives, less what the reader keeps
         solver.Add(sum(out[u]) - sum(into[u]) == sum(src.get(u, [])) - sum(dst.get(u, [])))
     return priced
 
 
-def _move(solver, costs: dict, moves: dict, ref: ValueRef, p, q, count: int, transition_s: TransitionCost, need,
-          joined: Callable | None = None) -> None:
+def _move(
+    solver,
+    costs: dict,
+    moves: dict,
+    ref: ValueRef,
+    p,
+    q,
+    count: int,
+    transition_s: TransitionCost,
+    need,
+    joined: Callable | None = None,
+) -> None:
     """Price moving ``ref`` from ``p`` to ``q`` once per tensor of its class, whichever readers
     need it (``need`` is a reader's transport variable, or ``None`` when the move is certain)."""
     if (p, q) not in moves:

@@ -32,4 +32,6 @@ def keep_freed_memory() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )

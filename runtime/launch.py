@@ -66,7 +66,7 @@ def torchrun(num_ranks: int, target: list[str], *, launcher_args: list[str] | No
     if not any(a.startswith("--nnodes") for a in extra):
         extra.append("--standalone")
     module = target[:1] == ["-m"]
-    argv = [f"--nproc-per-node={num_ranks}", *extra, *(["-m"] if module else []), *target[1 if module else 0:]]
+    argv = [f"--nproc-per-node={num_ranks}", *extra, *(["-m"] if module else []), *target[1 if module else 0 :]]
     args = get_args_parser().parse_args(argv)
     try:
         run(args)

@@ -10,14 +10,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_unflatten
-
 from autopar.cost_model.liveness import forward_made
-from autopar.errors import CollectiveError, InputError, StalePlanError
-from autopar.mesh import Mesh
-from autopar.placement import Placements, Shard, format_placement
-from autopar.plan import ShardingPlan
 from autopar.passes.capture import Captured, capture
 from autopar.passes.propagate import whole_on_one_rank
 from autopar.passes.rank_ops import graph_collectives
@@ -28,8 +21,22 @@ from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
 from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
 from autopar.runtime.release import GivenRelease, release_collective_buffers
 from autopar.runtime.state import (
-    as_dtensor, distribute, distribute_state, local_of, local_piece, materialise, release, whole_fake_state,
+    as_dtensor,
+    distribute,
+    distribute_state,
+    local_of,
+    local_piece,
+    materialise,
+    release,
+    whole_fake_state,
 )
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_unflatten
+
+from autopar.errors import CollectiveError, InputError, StalePlanError
+from autopar.mesh import Mesh
+from autopar.placement import Placements, Shard, format_placement
+from autopar.plan import ShardingPlan
 
 log = logging.getLogger("autopar")
 
@@ -39,8 +46,14 @@ BACKENDS = ("eager", "inductor")
 class _Program:
     """One rank's compiled forward and backward graphs and how to feed them."""
 
-    def __init__(self, parts: Partitioned, backend: str, grad_slots: list[bool], updated_buffers: list[str | None],
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        parts: Partitioned,
+        backend: str,
+        grad_slots: list[bool],
+        updated_buffers: list[str | None],
+        timeout_s: float | None = None,
+    ):
         self.num_outputs = parts.num_outputs
         self.timeout_s = timeout_s
         self.grad_slots = grad_slots
@@ -80,8 +93,12 @@ def _offload_safe(graph: torch.fx.GraphModule) -> dict:
     at 5.30 GiB against 3.02 predicted, and its copies ran after the forward instead of beside it:
     178.8 ms per step against 137.1 with the graph's order kept, where the peak was 3.10 GiB)."""
     if any(n.target in OFFLOAD_OPS for n in graph.graph.nodes):
-        return {"allow_buffer_reuse": False, "inplace_buffers": False, "reorder_for_peak_memory": False,
-                "reorder_for_locality": False}
+        return {
+            "allow_buffer_reuse": False,
+            "inplace_buffers": False,
+            "reorder_for_peak_memory": False,
+            "reorder_for_locality": False,
+        }
     return {}
 
 
@@ -91,8 +108,8 @@ class _Step(torch.autograd.Function):
         with _named_timeouts(program, "forward"):
             results = program.forward(*flat)
         ctx.program = program
-        ctx.save_for_backward(*results[program.num_outputs:])
-        outputs = tuple(results[:program.num_outputs])
+        ctx.save_for_backward(*results[program.num_outputs :])
+        outputs = tuple(results[: program.num_outputs])
         ctx.mark_non_differentiable(*(o for o, name in zip(outputs, program.updated_buffers) if name is not None))
         return outputs
 
@@ -127,7 +144,8 @@ def _named_timeouts(program: _Program, phase: str):
         raise CollectiveError(
             f"rank {dist.get_rank()}: a collective of the {phase} failed because another rank of the mesh did not "
             f"join it within the timeout of {program.timeout_s:g} s (it stalled) or left the job (it died). The "
-            f"collective's own error: {str(exc).strip().splitlines()[0]}") from exc
+            f"collective's own error: {str(exc).strip().splitlines()[0]}"
+        ) from exc
 
 
 def _lean_step(optimizer_class: type[torch.optim.Optimizer], options: dict, params: list[torch.Tensor]) -> dict:
@@ -155,10 +173,20 @@ class ParallelModule(torch.nn.Module):
     state in host memory where the plan says so).
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: Mesh, *, example_inputs: Sequence[torch.Tensor] | None,
-                 plan: ShardingPlan | None, backend: str, planner, pins: Mapping[str, Placements] | None = None,
-                 init_weights: Callable[[torch.nn.Module], None] | None = None, timeout_s: float | None = None,
-                 param_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: Mesh,
+        *,
+        example_inputs: Sequence[torch.Tensor] | None,
+        plan: ShardingPlan | None,
+        backend: str,
+        planner,
+        pins: Mapping[str, Placements] | None = None,
+        init_weights: Callable[[torch.nn.Module], None] | None = None,
+        timeout_s: float | None = None,
+        param_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -181,10 +209,14 @@ class ParallelModule(torch.nn.Module):
         """The plan this module runs (available after the first call when no example inputs
         were given)."""
         if self._plan is None:
-            raise RuntimeError("the plan is made on the first call; pass example_inputs to autopar.compile to plan earlier")
+            raise RuntimeError(
+                "the plan is made on the first call; pass example_inputs to autopar.compile to plan earlier"
+            )
         return self._plan
 
-    def optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options) -> torch.optim.Optimizer:
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options
+    ) -> torch.optim.Optimizer:
         """An optimizer of ``optimizer_class`` over this rank's parameters, with the optimizer
         state of the parameters the plan puts in host memory (``plan.host_optimizer``) there,
         stepped on the host (:class:`~autopar.runtime.offload.HostOptimizer`); a plain
@@ -199,7 +231,8 @@ class ParallelModule(torch.nn.Module):
         if not self._built:
             raise RuntimeError(
                 "pmodel.optimizer() needs the plan, which is made on the model's first call. Fix: pass "
-                "example_inputs to autopar.compile, or build the optimizer after the first call")
+                "example_inputs to autopar.compile, or build the optimizer after the first call"
+            )
         on_host = {id(self.module.get_parameter(name)) for name in self._stepped_on_host()}
         self._optimizer_checked = True
         options = _lean_step(optimizer_class, options, list(self.parameters()))
@@ -220,9 +253,12 @@ class ParallelModule(torch.nn.Module):
             self._switch(inputs)
             if not self._optimizer_checked:
                 if self._stepped_on_host():
-                    log.warning("the plan keeps the optimizer state of %d parameters in host memory, but no optimizer "
-                                "was built by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise "
-                                "keeps it on the device, over the plan's memory", len(self._stepped_on_host()))
+                    log.warning(
+                        "the plan keeps the optimizer state of %d parameters in host memory, but no optimizer "
+                        "was built by pmodel.optimizer(torch.optim.AdamW, ...): an optimizer built otherwise "
+                        "keeps it on the device, over the plan's memory",
+                        len(self._stepped_on_host()),
+                    )
                 self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = _Step.apply(self._program, *flat)
@@ -251,7 +287,9 @@ class ParallelModule(torch.nn.Module):
             keep_freed_memory()
         timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
         self._device_mesh = device_mesh(self._mesh, device_type, timeout)
-        self._device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        )
         _check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
             captured = capture(self.module, inputs, self._param_dtype)
@@ -265,23 +303,37 @@ class ParallelModule(torch.nn.Module):
         self._lower(captured, plan)
         self._shard_state(captured)
         self._built = True
-        log.info("rank %d at %s runs %d collectives per step (%s backend)", dist.get_rank(), self._coordinate,
-                 len(self.collectives), self._backend)
+        log.info(
+            "rank %d at %s runs %d collectives per step (%s backend)",
+            dist.get_rank(),
+            self._coordinate,
+            len(self.collectives),
+            self._backend,
+        )
 
     def _lower(self, captured: Captured, plan: ShardingPlan) -> None:
         """Make and cache the per-rank program of ``plan`` for ``captured``, and run it from now."""
         joint = rewrite(captured, plan, coordinate=self._coordinate, group_names=self._groups)
-        collectives = [(kind, self._mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, self._groups)]
+        collectives = [
+            (kind, self._mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, self._groups)
+        ]
         is_tangent = [k.kind == "tangent" for k in captured.inputs]
         output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
         grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
         grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
-        updated_buffers = [k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"]
-        program = _Program(partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers,
-                           self._timeout_s)
+        updated_buffers = [
+            k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"
+        ]
+        program = _Program(
+            partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers, self._timeout_s
+        )
         layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
-        key = (tuple(tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"),
-               self.module.training)
+        key = (
+            tuple(
+                tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
+            ),
+            self.module.training,
+        )
         self._lowered[key] = _Lowered(captured, program, joint, collectives, layouts)
         self._run_for(key)
 
@@ -313,25 +365,37 @@ class ParallelModule(torch.nn.Module):
             plan = self._plan_on_rank0(captured, state)
         check_fits(captured, plan)
         self._lower(captured, plan)
-        log.info("lowered %s for input sizes %s (%s mode) in %.1f s", "the plan" if plan is self._plan else "a plan",
-                 ", ".join(map(str, key[0])), "training" if key[1] else "eval", time.perf_counter() - started)
+        log.info(
+            "lowered %s for input sizes %s (%s mode) in %.1f s",
+            "the plan" if plan is self._plan else "a plan",
+            ", ".join(map(str, key[0])),
+            "training" if key[1] else "eval",
+            time.perf_counter() - started,
+        )
 
     def _whole_key(self, inputs: tuple) -> tuple:
         """Each input's whole shape (an input whose split was pinned is passed as this rank's
         part), once the inputs are checked against the planned ones, and whether the model is
         in training mode (eval mode captures another graph where dropout or batch norm differ)."""
         _check_tensors(inputs)
-        planned = [(n.meta["val"], k.name) for n, k in zip(self._captured.placeholders, self._captured.inputs) if k.kind == "input"]
+        planned = [
+            (n.meta["val"], k.name)
+            for n, k in zip(self._captured.placeholders, self._captured.inputs)
+            if k.kind == "input"
+        ]
         if len(inputs) != len(planned):
-            raise TypeError(f"the model was compiled for {len(planned)} inputs ({', '.join(name for _, name in planned)}), "
-                            f"got {len(inputs)}")
+            raise TypeError(
+                f"the model was compiled for {len(planned)} inputs ({', '.join(name for _, name in planned)}), "
+                f"got {len(inputs)}"
+            )
         key = []
         for x, (value, name) in zip(inputs, planned):
             if x.dtype != value.dtype or x.device.type != value.device.type or x.ndim != value.ndim:
                 raise InputError(
                     f"input '{name}' is a {x.ndim}-d {x.dtype} tensor on {x.device.type}, but the plan was made for a "
                     f"{value.ndim}-d {value.dtype} tensor on {value.device.type}. Fix: pass it as planned (e.g. "
-                    f"x.to({value.dtype})), or compile again with example inputs like this one")
+                    f"x.to({value.dtype})), or compile again with example inputs like this one"
+                )
             shape = list(x.shape)
             if self.passes_own_part(name):
                 for axis, p in enumerate(self._layouts[name]):
@@ -365,13 +429,17 @@ class ParallelModule(torch.nn.Module):
         planned = {}
         for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
-                tensor = self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
+                tensor = (
+                    self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
+                )
                 planned[id(tensor)] = (kind.name, tensor)
 
         def cut(key: int, whole: torch.Tensor) -> torch.Tensor:
             if key not in planned:
-                raise ValueError("the model holds tensors on the meta device that its forward does not use. Fix: "
-                                 "build them on a real device, or drop them")
+                raise ValueError(
+                    "the model holds tensors on the meta device that its forward does not use. Fix: "
+                    "build them on a real device, or drop them"
+                )
             name = planned[key][0]
             with torch.no_grad():
                 piece = self.rank_part(name, whole)
@@ -380,8 +448,12 @@ class ParallelModule(torch.nn.Module):
             return piece
 
         made = materialise(self.module, self._device, cut, self._init_weights)
-        pieces = {key: distribute(tensor, made[key] if key in made else cut(key, tensor.detach()), self._device_mesh,
-                                  self._layouts[name]) for key, (name, tensor) in planned.items()}
+        pieces = {
+            key: distribute(
+                tensor, made[key] if key in made else cut(key, tensor.detach()), self._device_mesh, self._layouts[name]
+            )
+            for key, (name, tensor) in planned.items()
+        }
         distribute_state(self.module, pieces)
         for _, tensor in planned.values():
             if not tensor.is_meta:
@@ -391,8 +463,11 @@ class ParallelModule(torch.nn.Module):
         """The local pieces of the parameters and buffers, in the program's order; a parameter's
         piece is taken differentiably, so that its gradient arrives as a DTensor."""
         return [
-            self.module.get_parameter(k.name).to_local() if k.kind == "param" else self.module.get_buffer(k.name).to_local()
-            for k in self._captured.inputs if k.kind in ("param", "buffer")
+            self.module.get_parameter(k.name).to_local()
+            if k.kind == "param"
+            else self.module.get_buffer(k.name).to_local()
+            for k in self._captured.inputs
+            if k.kind in ("param", "buffer")
         ]
 
     def _local_inputs(self, inputs: tuple) -> list[torch.Tensor]:
@@ -426,7 +501,7 @@ class ParallelModule(torch.nn.Module):
         to this rank's pieces; DTensors are laid out as planned."""
         prefix = "module."
         if state_dict and all(k.startswith(prefix) for k in state_dict):
-            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
         current = self.module.state_dict(keep_vars=True)
         planned = {k: self._planned_value(k, current[k], v) if k in current else v for k, v in state_dict.items()}
         return self.module.load_state_dict(planned, strict=strict, assign=assign)
@@ -437,8 +512,10 @@ class ParallelModule(torch.nn.Module):
         if isinstance(value, DTensor):
             return value.redistribute(current.device_mesh, current.placements)
         if tuple(value.shape) != tuple(current.shape):
-            raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, but the model's is "
-                             f"{tuple(current.shape)}. Fix: load a state dict of this model")
+            raise ValueError(
+                f"state dict entry {key!r} has shape {tuple(value.shape)}, but the model's is "
+                f"{tuple(current.shape)}. Fix: load a state dict of this model"
+            )
         piece = local_piece(value.to(current.dtype), current.placements, self._coordinate, self._mesh.shape)
         return as_dtensor(piece.to(current.to_local().device), current)
 
@@ -452,18 +529,21 @@ class ParallelModule(torch.nn.Module):
             raise RuntimeError(
                 "the compiled model's dtype or device cannot change (pmodel.to, .half, .cuda, ...): its per-rank "
                 "program was planned for them. Fix: convert the model before autopar.compile, or autocast inside "
-                "its forward for lower-precision compute")
+                "its forward for lower-precision compute"
+            )
         return super()._apply(fn, recurse)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
             "a ParallelModule holds process groups and per-rank programs, which cannot be pickled or copied. "
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
-            "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it")
+            "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it"
+        )
 
 
 class _Lowered(NamedTuple):
     """The program of one input size and mode."""
+
     captured: Captured
     program: _Program
     per_rank_graph: torch.fx.GraphModule
@@ -497,29 +577,37 @@ def _refuse_autocast() -> None:
             "the compiled model is called under torch.autocast, which its per-rank program cannot follow: it was "
             "captured and planned without it. Fix: enter autocast inside the model's forward (wrap the model in a "
             "module whose forward runs it under torch.autocast) before autopar.compile; autopar captures the casts "
-            "and prices the matmuls at the lower precision")
+            "and prices the matmuls at the lower precision"
+        )
 
 
 def _check_tensors(inputs: tuple) -> None:
     bad = [f"argument {i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
     if bad:
-        raise InputError(f"the compiled model takes tensors: {'; '.join(bad)}. Fix: pass each input as a tensor "
-                         "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
-                         "or module attributes before autopar.compile")
+        raise InputError(
+            f"the compiled model takes tensors: {'; '.join(bad)}. Fix: pass each input as a tensor "
+            "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
+            "or module attributes before autopar.compile"
+        )
 
 
-def check_plan(plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None) -> None:
+def check_plan(
+    plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None
+) -> None:
     """Refuse a plan made for another mesh, another graph (any op, argument, shape or dtype),
     or with other placements than ``pins`` asks for, naming the difference."""
     if plan.mesh != mesh:
-        raise StalePlanError(f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}")
+        raise StalePlanError(
+            f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}"
+        )
     for name, placements in (pins or {}).items():
         planned = plan.placements.get(name, plan.inputs.get(name))
         asked = tuple(format_placement(p) for p in whole_on_one_rank(placements, mesh))  # as planning reads a pin
         if planned is not None and tuple(planned) != asked:
             raise StalePlanError(
                 f"the plan places {name!r} as ({', '.join(planned)}) but pins ask for ({', '.join(asked)}). "
-                "Fix: plan again with these pins, or drop the pins to run the plan as it is")
+                "Fix: plan again with these pins, or drop the pins to run the plan as it is"
+            )
     if plan.graph_hash != captured.graph_hash:
         raise StalePlanError(
             f"the plan was made for another graph (plan {plan.graph_hash}, this model {captured.graph_hash})"

@@ -13,9 +13,8 @@ planner offers offload only for profiles with a host link.
 """
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from autopar.runtime.state import as_dtensor, local_of
+from torch.distributed.tensor import DTensor
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 

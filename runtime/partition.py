@@ -9,13 +9,12 @@ backward graph as inputs, as AOT autograd does.
 
 from dataclasses import dataclass
 
-from torch import fx
-from torch.fx.graph import _BoxedCodeGen
-from torch.fx.passes.split_module import split_module
-
 from autopar.passes.capture import backward_nodes
 from autopar.passes.rewrite import IN_BACKWARD, PART, RECOMPUTED
 from autopar.runtime.offload import RELOAD_OP
+from torch import fx
+from torch.fx.graph import _BoxedCodeGen
+from torch.fx.passes.split_module import split_module
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,8 @@ right after its last read frees it where liveness (:mod:`autopar.cost_model.live
 freed, whichever thread lets go of the empty storage last."""
 
 import torch
-from torch import fx
-
 from autopar.cost_model.liveness import lifetimes
+from torch import fx
 
 
 def release(tensor: torch.Tensor) -> None:

@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.placement import Placements, Shard
 
@@ -25,7 +25,9 @@ _REPLACED_BY = "_autopar_replaced_by"
 _hook_registered = False
 
 
-def local_piece(full: torch.Tensor, placements: Placements, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]) -> torch.Tensor:
+def local_piece(
+    full: torch.Tensor, placements: Placements, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> torch.Tensor:
     """The part of ``full`` that the rank at ``coordinate`` holds, in memory of its own (a view
     would keep the whole tensor's storage alive)."""
     piece = full
@@ -38,8 +40,9 @@ def local_piece(full: torch.Tensor, placements: Placements, coordinate: tuple[in
 
 def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as the piece of a DTensor laid out as ``like``."""
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,7 +113,8 @@ def _step_the_new_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> 
                     raise RuntimeError(
                         "this optimizer has state for a parameter that autopar has since split across the "
                         "ranks. Fix: build the optimizer after the model's first call, or pass example_inputs "
-                        "to autopar.compile so that parameters are split there")
+                        "to autopar.compile so that parameters are split there"
+                    )
                 params[i] = new
 
 
@@ -133,7 +137,9 @@ def whole_fake_state(module: torch.nn.Module, device: torch.device | None = None
                         where = _device_of(tensor) if isinstance(tensor, DTensor) else device
                         fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=where)
                     is_param = isinstance(tensor, torch.nn.Parameter)
-                    fakes[id(tensor)] = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
+                    fakes[id(tensor)] = (
+                        torch.nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
+                    )
                 swapped.append((table, name, tensor))
                 table[name] = fakes[id(tensor)]
     try:
@@ -152,8 +158,12 @@ def _device_of(tensor: DTensor) -> torch.device:
     return device
 
 
-def materialise(module: torch.nn.Module, device: torch.device, cut: Callable[[int, torch.Tensor], torch.Tensor],
-                init_weights: Callable[[torch.nn.Module], None] | None = None) -> dict[int, torch.Tensor]:
+def materialise(
+    module: torch.nn.Module,
+    device: torch.device,
+    cut: Callable[[int, torch.Tensor], torch.Tensor],
+    init_weights: Callable[[torch.nn.Module], None] | None = None,
+) -> dict[int, torch.Tensor]:
     """This rank's pieces of ``module``'s meta tensors, by id: module by module, in the order
     ``module.apply`` visits them, each module's own meta tensors are made whole on ``device``,
     initialised (``init_weights(module)``, else the module's ``reset_parameters()``) and cut
@@ -170,8 +180,12 @@ def materialise(module: torch.nn.Module, device: torch.device, cut: Callable[[in
     order: list[torch.nn.Module] = []
     module.apply(order.append)
     for sub in order:
-        own = [(table, name, t) for table in (sub._parameters, sub._buffers) for name, t in table.items()
-               if t is not None and t.is_meta]
+        own = [
+            (table, name, t)
+            for table in (sub._parameters, sub._buffers)
+            for name, t in table.items()
+            if t is not None and t.is_meta
+        ]
         if not own:
             continue
         if init_weights is None:
@@ -179,7 +193,11 @@ def materialise(module: torch.nn.Module, device: torch.device, cut: Callable[[in
         for table, name, t in own:
             if id(t) not in whole:
                 made = torch.empty(t.shape, dtype=t.dtype, device=device)
-                whole[id(t)] = torch.nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else made
+                whole[id(t)] = (
+                    torch.nn.Parameter(made, requires_grad=t.requires_grad)
+                    if isinstance(t, torch.nn.Parameter)
+                    else made
+                )
             table[name] = whole[id(t)]
         with torch.no_grad():
             init_weights(sub) if init_weights is not None else sub.reset_parameters()
@@ -199,9 +217,13 @@ def _check_resettable(sub: torch.nn.Module, own: list) -> None:
     names = ", ".join(name for _, name, _ in own)
     has_buffer = any(table is sub._buffers for table, _, _ in own)
     if not hasattr(sub, "reset_parameters") or (has_buffer and not type(sub).__module__.startswith("torch.nn")):
-        what = "has no reset_parameters() to initialise them" if not hasattr(sub, "reset_parameters") else \
-            "holds buffers its reset_parameters() may not set"
+        what = (
+            "has no reset_parameters() to initialise them"
+            if not hasattr(sub, "reset_parameters")
+            else "holds buffers its reset_parameters() may not set"
+        )
         raise ValueError(
             f"{type(sub).__name__} holds {names} on the meta device and {what}. Fix: pass init_weights= to "
             "autopar.compile, a function that initialises one module's own parameters and buffers in place "
-            "(a Hugging Face model's is model._init_weights)")
+            "(a Hugging Face model's is model._init_weights)"
+        )

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (pytest exits non-zero when it fails or finds no tests).
+# Set up, check lint and format (ruff), then run the whole test suite (pytest exits non-zero when it
+# fails or finds no tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -4,14 +4,14 @@ import copy
 
 import torch
 import torch.distributed as dist
-
-import autopar
 from autopar.examples.bert import Bert, BertConfig, masked_batch
 from autopar.examples.convnet import ConvNet
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 from autopar.examples.moe import MoEConfig, MoEGPT
+
+import autopar
 
 # compute dear, communication cheap: the solver splits work across ranks
 SYNTHETIC = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8)
@@ -38,8 +38,16 @@ def make_model(name: str):
         gen = torch.Generator().manual_seed(0)
         batches = [masked_batch(cfg, 4, 8, gen) for _ in range(3)]
     elif name == "moe":
-        cfg = MoEConfig(vocab_size=64, block_size=8, dim=16, num_heads=4, num_layers=1, num_experts=4,
-                        expert_hidden=32, group_size=8)
+        cfg = MoEConfig(
+            vocab_size=64,
+            block_size=8,
+            dim=16,
+            num_heads=4,
+            num_layers=1,
+            num_experts=4,
+            expert_hidden=32,
+            group_size=8,
+        )
         model = MoEGPT(cfg)
         batches = [(torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))) for _ in range(3)]
     elif name in ("hf-gpt2", "hf-gpt2-dropout", "hf-llama"):  # Hugging Face transformers, built from a configuration
@@ -75,7 +83,8 @@ def _like(t: torch.Tensor) -> torch.Tensor:
 
 def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     """Hand-written layouts as pins: ``dp`` (batch split over every mesh axis, weights
-    replicated), ``fsdp`` (batch and every parameter split on dim 0 over every axis), ``megatron`` (column/row tensor parallel, on the last
+    replicated), ``fsdp`` (batch and every parameter split on dim 0 over every axis), ``megatron``
+    (column/row tensor parallel, on the last
     axis), ``2d`` (data parallel on the first axis, Megatron on the second), ``experts`` (the
     MoE example's expert weights split on the expert dim over every axis, the rest planned) and
     ``vocab`` (the token embedding and output head split along the vocabulary on the last axis,
@@ -85,13 +94,23 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     model, _ = make_model(model_name)
     names = [n for n, _ in model.named_parameters()]
     ndim = len(axis_names)
-    batch = {"mlp": ("x", "target"), "bert": ("idx", "segments", "labels"), "convnet": ("images", "labels"),
-             "hf-gpt2": ("input_ids", "labels"), "hf-llama": ("input_ids", "labels")}.get(model_name, ("idx", "targets"))
+    batch = {
+        "mlp": ("x", "target"),
+        "bert": ("idx", "segments", "labels"),
+        "convnet": ("images", "labels"),
+        "hf-gpt2": ("input_ids", "labels"),
+        "hf-llama": ("input_ids", "labels"),
+    }.get(model_name, ("idx", "targets"))
     if preset == "experts":
         return {n: ("S(0)",) * ndim for n in names if n.endswith((".moe.w1", ".moe.w2"))}
     if preset == "vocab":
-        vocab = ("tok.weight", "head.weight", "model.transformer.wte.weight", "model.model.embed_tokens.weight",
-                 "model.lm_head.weight")
+        vocab = (
+            "tok.weight",
+            "head.weight",
+            "model.transformer.wte.weight",
+            "model.model.embed_tokens.weight",
+            "model.lm_head.weight",
+        )
         return {n: ("R",) * (ndim - 1) + ("S(0)",) for n in names if n in vocab}
     assert model_name in ("mlp", "gpt") or preset in ("dp", "fsdp"), f"no tensor-parallel pins for {model_name}"
     if preset == "dp":
@@ -99,11 +118,21 @@ def pins_for(preset: str | None, model_name: str, axis_names) -> dict | None:
     if preset == "fsdp":
         return {**{k: ("S(0)",) * ndim for k in batch}, **{n: ("S(0)",) * ndim for n in names}}
     if model_name == "mlp":
-        split = {"layers.0.weight": "S(0)", "layers.0.bias": "S(0)", "layers.1.weight": "S(1)",
-                 "layers.2.weight": "S(0)", "layers.2.bias": "S(0)"}
+        split = {
+            "layers.0.weight": "S(0)",
+            "layers.0.bias": "S(0)",
+            "layers.1.weight": "S(1)",
+            "layers.2.weight": "S(0)",
+            "layers.2.bias": "S(0)",
+        }
     else:
-        split = {"blocks.0.attn.qkv.weight": "S(0)", "blocks.0.attn.proj.weight": "S(1)",
-                 "blocks.0.fc1.weight": "S(0)", "blocks.0.fc1.bias": "S(0)", "blocks.0.fc2.weight": "S(1)"}
+        split = {
+            "blocks.0.attn.qkv.weight": "S(0)",
+            "blocks.0.attn.proj.weight": "S(1)",
+            "blocks.0.fc1.weight": "S(0)",
+            "blocks.0.fc1.bias": "S(0)",
+            "blocks.0.fc2.weight": "S(1)",
+        }
     if preset == "megatron":
         return {n: ("R",) * (ndim - 1) + (p,) for n, p in split.items()}
     if preset == "2d":
@@ -153,8 +182,16 @@ def _train(model, batches, optimizer_name):
     return losses, grads
 
 
-def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_name: str = "adamw",
-                            pins=None, hardware=SYNTHETIC, backend="eager", recompute="auto") -> dict:
+def compare_with_one_device(
+    model_name: str,
+    mesh_shape,
+    axis_names,
+    optimizer_name: str = "adamw",
+    pins=None,
+    hardware=SYNTHETIC,
+    backend="eager",
+    recompute="auto",
+) -> dict:
     """Train 3 steps on one device and on the mesh; return the largest differences, whether
     each buffer (batch norm's running statistics) matches, the plan and the collectives the
     per-rank graph ran."""
@@ -163,7 +200,9 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
     ref_losses, ref_grads = _train(reference, batches, optimizer_name)
 
     mesh = autopar.Mesh(tuple(mesh_shape), tuple(axis_names))
-    pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, pins=pins, backend=backend, recompute=recompute)
+    pmodel = autopar.compile(
+        model, mesh, batches[0], hardware=hardware, pins=pins, backend=backend, recompute=recompute
+    )
     opt = make_optimizer(optimizer_name, pmodel.parameters())
     losses, first_grads = [], None
     for step, batch in enumerate(batches):
@@ -184,7 +223,9 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
         "grad_max": max(float((first_grads[k] - ref_grads[k]).abs().max()) for k in ref_grads),
         "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params),
         "param_max": max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params),
-        "buffers_ok": {k: torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params if k in buffers},
+        "buffers_ok": {
+            k: torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params if k in buffers
+        },
         "plan": pmodel.plan.to_json(),
         "ran": list(pmodel.collectives),
         "rank": dist.get_rank(),
@@ -194,8 +235,9 @@ def compare_with_one_device(model_name: str, mesh_shape, axis_names, optimizer_n
 def _rank_inputs(pmodel, batch):
     """Each rank's own part of inputs whose placement is pinned to a split, as a per-rank data
     loader would give it; the whole batch otherwise."""
-    return [pmodel.rank_part(name, x) if pmodel.passes_own_part(name) else x
-            for name, x in zip(pmodel.plan.inputs, batch)]
+    return [
+        pmodel.rank_part(name, x) if pmodel.passes_own_part(name) else x for name, x in zip(pmodel.plan.inputs, batch)
+    ]
 
 
 def _gather_grads(pmodel) -> dict[str, torch.Tensor]:
@@ -224,8 +266,12 @@ def decorated_and_lazy() -> dict:
     from_factory = build()
     before_call = isinstance(from_class, autopar.runtime.module.ParallelModule)
     losses = [float(m(x, y)) for m in (from_class, from_factory)]
-    return {"is_parallel": before_call, "losses": losses, "ref": float(ref_loss),
-            "planned": from_factory.plan.mesh == mesh}
+    return {
+        "is_parallel": before_call,
+        "losses": losses,
+        "ref": float(ref_loss),
+        "planned": from_factory.plan.mesh == mesh,
+    }
 
 
 def saved_plan_and_inductor() -> dict:
@@ -242,8 +288,9 @@ def planning_error_on_every_rank() -> str:
     """Rank 0 plans; an error there must reach every rank, not leave them waiting."""
     model = MLP(16, 32)
     try:
-        autopar.compile(model, autopar.Mesh((2,), ("dp",)), (torch.randn(5, 16), torch.randn(5, 16)),
-                        pins={"x": "S(0)"})
+        autopar.compile(
+            model, autopar.Mesh((2,), ("dp",)), (torch.randn(5, 16), torch.randn(5, 16)), pins={"x": "S(0)"}
+        )
     except autopar.InfeasiblePlanError as exc:
         return str(exc)
     return "no error"

@@ -17,8 +17,14 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
@@ -46,10 +52,16 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600.0) -> list:
             try:
                 rank, status, value = queue.get(timeout=1.0)
             except queue_module.Empty:
-                dead = [f"rank {r} died with exit code {p.exitcode} before reporting" for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results]
+                dead = [
+                    f"rank {r} died with exit code {p.exitcode} before reporting"
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results
+                ]
                 if dead or time.monotonic() > deadline:
-                    errors.extend(dead or [f"no answer from ranks {sorted(set(range(world)) - set(results))} in {timeout_s:.0f} s"])
+                    errors.extend(
+                        dead
+                        or [f"no answer from ranks {sorted(set(range(world)) - set(results))} in {timeout_s:.0f} s"]
+                    )
                 continue
             if status == "ok":
                 results[rank] = value

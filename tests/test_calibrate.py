@@ -17,8 +17,15 @@ def test_fit_lets_small_messages_set_alpha():
     # 0.7 ms for small messages, then a steeper slope past 1 MiB than the small sizes suggest,
     # as gloo measures on a loaded host: a plain least-squares line through these points puts
     # α near 0.4 ms, below every small message's time.
-    points = [(2048, 0.69e-3), (8192, 0.71e-3), (32768, 0.88e-3), (131072, 0.82e-3),
-              (524288, 1.13e-3), (2097152, 5.04e-3), (8388608, 21.2e-3)]
+    points = [
+        (2048, 0.69e-3),
+        (8192, 0.71e-3),
+        (32768, 0.88e-3),
+        (131072, 0.82e-3),
+        (524288, 1.13e-3),
+        (2097152, 5.04e-3),
+        (8388608, 21.2e-3),
+    ]
     alpha, beta = _fit(points)
     assert 0.55e-3 < alpha < 0.8e-3
     worst = max(abs((alpha + beta * x) / t - 1) for x, t in points)
@@ -38,8 +45,10 @@ def test_the_step_and_collective_scales_are_recovered_from_layouts_that_differ_i
 
 
 def test_the_overheads_are_not_stretched_by_the_scales():
-    points = [(ops, coll, fixed, fixed + 1.2 * (ops + 2.5 * coll))
-              for ops, coll, fixed in ((4e-3, 1e-3, 2e-3), (3e-3, 6e-3, 1e-3), (5e-3, 3e-3, 4e-3))]
+    points = [
+        (ops, coll, fixed, fixed + 1.2 * (ops + 2.5 * coll))
+        for ops, coll, fixed in ((4e-3, 1e-3, 2e-3), (3e-3, 6e-3, 1e-3), (5e-3, 3e-3, 4e-3))
+    ]
     step, collective = fit_scales(points)
     assert step == pytest.approx(1.2) and collective == pytest.approx(2.5)
     alike = [(2e-3, 1e-3, 1e-3, 5.5e-3), (4e-3, 2e-3, 1e-3, 8.8e-3), (6e-3, 3e-3, 1e-3, 14.5e-3)]
@@ -47,9 +56,16 @@ def test_the_overheads_are_not_stretched_by_the_scales():
 
 
 def test_layouts_alike_in_collectives_or_a_negative_scale_give_one_scale():
-    alike = [(2e-3, 1e-3, 0.0, 4.5e-3), (4e-3, 2e-3, 0.0, 7.8e-3), (6e-3, 3e-3, 0.0, 13.5e-3)]  # every point a third collectives
+    alike = [
+        (2e-3, 1e-3, 0.0, 4.5e-3),
+        (4e-3, 2e-3, 0.0, 7.8e-3),
+        (6e-3, 3e-3, 0.0, 13.5e-3),
+    ]  # every point a third collectives
     assert fit_scales(alike) == (pytest.approx(1.5), 1.0)  # the median of 1.5, 1.3 and 1.5
-    negative = [(4e-3, 1e-3, 0.0, 9e-3), (1e-3, 4e-3, 0.0, 1e-3)]  # more collectives, less time: a negative collective scale
+    negative = [
+        (4e-3, 1e-3, 0.0, 9e-3),
+        (1e-3, 4e-3, 0.0, 1e-3),
+    ]  # more collectives, less time: a negative collective scale
     assert fit_scales(negative) == (pytest.approx((9 / 5 + 1 / 5) / 2), 1.0)
 
 

@@ -9,8 +9,9 @@ import pytest
 
 
 def _autopar(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "autopar.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
 
 
 def test_plan_prints_the_table_and_writes_json(tmp_path):
@@ -24,8 +25,18 @@ def test_plan_prints_the_table_and_writes_json(tmp_path):
 
 
 def test_plan_takes_pins_and_a_memory_budget():
-    done = _autopar("plan", "mlp", "--mesh", "2x2", "--pin", "layers.0.weight=R,S(0)", "--pin", "x=S(0),R",
-                    "--memory-budget", "64MiB")
+    done = _autopar(
+        "plan",
+        "mlp",
+        "--mesh",
+        "2x2",
+        "--pin",
+        "layers.0.weight=R,S(0)",
+        "--pin",
+        "x=S(0),R",
+        "--memory-budget",
+        "64MiB",
+    )
     assert done.returncode == 0, done.stderr
     assert "(pinned: layers.0.weight, x)" in done.stdout
     assert "layers.0.weight  (R, S(0))" in done.stdout and "budget 64.0 MiB" in done.stdout
@@ -69,13 +80,15 @@ def test_plan_recomputes_layers_when_asked():
 
 
 def test_plan_reads_a_model_file(tmp_path):
-    (tmp_path / "net.py").write_text(textwrap.dedent("""
+    (tmp_path / "net.py").write_text(
+        textwrap.dedent("""
         import torch
         from autopar.examples.mlp import MLP
 
         def make_model():
             return MLP(8, 16), (torch.randn(4, 8), torch.randn(4, 8))
-    """))
+    """)
+    )
     done = _autopar("plan", str(tmp_path / "net.py"), "--mesh", "2")
     assert done.returncode == 0, done.stderr
     assert "layers.0.weight" in done.stdout
@@ -83,7 +96,8 @@ def test_plan_reads_a_model_file(tmp_path):
 
 @pytest.mark.slow
 def test_run_launches_ranks_that_compile_and_train(tmp_path):
-    (tmp_path / "train.py").write_text(textwrap.dedent("""
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         import autopar
         from autopar.examples.mlp import MLP
@@ -98,7 +112,8 @@ def test_run_launches_ranks_that_compile_and_train(tmp_path):
             loss.backward()
             opt.step()
         print(f"rank {dist.get_rank()} loss {float(loss.detach()):.6f}")
-    """))
+    """)
+    )
     done = _autopar("run", "-n", "2", str(tmp_path / "train.py"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = dict(re.findall(r"rank (\d) loss (\d+\.\d{6})", done.stdout))  # the ranks' lines may interleave
@@ -126,7 +141,11 @@ def test_calibrate_writes_a_profile_that_plans_use(tmp_path):
     assert profile.timed_ops and profile.contention >= 1.0  # plans made with it time their ops on this host
     assert 0.2 < profile.step_scale < 20  # a training step of the calibration model ran and was compared
     assert 0.2 < profile.collective_scale < 20
-    assert 0 <= profile.node_overhead_s < 1e-3 and 0 <= profile.step_overhead_s < 0.1 and 0 <= profile.param_overhead_s < 1e-2
+    assert (
+        0 <= profile.node_overhead_s < 1e-3
+        and 0 <= profile.step_overhead_s < 0.1
+        and 0 <= profile.param_overhead_s < 1e-2
+    )
     kinds = {kind for kind, _, _ in profile.intra_host.per_kind}
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     planned = _autopar("plan", "mlp", "--mesh", "2", "--hardware", str(out))

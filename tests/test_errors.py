@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from autopar.examples.mlp import MLP
 from torch import nn
 
 import autopar
 from autopar import Mesh
-from autopar.examples.mlp import MLP
 from tests.conftest import FLOP_EQ_BYTE
 
 
@@ -16,7 +16,9 @@ def _inputs(batch=8, dim=16):
 
 def test_mesh_size_must_match_world_size(fake_world):
     fake_world(8)
-    with pytest.raises(ValueError, match=r"Mesh\(dp=4\) has 4 devices but the process group has 8 ranks.*autopar run -n 4"):
+    with pytest.raises(
+        ValueError, match=r"Mesh\(dp=4\) has 4 devices but the process group has 8 ranks.*autopar run -n 4"
+    ):
         autopar.compile(MLP(16, 32), Mesh((4,), ("dp",)), _inputs())
 
 
@@ -26,8 +28,11 @@ def test_compile_without_a_process_group_says_how_to_launch():
 
 
 def test_pinned_dim_that_the_axis_does_not_divide_names_tensor_dim_and_axis():
-    with pytest.raises(autopar.InfeasiblePlanError,
-                       match=r"(?s)pin x=\(S\(0\)\).*shape \(6, 16\).*dim 0 \(size 6\) is not divisible by mesh axis 'dp' \(size 4\).*Fix"):
+    with pytest.raises(
+        autopar.InfeasiblePlanError,
+        match=r"(?s)pin x=\(S\(0\)\).*shape \(6, 16\).*dim 0 \(size 6\) "
+        r"is not divisible by mesh axis 'dp' \(size 4\).*Fix",
+    ):
         autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(batch=6), pins={"x": "S(0)"})
 
 
@@ -61,7 +66,9 @@ def test_unknown_pin_names_list_the_known_ones():
 
 
 def test_unknown_hardware_lists_profiles():
-    with pytest.raises(ValueError, match=r"hardware='tpu' is not a known profile; use one of \['a100', 'cpu', 'h100', 'h200'\]"):
+    with pytest.raises(
+        ValueError, match=r"hardware='tpu' is not a known profile; use one of \['a100', 'cpu', 'h100', 'h200'\]"
+    ):
         autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware="tpu")
 
 
@@ -92,14 +99,23 @@ class _Scan(nn.Module):
         return ((self.fc(x).cumsum(self.dim).softmax(self.softmax_dim) - y) ** 2).mean()
 
 
-@pytest.mark.parametrize("planned, compiled, difference", [
-    (_Scan(1), _Scan(0), r"cumsum.default\(\[addmm, 1\].*now `cumsum.*\(\[addmm, 0\]"),
-    (_Scan(1, softmax_dim=-1), _Scan(1, softmax_dim=0), r"_softmax.default\(\[cumsum, -1, False\].*now `.*_softmax.default\(\[cumsum, 0, False\]"),
-])
+@pytest.mark.parametrize(
+    "planned, compiled, difference",
+    [
+        (_Scan(1), _Scan(0), r"cumsum.default\(\[addmm, 1\].*now `cumsum.*\(\[addmm, 0\]"),
+        (
+            _Scan(1, softmax_dim=-1),
+            _Scan(1, softmax_dim=0),
+            r"_softmax.default\(\[cumsum, -1, False\].*now `.*_softmax.default\(\[cumsum, 0, False\]",
+        ),
+    ],
+)
 def test_a_plan_for_other_op_arguments_is_refused_naming_the_node(fake_world, planned, compiled, difference):
     fake_world(2)
     plan = autopar.plan(planned, Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE)
-    with pytest.raises(autopar.StalePlanError, match=r"(?s)plan was made for another graph.*node \d+ differs.*" + difference):
+    with pytest.raises(
+        autopar.StalePlanError, match=r"(?s)plan was made for another graph.*node \d+ differs.*" + difference
+    ):
         autopar.compile(compiled, Mesh((2,)), _inputs(), plan=plan)
 
 
@@ -107,21 +123,27 @@ def test_a_float32_plan_is_refused_for_a_bfloat16_model(fake_world):
     fake_world(2)
     plan = autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE)
     x, y = _inputs()
-    with pytest.raises(autopar.StalePlanError, match=r"(?s)node \d+ differs, planned as `.*float32.*`, now `.*bfloat16"):
+    with pytest.raises(
+        autopar.StalePlanError, match=r"(?s)node \d+ differs, planned as `.*float32.*`, now `.*bfloat16"
+    ):
         autopar.compile(MLP(16, 32).to(torch.bfloat16), Mesh((2,)), (x.bfloat16(), y.bfloat16()), plan=plan)
 
 
 def test_a_plan_with_other_input_placements_than_the_pins_is_refused(fake_world):
     fake_world(2)
     plan = autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE, pins={"x": "S(0)"})
-    with pytest.raises(autopar.StalePlanError, match=r"plan places 'x' as \(S\(0\)\) but pins ask for \(R\).*Fix: plan again"):
+    with pytest.raises(
+        autopar.StalePlanError, match=r"plan places 'x' as \(S\(0\)\) but pins ask for \(R\).*Fix: plan again"
+    ):
         autopar.compile(MLP(16, 32), Mesh((2,)), _inputs(), plan=plan, pins={"x": "R"})
 
 
 def test_plan_for_another_mesh_is_refused(fake_world):
     fake_world(2)
     plan = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), _inputs(), hardware=FLOP_EQ_BYTE)
-    with pytest.raises(autopar.StalePlanError, match=r"made for Mesh\(dp=2\) but the model is compiled for Mesh\(tp=2\)"):
+    with pytest.raises(
+        autopar.StalePlanError, match=r"made for Mesh\(dp=2\) but the model is compiled for Mesh\(tp=2\)"
+    ):
         autopar.compile(MLP(16, 32), Mesh((2,), ("tp",)), _inputs(), plan=plan)
 
 
@@ -134,7 +156,10 @@ def test_unsupported_ops_are_listed_when_fallback_is_off():
         def forward(self, x):
             return torch.cummax(self.fc(x), 0).values.sum()
 
-    with pytest.raises(autopar.UnsupportedOpError, match=r"(?s)no sharding rule:\n  cummax.*aten.cummax.default on \(8, 4\).*fallback=True"):
+    with pytest.raises(
+        autopar.UnsupportedOpError,
+        match=r"(?s)no sharding rule:\n  cummax.*aten.cummax.default on \(8, 4\).*fallback=True",
+    ):
         autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),), fallback=False)
     plan = autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),))  # falls back to replicated
     assert next(n for n in plan.nodes if n.op == "aten.cummax.default").outputs == ("(R)", "(R)")
@@ -152,16 +177,21 @@ def test_in_place_updates_of_parameters_and_inputs_are_refused_with_their_names(
             x.mul_(2)
             return self.fc(x).sum()
 
-    with pytest.raises(autopar.CaptureError, match=r"(?s)updates parameter fc.weight, input x in place; autopar writes "
-                                                   r"back in-place updates of buffers only.*Fix: .*self.register_buffer.*x.mul_\(2\)"):
+    with pytest.raises(
+        autopar.CaptureError,
+        match=r"(?s)updates parameter fc.weight, input x in place; autopar writes "
+        r"back in-place updates of buffers only.*Fix: .*self.register_buffer.*x.mul_\(2\)",
+    ):
         autopar.plan(Rescaling(), Mesh((2,)), (torch.randn(8, 4),))
 
 
 def test_infeasible_memory_budget_says_what_is_over_and_what_would_fit():
-    with pytest.raises(autopar.InfeasiblePlanError,
-                       match=r"(?s)no plan on Mesh\(dp=4\) fits memory_budget=1000 B per device: the least memory any plan "
-                             r"needs is .*over \(parameters .*activations .*\).*Fix: raise memory_budget to at least .*"
-                             r"mesh about .*x larger"):
+    with pytest.raises(
+        autopar.InfeasiblePlanError,
+        match=r"(?s)no plan on Mesh\(dp=4\) fits memory_budget=1000 B per device: the least memory any plan "
+        r"needs is .*over \(parameters .*activations .*\).*Fix: raise memory_budget to at least .*"
+        r"mesh about .*x larger",
+    ):
         autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(), memory_budget="1KB")
 
 

@@ -4,7 +4,12 @@ from benchmarks.fidelity import _order
 
 
 def _plan(layout, predicted, rounds):
-    return {"layout": layout, "predicted_s": predicted, "measured_s": sum(rounds) / len(rounds), "measured_round_s": rounds}
+    return {
+        "layout": layout,
+        "predicted_s": predicted,
+        "measured_s": sum(rounds) / len(rounds),
+        "measured_round_s": rounds,
+    }
 
 
 def test_a_pair_measured_apart_in_every_round_is_ordered():

@@ -6,16 +6,16 @@ import itertools
 
 import pytest
 import torch
+from autopar.cost_model.compute import math_format, node_work
+from autopar.passes.capture import capture
+from autopar.passes.rewrite import rewrite
 from torch import nn
 
 import autopar
 from autopar import Mesh
-from autopar.cost_model.compute import math_format, node_work
-from autopar.passes.capture import capture
-from autopar.passes.rewrite import rewrite
 from autopar.planner import plan_captured
-from tests.runtime.test_graph_diff import FOUR, TWO
 from tests.cases import SYNTHETIC, make_model, pins_for
+from tests.runtime.test_graph_diff import FOUR, TWO
 
 
 def executed_flops(gm: torch.fx.GraphModule) -> float:
@@ -41,14 +41,24 @@ def _check(captured, plan):
 _CASES = [c for c in FOUR + TWO if not c["model_name"].startswith("hf-")]
 
 
-@pytest.mark.parametrize("case", _CASES, ids=lambda c: "-".join(str(v) for v in (c["model_name"], *c["mesh_shape"], c.get("preset", ""), c.get("recompute", ""))))
+@pytest.mark.parametrize(
+    "case",
+    _CASES,
+    ids=lambda c: "-".join(
+        str(v) for v in (c["model_name"], *c["mesh_shape"], c.get("preset", ""), c.get("recompute", ""))
+    ),
+)
 def test_priced_flops_are_the_flops_each_rank_runs(case):
     model, batches = make_model(case["model_name"])
     mesh = Mesh(case["mesh_shape"], case["axis_names"])
     captured = capture(model, batches[0])
-    plan = plan_captured(captured, mesh, hardware=case.get("hardware", SYNTHETIC),
-                         pins=pins_for(case.get("preset"), case["model_name"], case["axis_names"]),
-                         recompute=case.get("recompute", "auto"))
+    plan = plan_captured(
+        captured,
+        mesh,
+        hardware=case.get("hardware", SYNTHETIC),
+        pins=pins_for(case.get("preset"), case["model_name"], case["axis_names"]),
+        recompute=case.get("recompute", "auto"),
+    )
     _check(captured, plan)
 
 

@@ -1,11 +1,11 @@
 """Plans whose optimum is known by hand under the synthetic α-β profile."""
 
 import torch
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.mlp import MLP
 
 import autopar
 from autopar import Mesh
-from autopar.examples.gpt import GPT, GPTConfig
-from autopar.examples.mlp import MLP
 from tests.conftest import FLOP_EQ_BYTE
 
 
@@ -16,8 +16,9 @@ def _collectives(plan, phase=None):
 def test_wide_mlp_gets_megatron_column_then_row_split():
     # hidden 4096 >> batch 8: moving the [8, 256] activation beats moving 2 x 4 MB of gradients
     batch, dim, hidden = 8, 256, 4096
-    plan = autopar.plan(MLP(dim, hidden), Mesh((4,), ("tp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
-                        hardware=FLOP_EQ_BYTE)
+    plan = autopar.plan(
+        MLP(dim, hidden), Mesh((4,), ("tp",)), (torch.randn(batch, dim), torch.randn(batch, dim)), hardware=FLOP_EQ_BYTE
+    )
     assert plan.placements["layers.0.weight"] == ("S(0)",)  # split by output features (column)
     assert plan.placements["layers.0.bias"] == ("S(0)",)
     assert plan.placements["layers.1.weight"] == ("S(1)",)  # split by input features (row)
@@ -29,8 +30,9 @@ def test_batch_heavy_mlp_gets_pure_data_parallel():
     # batch 4096 >> hidden 64: moving 17 KB of gradients beats moving the 512 KB activations
     batch, dim, hidden = 4096, 32, 64
     model = MLP(dim, hidden)
-    plan = autopar.plan(model, Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
-                        hardware=FLOP_EQ_BYTE)
+    plan = autopar.plan(
+        model, Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)), hardware=FLOP_EQ_BYTE
+    )
     assert all(p == ("R",) for p in plan.placements.values())  # weights replicated
     assert plan.inputs == {"x": ("R",), "target": ("R",)}  # every rank is given the whole batch
     first = plan.node("addmm")
@@ -44,8 +46,13 @@ def test_batch_heavy_mlp_gets_pure_data_parallel():
 def test_pins_fix_parameters_and_the_solver_plans_the_rest():
     batch, dim, hidden = 4096, 32, 64
     pins = {"layers.0.weight": "S(0)"}
-    plan = autopar.plan(MLP(dim, hidden), Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)),
-                        hardware=FLOP_EQ_BYTE, pins=pins)
+    plan = autopar.plan(
+        MLP(dim, hidden),
+        Mesh((4,), ("dp",)),
+        (torch.randn(batch, dim), torch.randn(batch, dim)),
+        hardware=FLOP_EQ_BYTE,
+        pins=pins,
+    )
     assert plan.placements["layers.0.weight"] == ("S(0)",)
     assert plan.pinned == ("layers.0.weight",)
 
@@ -53,13 +60,23 @@ def test_pins_fix_parameters_and_the_solver_plans_the_rest():
 def test_a_split_pinned_over_an_axis_of_one_rank_is_the_whole_tensor_and_moves_nothing():
     batch, dim, hidden = 64, 32, 64
     inputs = (torch.randn(batch, dim), torch.randn(batch, dim))
-    plan = autopar.plan(MLP(dim, hidden), Mesh((1,), ("dp",)), inputs, hardware=FLOP_EQ_BYTE,
-                        pins={"x": "S(0)", "target": "S(0)", "layers.0.weight": "S(0)"})
+    plan = autopar.plan(
+        MLP(dim, hidden),
+        Mesh((1,), ("dp",)),
+        inputs,
+        hardware=FLOP_EQ_BYTE,
+        pins={"x": "S(0)", "target": "S(0)", "layers.0.weight": "S(0)"},
+    )
     assert plan.inputs == {"x": ("R",), "target": ("R",)}
     assert plan.placements["layers.0.weight"] == ("R",)
     assert plan.collectives == ()
-    plan = autopar.plan(MLP(dim, hidden), Mesh((1, 4), ("a", "b")), inputs, hardware=FLOP_EQ_BYTE,
-                        pins={"x": ("S(0)", "S(0)"), "target": ("S(0)", "S(0)")})
+    plan = autopar.plan(
+        MLP(dim, hidden),
+        Mesh((1, 4), ("a", "b")),
+        inputs,
+        hardware=FLOP_EQ_BYTE,
+        pins={"x": ("S(0)", "S(0)"), "target": ("S(0)", "S(0)")},
+    )
     assert plan.inputs == {"x": ("R", "S(0)"), "target": ("R", "S(0)")}
     assert plan.collectives and all(c.axis == "b" for c in plan.collectives)
 

@@ -4,9 +4,6 @@ program's liveness peak, and a budget the program fits needs no recomputation.""
 
 import pytest
 import torch
-from torch import fx
-
-import autopar
 from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import resolve_profile
 from autopar.cost_model.liveness import plan_liveness, step_liveness
@@ -16,10 +13,13 @@ from autopar.passes.capture import capture
 from autopar.passes.planning import moment_bytes
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import activation_space
-from autopar.passes.solver import solve
-from autopar.planner import plan_captured
 from autopar.passes.rewrite import rewrite
+from autopar.passes.solver import solve
 from autopar.runtime.partition import boxed, partition
+from torch import fx
+
+import autopar
+from autopar.planner import plan_captured
 from tests.cases import BYTES_DEAR
 
 MESH = autopar.Mesh((4,), ("dp",))
@@ -70,8 +70,11 @@ def test_a_split_backward_op_runs_in_the_backward():
     plan = plan_captured(captured, mesh, hardware=BYTES_DEAR, pins={"tok.weight": "S(0)", "head.weight": "S(0)"})
     assert plan.node("_log_softmax").outputs == ("(S(1))",)
     joint = rewrite(captured, plan, coordinate=(0,), group_names=["tp"])
-    parts = partition(joint, [k.kind == "tangent" for k in captured.inputs],
-                      [None if k is None else k.kind == "grad" for k in captured.outputs])
+    parts = partition(
+        joint,
+        [k.kind == "tangent" for k in captured.inputs],
+        [None if k is None else k.kind == "grad" for k in captured.outputs],
+    )
     exps = [n.name for n in parts.forward.graph.nodes if n.target is torch.ops.aten.exp.default]
     assert len(exps) == 1, exps  # the log-softmax's own
 
@@ -100,6 +103,7 @@ torch.fx.wrap("probe")
 def _graphs():
     """A forward saving two 4 KiB values and a backward that reads the first, makes a 4 KiB
     value, then reads the second."""
+
     def forward(x):
         a, b = x * 2, x * 3
         return x.sum(), a, b
@@ -150,9 +154,18 @@ def test_the_programs_rows_and_the_plans_count_agree(hardware):
     node_costs = costs.node_costs(space, costs.compute_costs(space))
     memory = memory_terms(space, costs)
     acts = activation_space(captured, space, costs, "auto", offload=costs.host() is not None)
-    least = solve(space, node_costs, costs.transition_s, memory=memory, minimise="memory", activations=acts,
-                  host=costs.host())
-    counted = moment_bytes(memory, acts, least.choice, least.recomputed, least.offloaded, least.prefetched,
-                           least.host_optimizer, least.host_params)
+    least = solve(
+        space, node_costs, costs.transition_s, memory=memory, minimise="memory", activations=acts, host=costs.host()
+    )
+    counted = moment_bytes(
+        memory,
+        acts,
+        least.choice,
+        least.recomputed,
+        least.offloaded,
+        least.prefetched,
+        least.host_optimizer,
+        least.host_params,
+    )
     assert least.info.objective_s == pytest.approx(counted, rel=1e-4)
     assert (least.offloaded or least.host_optimizer) if hardware == "h100" else not least.offloaded

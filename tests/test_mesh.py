@@ -15,12 +15,15 @@ def test_mesh_coordinate_is_row_major():
     assert [mesh.coordinate(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
 
 
-@pytest.mark.parametrize("shape, names, match", [
-    ((), (), "non-empty"),
-    ((2, 0), ("a", "b"), "positive"),
-    ((2, 2), ("dp",), "one name per axis"),
-    ((2, 2), ("dp", "dp"), "distinct"),
-])
+@pytest.mark.parametrize(
+    "shape, names, match",
+    [
+        ((), (), "non-empty"),
+        ((2, 0), ("a", "b"), "positive"),
+        ((2, 2), ("dp",), "one name per axis"),
+        ((2, 2), ("dp", "dp"), "distinct"),
+    ],
+)
 def test_mesh_rejects_bad_shapes_with_the_reason(shape, names, match):
     with pytest.raises(ValueError, match=match):
         Mesh(shape, names)

@@ -13,25 +13,27 @@ import re
 
 import pytest
 import torch
-from torch._inductor.utils import run_and_get_code
-
-import autopar
-from autopar import Mesh
 from autopar.cost_model.hardware import Link
 from autopar.cost_model.liveness import plan_liveness
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.capture import capture
 from autopar.passes.rewrite import rewrite
-from autopar.explain import format_bytes
 from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.partition import partition
+from torch._inductor.utils import run_and_get_code
+
+import autopar
+from autopar import Mesh
+from autopar.explain import format_bytes
 from tests.harness import run_ranks
-from tests.runtime.test_memory_budget import _model as _small_gpt, _reference
+from tests.runtime.test_memory_budget import _model as _small_gpt
+from tests.runtime.test_memory_budget import _reference
 
 ONE_DEVICE = Mesh((1,), ("x",))
 NO_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6)
-WITH_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6,
-                                     host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11)
+WITH_HOST = autopar.SyntheticProfile(
+    s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6, host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11
+)
 """A device whose host copies (10 ps per byte) are ten times slower than its memory: recomputing
 a pointwise op is cheaper than copying its output, copying a matmul's output cheaper than
 recomputing it."""
@@ -50,7 +52,9 @@ def _plan(gpt, hardware=WITH_HOST, **options):
 
 
 def _chosen(plan, activation: str) -> collections.Counter:
-    return collections.Counter(n.op.split(".")[1] for n in plan.nodes if n.activation == activation and n.activation_bytes)
+    return collections.Counter(
+        n.op.split(".")[1] for n in plan.nodes if n.activation == activation and n.activation_bytes
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +93,10 @@ def test_tightening_the_budget_takes_the_cheapest_time_per_byte_first(sweep):
     for plan, fraction in zip(sweep[1:], (0.95, 0.8, 0.6)):
         assert plan.peak_memory_bytes <= free.peak_memory_bytes * fraction
     # each tightening pays more per byte saved than the one before
-    per_byte = [(b.predicted_step_s - a.predicted_step_s) / (a.peak_memory_bytes - b.peak_memory_bytes)
-                for a, b in zip(sweep, sweep[1:])]
+    per_byte = [
+        (b.predicted_step_s - a.predicted_step_s) / (a.peak_memory_bytes - b.peak_memory_bytes)
+        for a, b in zip(sweep, sweep[1:])
+    ]
     assert per_byte == sorted(per_byte) and per_byte[0] >= 0
     offloaded = sum(n.activation_bytes for n in tighter.nodes if n.activation == "offload")
     assert tighter.offload_s > 0 and offloaded > 0 and tighter.memory.host_bytes >= offloaded
@@ -123,7 +129,9 @@ def test_an_h100_host_lends_each_of_its_eight_devices_a_quarter_terabyte():
 def test_recompute_none_keeps_every_activation_on_the_device(gpt, sweep):
     plan = _plan(gpt, memory_budget=int(sweep[0].peak_memory_bytes * 0.95), recompute="none")
     assert not _chosen(plan, "recompute") and not _chosen(plan, "offload")
-    assert plan.host_optimizer and plan.peak_memory_bytes <= sweep[0].peak_memory_bytes * 0.95  # optimizer state moved instead
+    assert (
+        plan.host_optimizer and plan.peak_memory_bytes <= sweep[0].peak_memory_bytes * 0.95
+    )  # optimizer state moved instead
 
 
 def test_the_plan_table_and_json_carry_the_offload(deeper):
@@ -141,8 +149,11 @@ def _parts(gpt, plan):
     model, batch = gpt
     captured = capture(model, batch)
     joint = rewrite(captured, plan, coordinate=(0,), group_names=["offload-test"])
-    return partition(joint, [k.kind == "tangent" for k in captured.inputs],
-                     [None if k is None else k.kind == "grad" for k in captured.outputs])
+    return partition(
+        joint,
+        [k.kind == "tangent" for k in captured.inputs],
+        [None if k is None else k.kind == "grad" for k in captured.outputs],
+    )
 
 
 def _count(gm, op) -> int:
@@ -160,7 +171,9 @@ def test_offloaded_values_leave_in_the_forward_and_come_back_in_the_backward(gpt
     assert copied_out > 0 and host_params > 0
     assert _count(parts.forward, reload) == host_params  # each parameter in host memory, in for the forward
     assert _count(parts.backward, offload) == host_params  # their gradients, out
-    assert copied_out <= _count(parts.backward, reload) <= copied_out + host_params  # activations and parameters back in
+    assert (
+        copied_out <= _count(parts.backward, reload) <= copied_out + host_params
+    )  # activations and parameters back in
     saved = {n.name for n in parts.forward.graph.output_node().args[0] if n is not None}
     assert {n.name for n in parts.forward.graph.nodes if n.target is offload} <= saved  # the host copy is what is saved
     for gm in (parts.forward, parts.backward):
@@ -172,8 +185,13 @@ def _work_before_wait(gm) -> list[int]:
     for it."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     position = {n: i for i, n in enumerate(nodes)}
-    return [position[w] - position[r] - 1 for r in nodes if r.target is torch.ops.autopar.reload.default
-            for w in r.users if w.target is torch.ops.autopar.reload_wait.default]
+    return [
+        position[w] - position[r] - 1
+        for r in nodes
+        if r.target is torch.ops.autopar.reload.default
+        for w in r.users
+        if w.target is torch.ops.autopar.reload_wait.default
+    ]
 
 
 def test_prefetched_reloads_run_beside_the_backward_of_the_layer_before(deeper):
@@ -183,7 +201,10 @@ def test_prefetched_reloads_run_beside_the_backward_of_the_layer_before(deeper):
     gpt, (plan, _) = deeper
     assert plan.prefetched and plan.offload_s > 0
     ahead, at_read = plan, dataclasses.replace(plan, prefetched=())
-    gaps_ahead, gaps_at_read = _work_before_wait(_parts(gpt, ahead).backward), _work_before_wait(_parts(gpt, at_read).backward)
+    gaps_ahead, gaps_at_read = (
+        _work_before_wait(_parts(gpt, ahead).backward),
+        _work_before_wait(_parts(gpt, at_read).backward),
+    )
     assert len(gaps_ahead) == len(gaps_at_read) > 0
     assert max(gaps_at_read) == 0 and max(gaps_ahead) > 0
     model, batch = gpt
@@ -218,8 +239,9 @@ def train_offloading_with_inductor() -> dict:
     model, batches = _small_gpt(num_layers=4)
     ref_losses, _ = _reference(model, batches)
     unbudgeted = autopar.plan(model, ONE_DEVICE, batches[0], hardware=WITH_HOST).peak_memory_bytes
-    pmodel = autopar.compile(model, ONE_DEVICE, batches[0], hardware=WITH_HOST, memory_budget=int(unbudgeted * 0.4),
-                             backend="inductor")
+    pmodel = autopar.compile(
+        model, ONE_DEVICE, batches[0], hardware=WITH_HOST, memory_budget=int(unbudgeted * 0.4), backend="inductor"
+    )
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
     def step(batch) -> float:
@@ -232,17 +254,23 @@ def train_offloading_with_inductor() -> dict:
     first, codes = run_and_get_code(step, batches[0])  # no memory tracking: its dispatch mode would stop torch.compile
     losses = [first] + [step(batch) for batch in batches[1:]]
     plan = pmodel.plan
-    return {"losses": losses, "reference": ref_losses, "prefetched": plan.prefetched, "host_params": plan.host_params,
-            "offloaded": sum(n.activation == "offload" for n in plan.nodes), "graphs": len(codes),
-            "copies": sum(len(_copied_buffers(code)) for code in codes),
-            "overwritten": [line for code in codes for line in _overwrites_of_copied_buffers(code)],
-            "first_copy_out_at": _first_copy_at(codes[0])}
+    return {
+        "losses": losses,
+        "reference": ref_losses,
+        "prefetched": plan.prefetched,
+        "host_params": plan.host_params,
+        "offloaded": sum(n.activation == "offload" for n in plan.nodes),
+        "graphs": len(codes),
+        "copies": sum(len(_copied_buffers(code)) for code in codes),
+        "overwritten": [line for code in codes for line in _overwrites_of_copied_buffers(code)],
+        "first_copy_out_at": _first_copy_at(codes[0]),
+    }
 
 
 def _first_copy_at(code: str) -> float:
     """The share of a compiled graph's kernels that its generated code launches before its first
     copy to the host."""
-    lines = code[code.index("def call("):].splitlines()
+    lines = code[code.index("def call(") :].splitlines()
     kernels = [i for i, line in enumerate(lines) if re.search(r"cpp_fused|extern_kernels\.|torch\.ops\.aten\.", line)]
     first = next(i for i, line in enumerate(lines) if "autopar.offload.default" in line)
     return sum(k < first for k in kernels) / len(kernels)
@@ -259,8 +287,11 @@ def _overwrites_of_copied_buffers(code: str) -> list[str]:
     found = []
     for i, line in enumerate(lines):
         for buf in _copied_buffers(line):
-            found += [later.strip() for later in lines[i + 1:]
-                      if re.search(rf"\b{buf}\b.*# reuse|in_out_ptr.*\b{buf}\b", later)]
+            found += [
+                later.strip()
+                for later in lines[i + 1 :]
+                if re.search(rf"\b{buf}\b.*# reuse|in_out_ptr.*\b{buf}\b", later)
+            ]
     return found
 
 
@@ -304,8 +335,14 @@ def backward_peaks_by_backend(tmp_dir: str) -> dict:
     unbudgeted = autopar.plan(model, ONE_DEVICE, batch, hardware=NO_HOST).peak_memory_bytes
     peaks = {}
     for backend in ("eager", "inductor"):
-        pmodel = autopar.compile(copy.deepcopy(model), ONE_DEVICE, batch, hardware=NO_HOST, backend=backend,
-                                 memory_budget=int(unbudgeted * 0.65))
+        pmodel = autopar.compile(
+            copy.deepcopy(model),
+            ONE_DEVICE,
+            batch,
+            hardware=NO_HOST,
+            backend=backend,
+            memory_budget=int(unbudgeted * 0.65),
+        )
         for _ in range(2):
             pmodel(*batch).backward()
         loss = pmodel(*batch)

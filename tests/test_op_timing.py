@@ -6,16 +6,16 @@ import time
 
 import pytest
 import torch
-
-from autopar import Mesh
 from autopar.cost_model.estimate import CostModel
 from autopar.cost_model.hardware import CPU
 from autopar.cost_model.op_timing import OpTimer
 from autopar.examples.mlp import MLP
 from autopar.passes.capture import capture
 from autopar.passes.propagate import propagate
-from autopar.placement import R, S
 from autopar.passes.strategy import Strategy
+
+from autopar import Mesh
+from autopar.placement import R, S
 
 
 def _mm():
@@ -59,10 +59,14 @@ def test_a_profile_of_this_host_prices_ops_by_their_timing_plus_the_node_overhea
     timed = model.compute_costs(space)[node.name]
     for strategy, seconds, estimate in zip(node.strategies, timed, roofline):
         alone = model.timer.node_s(addmm, strategy)
-        assert alone is not None and seconds == pytest.approx(1.5 * alone * 2.0 + 1e-3 * 2.0)  # the step scale stretches the op alone
+        assert alone is not None and seconds == pytest.approx(
+            1.5 * alone * 2.0 + 1e-3 * 2.0
+        )  # the step scale stretches the op alone
         assert model.node_overhead_s(node.name, strategy) == 1e-3 * 2.0
         assert seconds != estimate
-    assert CostModel(captured, mesh, CPU).node_overhead_s(node.name, node.strategies[0]) == 0.0  # priced by the roofline
+    assert (
+        CostModel(captured, mesh, CPU).node_overhead_s(node.name, node.strategies[0]) == 0.0
+    )  # priced by the roofline
 
 
 def test_ops_too_big_to_time_keep_the_roofline(monkeypatch):
@@ -74,7 +78,8 @@ def test_ops_too_big_to_time_keep_the_roofline(monkeypatch):
 
 
 def test_ops_that_overflow_l2_are_timed_on_copies_spanning_the_step_working_set_up_to_past_the_last_level_cache(
-        monkeypatch):
+    monkeypatch,
+):
     from autopar.cost_model import op_timing
     from autopar.cost_model.estimate import step_working_set
 
@@ -98,7 +103,7 @@ def test_ops_that_overflow_l2_are_timed_on_copies_spanning_the_step_working_set_
 def _map_fresh_pages(kept: list) -> None:
     """Map and write 2 MiB afresh: a fault per page, whatever the allocator holds."""
     pages = mmap.mmap(-1, 2**21)
-    pages[::mmap.PAGESIZE] = b"x" * (2**21 // mmap.PAGESIZE)
+    pages[:: mmap.PAGESIZE] = b"x" * (2**21 // mmap.PAGESIZE)
     kept.append(pages)
 
 

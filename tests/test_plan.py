@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 import torch
+from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.mlp import MLP
 
 import autopar
 from autopar import Mesh, ShardingPlan
-from autopar.examples.gpt import GPT, GPTConfig
-from autopar.examples.mlp import MLP
 from tests.conftest import FLOP_EQ_BYTE
 
 
@@ -78,9 +78,19 @@ def test_a_plan_does_not_depend_on_the_interpreters_hash_seed():
     the program's rows and columns must not, since HiGHS's answer within its gap depends on
     their order (two runs of one job made plans 8% apart in peak memory)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    plans = [ShardingPlan.from_json(subprocess.run([sys.executable, "-c", _BUDGETED_PLAN], cwd=root, check=True, text=True,
-                                                   capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
-             for seed in ("1", "2", "3")]
+    plans = [
+        ShardingPlan.from_json(
+            subprocess.run(
+                [sys.executable, "-c", _BUDGETED_PLAN],
+                cwd=root,
+                check=True,
+                text=True,
+                capture_output=True,
+                env={**os.environ, "PYTHONHASHSEED": seed},
+            ).stdout
+        )
+        for seed in ("1", "2", "3")
+    ]
     assert plans[0] == plans[1] == plans[2]
 
 
@@ -148,7 +158,10 @@ def test_a_plan_that_overflows_the_device_without_a_budget_says_which_budget_fit
     with caplog.at_level("WARNING", logger="autopar"):
         plan = autopar.plan(MLP(256, 1024), Mesh((2,), ("dp",)), inputs, hardware=small)
     assert plan.peak_memory_bytes > 2**20
-    assert "more than the 1.0 MiB of a synthetic device" in caplog.text and "memory_budget=1048576 (1.0 MiB)" in caplog.text
+    assert (
+        "more than the 1.0 MiB of a synthetic device" in caplog.text
+        and "memory_budget=1048576 (1.0 MiB)" in caplog.text
+    )
     caplog.clear()
     with caplog.at_level("WARNING", logger="autopar"):
         autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)), hardware=small)

@@ -4,18 +4,26 @@ import dataclasses
 
 import pytest
 import torch
+from autopar.cost_model.hardware import CPU, HardwareProfile, Link, load_profile, resolve_profile, save_profile
+from autopar.passes.redistribute import Step, step_s
 
 import autopar
-from autopar.cost_model.hardware import CPU, HardwareProfile, Link, load_profile, resolve_profile, save_profile
 from autopar.mesh import Mesh
-from autopar.passes.redistribute import Step, step_s
 
 
 def _measured() -> HardwareProfile:
     link = Link(1e-4, 1e-9, (("all_reduce", 2e-4, 2e-9), ("all_gather", 5e-5, 1e-9)))
-    return HardwareProfile(name="measured", flops_per_s=2e10, memory_bytes_per_s=5e9, efficiency=1.0,
-                           memory_bytes=2**33, devices_per_host=4, intra_host=link, inter_host=link,
-                           op_overhead_s=1e-5)
+    return HardwareProfile(
+        name="measured",
+        flops_per_s=2e10,
+        memory_bytes_per_s=5e9,
+        efficiency=1.0,
+        memory_bytes=2**33,
+        devices_per_host=4,
+        intra_host=link,
+        inter_host=link,
+        op_overhead_s=1e-5,
+    )
 
 
 def test_a_saved_profile_loads_back_and_is_accepted_by_name(tmp_path):
@@ -40,7 +48,6 @@ def test_collectives_use_their_own_alpha_and_beta():
 
 def test_each_op_costs_the_profiles_overhead():
     import torch
-
     from autopar.examples.mlp import MLP
 
     inputs = (torch.randn(8, 16), torch.randn(8, 16))
@@ -54,7 +61,6 @@ def test_the_step_overhead_per_step_and_parameter_is_part_of_the_predicted_step(
     import dataclasses
 
     import torch
-
     from autopar.examples.mlp import MLP
 
     model, inputs = MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16))
@@ -73,19 +79,21 @@ def test_the_step_scale_lengthens_ops_and_collectives_and_keeps_the_plan():
     import dataclasses
 
     import torch
-
     from autopar.examples.mlp import MLP
 
     model, inputs = MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16))
     host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4)
     plain = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=host, pins={"x": "S(0)"})
-    scaled = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=dataclasses.replace(host, step_scale=1.5),
-                          pins={"x": "S(0)"})
+    scaled = autopar.plan(
+        model, Mesh((4,), ("dp",)), inputs, hardware=dataclasses.replace(host, step_scale=1.5), pins={"x": "S(0)"}
+    )
     assert plain.collectives and scaled.placements == plain.placements
     for part in ("compute_s", "communication_s"):
         assert getattr(scaled, part) == pytest.approx(1.5 * getattr(plain, part)), part
     assert plain.overhead_s > 0 and scaled.overhead_s == plain.overhead_s  # measured as a step runs it
-    assert scaled.predicted_step_s == pytest.approx(1.5 * (plain.predicted_step_s - plain.overhead_s) + plain.overhead_s)
+    assert scaled.predicted_step_s == pytest.approx(
+        1.5 * (plain.predicted_step_s - plain.overhead_s) + plain.overhead_s
+    )
     assert [c.time_s for c in scaled.collectives] == pytest.approx([1.5 * c.time_s for c in plain.collectives])
 
 
@@ -93,18 +101,21 @@ def test_the_collective_scale_lengthens_collectives_only():
     import dataclasses
 
     import torch
-
     from autopar.cost_model.estimate import CostModel
     from autopar.examples.mlp import MLP
     from autopar.passes.capture import capture
     from autopar.passes.propagate import propagate
+
     from autopar.placement import P, R, S
 
     mesh = Mesh((4,), ("dp",))
     captured = capture(MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16)))
     space = propagate(captured, mesh)
     host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4, step_scale=1.5)
-    plain, slow = CostModel(captured, mesh, host), CostModel(captured, mesh, dataclasses.replace(host, collective_scale=3.0))
+    plain, slow = (
+        CostModel(captured, mesh, host),
+        CostModel(captured, mesh, dataclasses.replace(host, collective_scale=3.0)),
+    )
     assert slow.compute_costs(space) == plain.compute_costs(space)
     assert slow.step_overhead_s(10) == plain.step_overhead_s(10)
     ref = (next(n.name for n in space.nodes if n.kind == "op"), 0)
@@ -124,8 +135,11 @@ def float32_matmul_precision():
 def _graph_of(fn, *args):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return {n.target.overloadpacket.__name__: n for n in make_fx(fn, tracing_mode="fake")(*args).graph.nodes
-            if n.op == "call_function"}
+    return {
+        n.target.overloadpacket.__name__: n
+        for n in make_fx(fn, tracing_mode="fake")(*args).graph.nodes
+        if n.op == "call_function"
+    }
 
 
 def test_a_matrix_product_runs_at_the_rate_of_its_format(float32_matmul_precision):
@@ -150,6 +164,7 @@ def test_a_matrix_product_runs_at_the_rate_of_its_format(float32_matmul_precisio
 
 def test_a_float32_model_is_priced_slower_than_in_bfloat16_on_a_gpu(float32_matmul_precision):
     from autopar.examples.mlp import MLP
+
     from autopar.explain import plan_table
     from autopar.plan import ShardingPlan
 
@@ -158,8 +173,9 @@ def test_a_float32_model_is_priced_slower_than_in_bfloat16_on_a_gpu(float32_matm
     fp32 = autopar.plan(model, mesh, inputs, hardware="h100", pins={"x": "S(0)"})
     float32_matmul_precision("high")
     tf32 = autopar.plan(model, mesh, inputs, hardware="h100", pins={"x": "S(0)"})
-    bf16 = autopar.plan(model.bfloat16(), mesh, tuple(t.bfloat16() for t in inputs), hardware="h100",
-                        pins={"x": "S(0)"})
+    bf16 = autopar.plan(
+        model.bfloat16(), mesh, tuple(t.bfloat16() for t in inputs), hardware="h100", pins={"x": "S(0)"}
+    )
     assert fp32.compute_s > 2 * tf32.compute_s and tf32.compute_s > bf16.compute_s
     for plan, fmt in ((fp32, "float32"), (tf32, "tf32"), (bf16, "bfloat16")):
         assert {n.fmt for n in plan.nodes if n.op in ("aten.mm.default", "aten.addmm.default")} == {fmt}
@@ -177,4 +193,6 @@ def test_a_profile_file_without_matrix_rates_loads_with_none(tmp_path):
     assert load_profile(path) == _measured()
     rated = dataclasses.replace(_measured(), matrix_flops_per_s=(("bfloat16", 4e10),))
     save_profile(rated, path)
-    assert load_profile(path) == rated and load_profile(path).compute_s(4e10, 0, "bfloat16") == pytest.approx(1e-5 + 1.0)
+    assert load_profile(path) == rated and load_profile(path).compute_s(4e10, 0, "bfloat16") == pytest.approx(
+        1e-5 + 1.0
+    )

@@ -3,13 +3,14 @@ under a synthetic α-β profile, asserted on placements and on collective counts
 
 import torch
 import torch.nn.functional as F
+from autopar.examples.bert import BertConfig, EncoderBlock
+from autopar.examples.mlp import MLP
+from autopar.examples.moe import Block as MoEBlock
+from autopar.examples.moe import MoEConfig
 from torch import nn
 
 import autopar
 from autopar import Mesh
-from autopar.examples.bert import BertConfig, EncoderBlock
-from autopar.examples.mlp import MLP
-from autopar.examples.moe import Block as MoEBlock, MoEConfig
 
 # A FLOP costs what a byte sent costs and each collective call 1 us, about NCCL's latency: the
 # published plans are the ones that also keep the number of collectives down.
@@ -26,8 +27,12 @@ def test_six_layer_mlp_alternates_column_and_row_splits():
     # against Megatron's 5: bytes decide on a 100 GB/s link; on ALPHA_BETA's 1 TB/s the one call wins
     link_100gbs = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-11, latency_s=1e-6)
     layers, batch, hidden = 6, 32, 256
-    plan = autopar.plan(MLP(hidden, hidden, num_layers=layers), Mesh((4,), ("tp",)),
-                        (torch.randn(batch, hidden), torch.randn(batch, hidden)), hardware=link_100gbs)
+    plan = autopar.plan(
+        MLP(hidden, hidden, num_layers=layers),
+        Mesh((4,), ("tp",)),
+        (torch.randn(batch, hidden), torch.randn(batch, hidden)),
+        hardware=link_100gbs,
+    )
     for i in range(layers):
         assert plan.placements[f"layers.{i}.weight"] == (("S(0)",) if i % 2 == 0 else ("S(1)",)), i
     activation = batch * hidden * 4
@@ -40,8 +45,9 @@ def test_batch_heavy_six_layer_mlp_is_data_parallel():
     layers, batch, hidden = 6, 256, 32
     model = MLP(hidden, hidden, num_layers=layers)
     # the 12 gradients are all-reduced in one bucket, one call against Megatron's 5
-    plan = autopar.plan(model, Mesh((4,), ("dp",)), (torch.randn(batch, hidden), torch.randn(batch, hidden)),
-                        hardware=ALPHA_BETA)
+    plan = autopar.plan(
+        model, Mesh((4,), ("dp",)), (torch.randn(batch, hidden), torch.randn(batch, hidden)), hardware=ALPHA_BETA
+    )
     assert all(p == ("R",) for p in plan.placements.values())
     assert _collectives(plan, "forward") == []
     assert _collectives(plan, "backward") == [("all_reduce", "dp", sum(p.numel() * 4 for p in model.parameters()))]
@@ -52,14 +58,17 @@ def test_2d_mesh_puts_tensor_parallelism_on_the_cheap_axis():
     # Alpa's 2-D MLP case and XLA auto-sharding's TwoMatmul: axis "b" is 10x cheaper than "a"
     batch, dim, hidden = 4096, 256, 1024
     profile = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=(1e-10, 1e-11), latency_s=1e-6)
-    plan = autopar.plan(MLP(dim, hidden), Mesh((2, 2), ("a", "b")), (torch.randn(batch, dim), torch.randn(batch, dim)),
-                        hardware=profile)
+    plan = autopar.plan(
+        MLP(dim, hidden), Mesh((2, 2), ("a", "b")), (torch.randn(batch, dim), torch.randn(batch, dim)), hardware=profile
+    )
     assert plan.placements["layers.0.weight"] == ("R", "S(0)")  # column split on the cheap axis
     assert plan.placements["layers.1.weight"] == ("R", "S(1)")  # row split on the cheap axis
     assert plan.node("addmm").outputs == ("(S(0), S(1))",)  # batch split on the other
     assert _collectives(plan, "forward") == [("all_reduce", "b", batch // 2 * dim * 4)]
     # gradients summed over the batch split, in one bucket
-    assert _collectives(plan, "backward") == [("all_reduce", "a", dim * hidden * 4 // 2 * 2 + hidden * 4 // 2 + dim * 4)]
+    assert _collectives(plan, "backward") == [
+        ("all_reduce", "a", dim * hidden * 4 // 2 * 2 + hidden * 4 // 2 + dim * 4)
+    ]
 
 
 class _EncoderStack(nn.Module):
@@ -77,8 +86,12 @@ def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
     # Alpa tests/shard_parallel/test_bert.py: hidden >> batch * sequence
     layers, batch, seq = 2, 2, 8
     cfg = BertConfig(dim=512, num_heads=8, hidden=2048, num_layers=layers, max_seq=seq)
-    plan = autopar.plan(_EncoderStack(cfg), Mesh((4,), ("tp",)),
-                        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)), hardware=ALPHA_BETA)
+    plan = autopar.plan(
+        _EncoderStack(cfg),
+        Mesh((4,), ("tp",)),
+        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)),
+        hardware=ALPHA_BETA,
+    )
     for i in range(layers):
         for column in ("query", "key", "value", "fc1"):
             assert plan.placements[f"blocks.{i}.{column}.weight"] == ("S(0)",), (i, column)
@@ -110,8 +123,12 @@ def test_bert_layers_unbinding_a_fused_qkv_are_megatron_with_4l_minus_1_all_redu
     cfg = BertConfig(dim=512, num_heads=8, hidden=2048, num_layers=layers, max_seq=seq)
     model = _EncoderStack(cfg)
     model.blocks = nn.ModuleList(_FusedQKVBlock(cfg) for _ in range(layers))
-    plan = autopar.plan(model, Mesh((4,), ("tp",)),
-                        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)), hardware=ALPHA_BETA)
+    plan = autopar.plan(
+        model,
+        Mesh((4,), ("tp",)),
+        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)),
+        hardware=ALPHA_BETA,
+    )
     for i in range(layers):
         assert plan.placements[f"blocks.{i}.qkv.weight"] == plan.placements[f"blocks.{i}.fc1.weight"] == ("S(0)",)
         assert plan.placements[f"blocks.{i}.out.weight"] == plan.placements[f"blocks.{i}.fc2.weight"] == ("S(1)",)
@@ -124,9 +141,13 @@ def test_bert_layer_stack_recomputed_repeats_its_forward_all_reduces():
     # stack runs each layer's 2 forward all-reduces again in the backward, 4L-1 -> 6L-1
     layers, batch, seq = 2, 2, 8
     cfg = BertConfig(dim=512, num_heads=8, hidden=2048, num_layers=layers, max_seq=seq)
-    plan = autopar.plan(_EncoderStack(cfg), Mesh((4,), ("tp",)),
-                        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)), hardware=ALPHA_BETA,
-                        recompute="layers")
+    plan = autopar.plan(
+        _EncoderStack(cfg),
+        Mesh((4,), ("tp",)),
+        (torch.randn(batch, seq, cfg.dim), torch.randn(batch, seq, cfg.dim)),
+        hardware=ALPHA_BETA,
+        recompute="layers",
+    )
     activation = batch * seq * cfg.dim * 4
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (6 * layers - 1)
     assert len(_collectives(plan, "forward")) == len(_collectives(plan, "recompute")) == 2 * layers
@@ -154,8 +175,9 @@ def test_moe_block_splits_the_experts_and_dispatches_with_all_to_all():
     # weights replicated with the tokens split by group, all-to-all dispatch and combine. Many
     # tokens and big experts: all-reducing 16 experts' gradients costs more than moving tokens.
     batch, seq = 16, 512
-    cfg = MoEConfig(dim=512, num_heads=8, num_layers=1, num_experts=16, expert_hidden=2048, group_size=64,
-                    block_size=seq)
+    cfg = MoEConfig(
+        dim=512, num_heads=8, num_layers=1, num_experts=16, expert_hidden=2048, group_size=64, block_size=seq
+    )
     with torch.device("meta"):  # planning needs only the shapes
         model = _MoEStack(cfg)
     x = torch.randn(batch, seq, cfg.dim)
@@ -167,5 +189,7 @@ def test_moe_block_splits_the_experts_and_dispatches_with_all_to_all():
     dispatched = cfg.num_experts * groups * cfg.capacity * cfg.dim * 4 // 4  # [E, G, C, D], a quarter per rank
     assert _collectives(plan, "forward") == [("all_to_all", "ep", dispatched)] * 2  # dispatch, combine
     dense_grads = ("all_reduce", "ep", sum(p.numel() * 4 for n, p in model.named_parameters() if n not in experts))
-    assert _collectives(plan, "backward") == sorted([dense_grads] + [("all_to_all", "ep", dispatched)] * 2)  # one bucket
+    assert _collectives(plan, "backward") == sorted(
+        [dense_grads] + [("all_to_all", "ep", dispatched)] * 2
+    )  # one bucket
     assert _collectives(plan, "output") == [("all_reduce", "ep", 4)]  # the loss, made whole

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from autopar.examples.gpt import GPT, GPTConfig
 from torch import nn
 
 import autopar
 from autopar import Mesh
-from autopar.examples.gpt import GPT, GPTConfig
 
 ONE_DEVICE = Mesh((1,), ("x",))  # nothing to split: only recomputation saves memory
 FLOPS_AND_BYTES = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6)
@@ -35,7 +35,9 @@ def test_without_a_budget_every_activation_is_kept(gpt):
     assert not _recomputed_ops(plan) and plan.recompute_s == 0 and plan.memory.recomputed_bytes == 0
     assert plan.memory.activations_bytes > 0 and any(n.activation == "keep" for n in plan.nodes)
     remade = [n for n in plan.nodes if n.activation == "recompute"]  # a weight's transpose, from the weight
-    assert remade and all(n.op == "aten.t.default" and n.module.endswith(("qkv", "proj", "fc1", "fc2", "head")) for n in remade)
+    assert remade and all(
+        n.op == "aten.t.default" and n.module.endswith(("qkv", "proj", "fc1", "fc2", "head")) for n in remade
+    )
 
 
 def test_tightening_the_budget_recomputes_cheap_ops_before_matmuls(gpt):

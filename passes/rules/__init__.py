@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from autopar.passes.strategy import Strategy
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from autopar.placement import Placement, Placements, Shard
-from autopar.passes.strategy import Strategy
 
 Row = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]
 Rule = Callable[[fx.Node], list[Row]]
@@ -101,8 +101,9 @@ def register(*ops) -> Callable[[Rule], Rule]:
     return wrap
 
 
-def register_split(*ops, index: int, dim: Callable[[fx.Node], int], output: bool = False,
-                   reduces: tuple[str, ...] = ()) -> Callable:
+def register_split(
+    *ops, index: int, dim: Callable[[fx.Node], int], output: bool = False, reduces: tuple[str, ...] = ()
+) -> Callable:
     """Register the decorated ``run(node, args, kwargs, split)`` as the :class:`SplitOp` of ``ops``."""
 
     def wrap(run):
@@ -189,6 +190,19 @@ def _load() -> None:
     if not _loaded:
         _loaded = True
         from autopar.passes.rules import (  # noqa: F401  (modules register their rules on import)
-            attention, conv, factory, grouped, indexing, matrix, metadata, norm, pointwise, pool, reduction, scan,
-            scatter, sorting, view,
+            attention,
+            conv,
+            factory,
+            grouped,
+            indexing,
+            matrix,
+            metadata,
+            norm,
+            pointwise,
+            pool,
+            reduction,
+            scan,
+            scatter,
+            sorting,
+            view,
         )

@@ -10,10 +10,10 @@ kernel's backward needs its forward's output in the layout that forward made it.
 """
 
 import torch
+from autopar.passes.rules import Row, register, register_arg_layout, tensor_args, val
 from torch import fx
 
 from autopar.placement import R, S
-from autopar.passes.rules import Row, register, register_arg_layout, tensor_args, val
 
 aten = torch.ops.aten
 

@@ -9,10 +9,10 @@ ungrouped convolutions only (a grouped one would need its group count made local
 """
 
 import torch
+from autopar.passes.rules import Row, register, register_shape_arg, tensor_args, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, register_shape_arg, tensor_args, val
 
 aten = torch.ops.aten
 
@@ -35,15 +35,18 @@ def convolution_rule(node: fx.Node) -> list[Row]:
         return (x, w, b) if has_bias else (x, w)
 
     rows: list[Row] = [
-        ((R,), ins(R, R, R)),     # whole convolution on every rank
+        ((R,), ins(R, R, R)),  # whole convolution on every rank
         ((S(0),), ins(S(0), R, R)),  # split the batch: each image is convolved on one rank
-        ((P,), ins(P, R, P)),     # partial input and bias, linear in both
-        ((P,), ins(R, P, P)),     # partial weight and bias, linear in both
+        ((P,), ins(P, R, P)),  # partial input and bias, linear in both
+        ((P,), ins(R, P, P)),  # partial weight and bias, linear in both
     ]
     if groups == 1:
         rows += [
             ((S(1),), ins(R, S(out_dim), S(0))),  # split the filters -> output channels
-            ((P,), ins(S(1), S(in_dim), P)),       # split the input channels (contracted) -> partial sums; the bias on one rank
+            (
+                (P,),
+                ins(S(1), S(in_dim), P),
+            ),  # split the input channels (contracted) -> partial sums; the bias on one rank
         ]
     return rows
 
@@ -63,7 +66,7 @@ def convolution_backward_rule(node: fx.Node) -> list[Row]:
     rows: list[Row] = [
         (out_row(R, R, R), (R, R, R)),
         (out_row(S(0), P, P), (S(0), S(0), R)),  # split the batch -> weight and bias gradients are partial sums
-        (out_row(P, P, P), (P, R, R)),           # linear in grad_out
+        (out_row(P, P, P), (P, R, R)),  # linear in grad_out
     ]
     if groups == 1:
         rows += [

@@ -1,10 +1,10 @@
 """Tensors made from nothing: constants, ranges, filled tensors."""
 
 import torch
+from autopar.passes.rules import Row, register, register_shape_arg, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, register_shape_arg, val
 
 aten = torch.ops.aten
 

@@ -3,10 +3,10 @@ rows of the tokens routed to it. Hugging Face transformers runs them as its own 
 ``transformers.grouped_mm_fallback`` (registered by name: the operator exists once transformers
 is imported)."""
 
+from autopar.passes.rules import Row, register
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register
 
 GROUPED_MM = "transformers.grouped_mm_fallback.default"
 GROUPED_MM_BACKWARD = "transformers.grouped_mm_fallback_backward.default"
@@ -35,5 +35,3 @@ def grouped_mm_backward_rule(node: fx.Node) -> list[Row]:
         ((S(1), S(1)), (S(1), S(1), R, R)),  # input features split
         ((P, P), (R, R, R, P)),  # linear in grad_out
     ]
-
-

@@ -8,10 +8,10 @@ log-probability from logits split along the vocabulary.
 """
 
 import torch
+from autopar.passes.rules import Row, Split, register, register_split, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, Split, register, register_split, val
 
 aten = torch.ops.aten
 
@@ -102,7 +102,9 @@ def _scatter_split(node: fx.Node, args: list, kwargs: dict, split: Split):
     local, inside = _local_index(index, split)
     if index.shape[dim] == 1:  # one write per row: an index outside the piece writes back what entry 0 holds
         kept = aten.gather.default(x, dim, local)
-        return aten.scatter.src(x, dim, local, torch.where(inside, torch.as_tensor(value, dtype=x.dtype, device=x.device), kept))
+        return aten.scatter.src(
+            x, dim, local, torch.where(inside, torch.as_tensor(value, dtype=x.dtype, device=x.device), kept)
+        )
     written = torch.zeros(x.shape, dtype=torch.int32, device=x.device).scatter_add(dim, local, inside.to(torch.int32))
     return torch.where(written > 0, torch.as_tensor(value, dtype=x.dtype, device=x.device), x)
 

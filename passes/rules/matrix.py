@@ -1,10 +1,10 @@
 """Matrix multiplications: mm, addmm, bmm."""
 
 import torch
+from autopar.passes.rules import Row, register, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, val
 
 aten = torch.ops.aten
 
@@ -13,12 +13,12 @@ aten = torch.ops.aten
 def mm_rule(node: fx.Node) -> list[Row]:
     """``a[M, K] @ b[K, N]``."""
     return [
-        ((R,), (R, R)),        # whole matmul on every rank
+        ((R,), (R, R)),  # whole matmul on every rank
         ((S(0),), (S(0), R)),  # split rows of a -> rows of the result
         ((S(1),), (R, S(1))),  # split columns of b -> columns of the result
         ((P,), (S(1), S(0))),  # split the contracting dim -> partial sums
-        ((P,), (P, R)),        # partial a, linear in a
-        ((P,), (R, P)),        # partial b, linear in b
+        ((P,), (P, R)),  # partial a, linear in a
+        ((P,), (R, P)),  # partial b, linear in b
     ]
 
 
@@ -28,11 +28,11 @@ def addmm_rule(node: fx.Node) -> list[Row]:
     bias_is_row = val(node.args[0]).ndim < 2
     return [
         ((R,), (R, R, R)),
-        ((S(0),), (R if bias_is_row else S(0), S(0), R)),   # split rows of a
+        ((S(0),), (R if bias_is_row else S(0), S(0), R)),  # split rows of a
         ((S(1),), (S(0) if bias_is_row else S(1), R, S(1))),  # split columns of b and the bias
         ((P,), (P, S(1), S(0))),  # split the contracting dim; the bias is added on one rank only
-        ((P,), (P, P, R)),        # partial a and bias
-        ((P,), (P, R, P)),        # partial b and bias
+        ((P,), (P, P, R)),  # partial a and bias
+        ((P,), (P, R, P)),  # partial b and bias
     ]
 
 
@@ -42,9 +42,9 @@ def bmm_rule(node: fx.Node) -> list[Row]:
     return [
         ((R,), (R, R)),
         ((S(0),), (S(0), S(0))),  # split the batch
-        ((S(1),), (S(1), R)),     # split rows of a
-        ((S(2),), (R, S(2))),     # split columns of b
-        ((P,), (S(2), S(1))),     # split the contracting dim -> partial sums
+        ((S(1),), (S(1), R)),  # split rows of a
+        ((S(2),), (R, S(2))),  # split columns of b
+        ((P,), (S(2), S(1))),  # split the contracting dim -> partial sums
         ((P,), (P, R)),
         ((P,), (R, P)),
     ]

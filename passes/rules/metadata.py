@@ -1,10 +1,10 @@
 """Ops that only read a tensor's metadata: dtype, device and layout assertions."""
 
 import torch
+from autopar.passes.rules import Row, register, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, val
 
 aten = torch.ops.aten
 
@@ -15,7 +15,8 @@ def assert_metadata_rule(node: fx.Node) -> list[Row]:
     ``torch.export`` puts one before each ``Tensor.to``."""
     x = val(node.args[0])
     checks_shape = any(node.args[i] is not None for i in (1, 2) if i < len(node.args)) or any(
-        node.kwargs.get(k) is not None for k in ("size", "stride"))
+        node.kwargs.get(k) is not None for k in ("size", "stride")
+    )
     rows: list[Row] = [((None,), (R,))]  # a whole tensor has every property checked
     if checks_shape:
         return rows  # a local piece has another size and strides

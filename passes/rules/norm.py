@@ -6,10 +6,10 @@ the axes that split the dim, and normalises its piece; the backward all-reduces 
 """
 
 import torch
+from autopar.passes.rules import Row, Split, register, register_split, tensor_args, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, Split, register, register_split, tensor_args, val
 
 aten = torch.ops.aten
 
@@ -84,8 +84,13 @@ def softmax_backward_rule(node: fx.Node) -> list[Row]:
     return rows
 
 
-@register_split(aten._log_softmax_backward_data.default, aten._softmax_backward_data.default, index=1,
-                dim=lambda node: node.args[2] % val(node.args[1]).ndim, reduces=("sum",))
+@register_split(
+    aten._log_softmax_backward_data.default,
+    aten._softmax_backward_data.default,
+    index=1,
+    dim=lambda node: node.args[2] % val(node.args[1]).ndim,
+    reduces=("sum",),
+)
 def _softmax_backward_split(node: fx.Node, args: list, kwargs: dict, split: Split):
     """``grad_x = grad - exp(out) * sum(grad)`` for log-softmax, ``out * (grad - sum(grad * out))``
     for softmax, the sums over the whole dim."""

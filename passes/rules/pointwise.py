@@ -1,10 +1,10 @@
 """Pointwise operators, with broadcasting, and the arguments they are linear in."""
 
 import torch
+from autopar.passes.rules import Row, register, tensor_args, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, tensor_args, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -13,21 +13,34 @@ prims = torch.ops.prims
 # "all" = every tensor argument together (sums add up), "one" = exactly one of them,
 # or an index set of arguments that must be partial together.
 _LINEAR: dict[object, object] = {
-    aten.add.Tensor: "all", aten.sub.Tensor: "all",
-    aten.mul.Tensor: "one", aten.mul.Scalar: "all",
-    aten.div.Tensor: {0}, aten.div.Scalar: "all", prims.div.default: {0},
+    aten.add.Tensor: "all",
+    aten.sub.Tensor: "all",
+    aten.mul.Tensor: "one",
+    aten.mul.Scalar: "all",
+    aten.div.Tensor: {0},
+    aten.div.Scalar: "all",
+    prims.div.default: {0},
     aten.neg.default: "all",
     aten.threshold_backward.default: {0},
     aten.gelu_backward.default: {0},
     aten.where.self: {1, 2},
-    aten.detach.default: "all", aten.clone.default: "all", aten.alias.default: "all",
-    aten._to_copy.default: "all", aten.lift_fresh_copy.default: "all",
+    aten.detach.default: "all",
+    aten.clone.default: "all",
+    aten.alias.default: "all",
+    aten._to_copy.default: "all",
+    aten.lift_fresh_copy.default: "all",
 }
 
 _IDENTITY = (
-    aten.detach.default, aten.clone.default, aten.alias.default, aten._to_copy.default,
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.lift_fresh_copy.default,
+    aten.detach.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.lift_fresh_copy.default,
 )
 
 
@@ -68,7 +81,9 @@ def _partial_rows(node: fx.Node, num_args: int) -> list[Row]:
 
 def tensor_positions(node: fx.Node) -> list[int]:
     """Positional index of each tensor argument of ``node``."""
-    return [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return [
+        i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
 
 
 register(*_IDENTITY, prims.div.default, aten.floor_divide.default)(pointwise_rule)

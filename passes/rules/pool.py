@@ -7,10 +7,10 @@ partial.
 """
 
 import torch
+from autopar.passes.rules import Row, register, tensor_args, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, tensor_args, val
 
 aten = torch.ops.aten
 

@@ -1,10 +1,10 @@
 """Sums over dimensions, and histograms (sums of counts)."""
 
 import torch
+from autopar.passes.rules import Row, register, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims

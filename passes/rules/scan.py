@@ -1,10 +1,10 @@
 """Scans along a dim: cumulative sums."""
 
 import torch
+from autopar.passes.rules import Row, register, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, val
 
 aten = torch.ops.aten
 

@@ -3,10 +3,10 @@ gradient of advanced indexing), ``slice_scatter``, ``select_scatter``, ``copy`` 
 (the functional forms of ``x[:, 1:] = y``, ``x[:, 0] = v`` and ``x.fill_(v)``)."""
 
 import torch
+from autopar.passes.rules import Row, register, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, val
 
 aten = torch.ops.aten
 
@@ -28,7 +28,7 @@ def index_put_rule(node: fx.Node) -> list[Row]:
         return rows  # index tensors apart: values put their broadcast dims first; whole only
     first = given[0]
     index_shape = torch.broadcast_shapes(*(val(indices[i]).shape for i in given))
-    expected = (*x.shape[:first], *index_shape, *x.shape[first + num_index:])
+    expected = (*x.shape[:first], *index_shape, *x.shape[first + num_index :])
     if tuple(values.shape) != expected:
         return rows  # values broadcast into place: whole only
     for d in range(x.ndim):

@@ -1,10 +1,10 @@
 """Selections by value along a dim: top-k, sort, argmax and argmin."""
 
 import torch
+from autopar.passes.rules import Row, register, val
 from torch import fx
 
 from autopar.placement import R, S
-from autopar.passes.rules import Row, register, val
 
 aten = torch.ops.aten
 
@@ -39,5 +39,7 @@ def argmax_rule(node: fx.Node) -> list[Row]:
     if dim is None or x.ndim == 0:
         return rows
     dim %= x.ndim
-    rows += [((S(d if keepdim or d < dim else d - 1),), (S(d),)) for d in range(x.ndim) if d != dim]  # split another dim
+    rows += [
+        ((S(d if keepdim or d < dim else d - 1),), (S(d),)) for d in range(x.ndim) if d != dim
+    ]  # split another dim
     return rows

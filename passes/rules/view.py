@@ -3,16 +3,24 @@
 import math
 
 import torch
+from autopar.passes.rules import Row, register, register_shape_arg, tensor_args, val
 from torch import fx
 
 from autopar.placement import P, R, S
-from autopar.passes.rules import Row, register, register_shape_arg, tensor_args, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-register_shape_arg(1, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-                   aten.slice_backward.default, aten.select_backward.default, prims.broadcast_in_dim.default)
+register_shape_arg(
+    1,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.slice_backward.default,
+    aten.select_backward.default,
+    prims.broadcast_in_dim.default,
+)
 
 
 def reshape_dim_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
@@ -34,9 +42,16 @@ def reshape_dim_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> di
     return mapping
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-          aten.expand.default)
+@register(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+)
 def reshape_rule(node: fx.Node) -> list[Row]:
     x, out = val(node.args[0]), val(node)
     if node.target is aten.expand.default:

@@ -4,14 +4,16 @@ is missing."""
 import importlib.util
 
 import pytest
+from autopar.examples import check_example, make_example
 
 import autopar
-from autopar.examples import check_example, make_example
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
 def test_hugging_face_example_plans_with_a_sharding_rule_for_every_op(name):
     model, batch = make_example(name)
@@ -23,8 +25,13 @@ def test_hugging_face_example_plans_with_a_sharding_rule_for_every_op(name):
 
 def test_missing_transformers_is_named_with_the_command_that_installs_it(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a))
-    with pytest.raises(ModuleNotFoundError, match=r"hf-gpt2 example .* Hugging Face transformers, which is not installed: "
-                                                  r"pip install 'transformers>=5.23,<6'"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a)
+    )
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"hf-gpt2 example .* Hugging Face transformers, which is not installed: "
+        r"pip install 'transformers>=5.23,<6'",
+    ):
         check_example("hf-gpt2")
     check_example("gpt")  # the built-in models need nothing more

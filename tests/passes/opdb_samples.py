@@ -31,10 +31,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from autopar.passes.rules import registered_ops, rule_for, tensor_args
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.passes.rules import registered_ops, rule_for, tensor_args
 from tests.passes.rule_check import Recorder, check_row
 
 INFOS_PER_OP = 3
@@ -67,9 +67,11 @@ class OpDbReport:
 
     def summary(self) -> str:
         skips = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items()))
-        return (f"op_db: {len(self.registered_validated)} of {self.ops_with_rule} registered ops and "
-                f"{len(self.pointwise_validated)} pointwise ops validated on {self.samples} samples of "
-                f"{self.infos_used} OpInfos: {self.rows} rows on {self.nodes} nodes; skipped: {skips}")
+        return (
+            f"op_db: {len(self.registered_validated)} of {self.ops_with_rule} registered ops and "
+            f"{len(self.pointwise_validated)} pointwise ops validated on {self.samples} samples of "
+            f"{self.infos_used} OpInfos: {self.rows} rows on {self.nodes} nodes; skipped: {skips}"
+        )
 
 
 def _traced(info, sample, gen):
@@ -93,10 +95,10 @@ def _traced(info, sample, gen):
 
         def forward_backward(*tensors):
             tensors = list(tensors)
-            result = call(tensors[:len(inputs)])
+            result = call(tensors[: len(inputs)])
             diff = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             if diff and wrt:
-                torch.autograd.grad(diff, [tensors[i] for i in wrt], tensors[len(inputs):], allow_unused=True)
+                torch.autograd.grad(diff, [tensors[i] for i in wrt], tensors[len(inputs) :], allow_unused=True)
             return result
 
         gm = make_fx(forward_backward)(*inputs, *grads)
@@ -120,16 +122,21 @@ def _graph(info, sample, gen, report):
     except Exception:  # noqa: BLE001  (any failure of the op or of make_fx is a skip)
         report.skipped["samples whose call or trace raises"] += 1
         return None
-    if any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
-           and n.target._schema.is_mutable for n in gm.graph.nodes):
+    if any(
+        n.op == "call_function" and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+        for n in gm.graph.nodes
+    ):
         report.skipped["samples that mutate in place"] += 1
         return None
     return gm, inputs
 
 
 def _rule_ops(gm) -> set:
-    return {n.target for n in gm.graph.nodes
-            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and rule_for(n.target)}
+    return {
+        n.target
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and rule_for(n.target)
+    }
 
 
 def _checked(info, node, values, row, gen, report) -> bool:
@@ -173,15 +180,21 @@ def _check_graph(info, gm, inputs, registered, gen, report) -> None:
             report.rows += sum(done)
             report.skipped["rows that do not split evenly in two"] += done.count(False)
             if any(done):
-                (report.registered_validated if node.target in registered else report.pointwise_validated).add(node.target)
+                (report.registered_validated if node.target in registered else report.pointwise_validated).add(
+                    node.target
+                )
 
 
 def _targeted_samples():
     """Registered ops that no op_db sample reaches in a make_fx trace (composite ops it
     decomposes, calls with no tensor argument): ``(op, args)`` called directly."""
     x = torch.randn(4, 1, 6)
-    return [(aten.alias.default, (x,)), (aten.reshape.default, (x, [2, 2, 6])),
-            (aten.squeeze.default, (x,)), (aten.arange.start, (2, 10))]
+    return [
+        (aten.alias.default, (x,)),
+        (aten.reshape.default, (x, [2, 2, 6])),
+        (aten.squeeze.default, (x,)),
+        (aten.arange.start, (2, 10)),
+    ]
 
 
 def _direct_graph(op, args):

@@ -12,14 +12,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from torch import fx
-
-from autopar.mesh import Mesh
-from autopar.placement import Partial, Replicate, Shard
 from autopar.passes.propagate import placement_problem
 from autopar.passes.rank_ops import local_call, piece_of
 from autopar.passes.rules import split_op, tensor_args
 from autopar.passes.strategy import Strategy
+from torch import fx
+
+from autopar.mesh import Mesh
+from autopar.placement import Partial, Replicate, Shard
 
 MESH = Mesh((2,))
 
@@ -101,8 +101,9 @@ def check_row(node, values, row, gen, *, rtol: float = 1e-4, atol: float = 1e-5,
     ranks = TwoRanks()
 
     def run(rank: int) -> list:
-        result = local_call(node, [p[rank] for p in arg_pieces], strategy, MESH,
-                            lambda axes, whole: RankSplit(ranks, rank, whole))()
+        result = local_call(
+            node, [p[rank] for p in arg_pieces], strategy, MESH, lambda axes, whole: RankSplit(ranks, rank, whole)
+        )()
         return result if isinstance(result, (list, tuple)) else [result]
 
     if splits:
@@ -114,6 +115,7 @@ def check_row(node, values, row, gen, *, rtol: float = 1e-4, atol: float = 1e-5,
         if placement is None or out_vals[i] is None or i in skip:
             continue
         got = combine([results[0][i], results[1][i]], placement)
-        torch.testing.assert_close(got, out_vals[i], rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{node.name} ({node.target}) row {row}: {m}")
+        torch.testing.assert_close(
+            got, out_vals[i], rtol=rtol, atol=atol, msg=lambda m: f"{node.name} ({node.target}) row {row}: {m}"
+        )
     return True

@@ -8,21 +8,21 @@ import dataclasses
 
 import pytest
 import torch
-
-import autopar
-from autopar import planner
-from autopar.explain import format_bytes
 from autopar.cost_model.estimate import CostModel
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.passes.buckets import BucketShare, gradient_buckets
 from autopar.passes.capture import capture
-from autopar.passes.redistribute import Step, step_s
 from autopar.passes.rank_ops import graph_collectives
+from autopar.passes.redistribute import Step, step_s
 from autopar.passes.rewrite import rewrite
+from autopar.runtime.launch import device_mesh
+
+import autopar
+from autopar import planner
+from autopar.explain import format_bytes
 from autopar.placement import P, R, S
 from autopar.planner import plan_captured
-from autopar.runtime.launch import device_mesh
 from tests.conftest import FLOP_EQ_BYTE
 from tests.harness import run_ranks
 
@@ -45,16 +45,25 @@ def test_gradients_are_packed_by_kind_axis_and_dtype_up_to_the_bucket_size():
     buckets = gradient_buckets(moves, 100)
     assert [b.members for b in buckets] == [(0, 2), (1, 6), (3,), (4,), (5,), (7,), (8,)]
     assert [(b.step.kind, b.step.axis, b.step.bytes) for b in buckets] == [
-        ("all_reduce", 0, 100), ("reduce_scatter", 0, 100), ("all_reduce", 1, 10), ("all_reduce", 0, 10),
-        ("all_reduce", 0, 10), ("all_reduce", 0, 250), ("all_reduce", 0, 5)]
+        ("all_reduce", 0, 100),
+        ("reduce_scatter", 0, 100),
+        ("all_reduce", 1, 10),
+        ("all_reduce", 0, 10),
+        ("all_reduce", 0, 10),
+        ("all_reduce", 0, 250),
+        ("all_reduce", 0, 5),
+    ]
 
 
 def test_bucketed_gradient_move_costs_its_bandwidth_and_a_share_of_a_bucket():
     model = MLP(32, 32, num_layers=1)
     captured = capture(model, (torch.randn(8, 32), torch.randn(8, 32)))
     costs = CostModel(captured, autopar.Mesh((4,), ("dp",)), FLOP_EQ_BYTE, bucket_bytes=4 * 4096)
-    grads = {k.name: v for k, v in zip(captured.outputs, captured.graph.graph.output_node().args[0])
-             if k is not None and k.kind == "grad"}
+    grads = {
+        k.name: v
+        for k, v in zip(captured.outputs, captured.graph.graph.output_node().args[0])
+        if k is not None and k.kind == "grad"
+    }
     ref = (grads["layers.0.weight"].name, 0)  # 32 x 32 fp32: a quarter of a bucket
     alpha, beta = FLOP_EQ_BYTE.latency_s, FLOP_EQ_BYTE.s_per_byte
     seconds, share = costs.gradient_s(ref, (P,), (R,))
@@ -71,7 +80,9 @@ def _plan_and_rank_graph(make_world, mesh, pins, bucket_bytes, hardware=COMPUTE_
     plan = plan_captured(captured, mesh, hardware=hardware, pins=pins, bucket_bytes=bucket_bytes)
     groups = [device_mesh(mesh, "cpu").get_group(axis).group_name for axis in range(mesh.ndim)]
     graph = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=groups)
-    ran = collections.Counter((kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(graph, groups))
+    ran = collections.Counter(
+        (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(graph, groups)
+    )
     return plan, ran, graph
 
 
@@ -87,12 +98,19 @@ def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
     bucket = ("all_reduce", "dp", 2 * (weight + bias))  # two layers' weights and biases
     assert ran == {bucket: 3, ("all_reduce", "dp", 4): 1}  # and the loss
     nodes = list(graph.graph.nodes)
-    launched = [n for n in nodes if n.target == torch.ops._c10d_functional.all_reduce.default
-                and n.meta["val"].numel() * 4 == bucket[2]]
+    launched = [
+        n
+        for n in nodes
+        if n.target == torch.ops._c10d_functional.all_reduce.default and n.meta["val"].numel() * 4 == bucket[2]
+    ]
     waited = [next(u for u in n.users if u.target == torch.ops._c10d_functional.wait_tensor.default) for n in launched]
-    between = [sum(m.target == torch.ops.aten.mm.default for m in nodes[nodes.index(a):nodes.index(w)])
-               for a, w in zip(launched, waited)]
-    assert between[0] >= 2 and between[1] >= 2 and between[2] == 0  # each runs beside the backward until the next is launched
+    between = [
+        sum(m.target == torch.ops.aten.mm.default for m in nodes[nodes.index(a) : nodes.index(w)])
+        for a, w in zip(launched, waited)
+    ]
+    assert (
+        between[0] >= 2 and between[1] >= 2 and between[2] == 0
+    )  # each runs beside the backward until the next is launched
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver counted 3 buckets' latency
     buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
@@ -115,14 +133,24 @@ def test_gradients_join_reduce_scatter_buckets_where_an_all_reduce_and_a_slice_l
     # a 4 KiB gradient's all-reduce and slice cost 100 us, its reduce-scatter 200 us; in a
     # bucket of three, 67 us
     link = autopar.Link(1e-4, 1e-9, (("reduce_scatter", 2e-4, 1e-9),))
-    dear = autopar.HardwareProfile(name="rs-dear", flops_per_s=1e9, memory_bytes_per_s=1e10, efficiency=1.0,
-                                   memory_bytes=2**34, devices_per_host=8, intra_host=link, inter_host=link)
+    dear = autopar.HardwareProfile(
+        name="rs-dear",
+        flops_per_s=1e9,
+        memory_bytes_per_s=1e10,
+        efficiency=1.0,
+        memory_bytes=2**34,
+        devices_per_host=8,
+        intra_host=link,
+        inter_host=link,
+    )
     mesh = autopar.Mesh((4,), ("dp",))
     three_layers = 3 * (32 * 32 * 4 + 32 * 4)
     pins = _data_pins(MLP(32, 32, num_layers=6), ("S(0)", "S(0)"))
     plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=three_layers, hardware=dear)
-    assert {k: n for k, n in ran.items() if k[0] != "all_gather"} == {("reduce_scatter", "dp", three_layers): 2,
-                                                                      ("all_reduce", "dp", 4): 1}  # and the loss
+    assert {k: n for k, n in ran.items() if k[0] != "all_gather"} == {
+        ("reduce_scatter", "dp", three_layers): 2,
+        ("all_reduce", "dp", 4): 1,
+    }  # and the loss
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
 
 
@@ -143,8 +171,9 @@ def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world
         graph = rewrite(captured, plan, coordinate=(0,), group_names=groups)
         ran = graph_collectives(graph, groups)
         if plan.bucket_bytes > 1:
-            assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == \
-                collections.Counter((kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in ran)
+            assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == collections.Counter(
+                (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in ran
+            )
         return [nbytes for kind, _, nbytes in ran if kind == "all_gather"]
 
     buckets = [c for c in plan.collectives if c.tensor.endswith("parameters")]
@@ -166,7 +195,10 @@ def test_the_solver_prices_a_layers_parameters_gathered_together():
     latency_dear = autopar.SyntheticProfile(s_per_flop=1e-12, latency_s=1e-4, s_per_byte=1e-10)
     plan = plan_captured(captured, autopar.Mesh((4,), ("dp",)), hardware=latency_dear, pins=pins, bucket_bytes=2**20)
     gathered = [c for c in plan.collectives if c.tensor.endswith("parameters")]
-    assert {(c.phase, c.consumer) for c in gathered} >= {("forward", "parameters of blocks.0"), ("backward", "parameters of blocks.0")}
+    assert {(c.phase, c.consumer) for c in gathered} >= {
+        ("forward", "parameters of blocks.0"),
+        ("backward", "parameters of blocks.0"),
+    }
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s, rel=1e-6)
 
 
@@ -216,7 +248,9 @@ def test_gradients_reduced_over_both_axes_of_a_2d_mesh_share_buckets(fake_world)
     plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=3 * (weight + bias))
     buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
     # (P, P) -> (R, R): each bucket of three layers is all-reduced over a, then over b
-    assert [(c.kind, c.axis, c.bytes) for c in buckets] == [("all_reduce", axis, 3 * (weight + bias)) for _ in range(2) for axis in "ab"]
+    assert [(c.kind, c.axis, c.bytes) for c in buckets] == [
+        ("all_reduce", axis, 3 * (weight + bias)) for _ in range(2) for axis in "ab"
+    ]
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver counted 2 buckets' latencies
 
@@ -225,14 +259,20 @@ def test_gradient_moves_of_other_several_steps_are_not_bucketed_and_run_as_soon_
     mesh = autopar.Mesh((2, 2), ("a", "b"))
     pins = _data_pins(MLP(32, 32, num_layers=6), (("S(0)", "S(0)"), ("S(0)", "R")))
     plan, ran, graph = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2**20)
-    weights = [(c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "backward" and c.tensor.startswith("t_")]
+    weights = [
+        (c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == "backward" and c.tensor.startswith("t_")
+    ]
     # (P, P) -> (S(0), R): a reduce-scatter over a, then an all-reduce of the shard over b, each
     assert sorted(weights) == [("all_reduce", "b", 32 * 16 * 4)] * 6 + [("reduce_scatter", "a", 32 * 32 * 4)] * 6
     assert not any(c.consumer == "gradients" for c in plan.collectives)
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     nodes = list(graph.graph.nodes)
-    reduced = [i for i, n in enumerate(nodes) if n.target == torch.ops._c10d_functional.reduce_scatter_tensor.default
-               and n.args[0].meta["val"].shape == (32, 32)]
+    reduced = [
+        i
+        for i, n in enumerate(nodes)
+        if n.target == torch.ops._c10d_functional.reduce_scatter_tensor.default
+        and n.args[0].meta["val"].shape == (32, 32)
+    ]
     matmuls = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
     # the last layer's weight gradient is reduced before the backward of the five layers before it
     assert sum(i > reduced[0] for i in matmuls) >= 5
@@ -246,14 +286,22 @@ def reduce_scattered_gradients() -> dict:
     batch = (torch.randn(64, 32), torch.randn(64, 32))
     reference = copy.deepcopy(model)
     reference(*batch).backward()
-    pins = {"x": "S(0)", "target": "S(0)", **{f"layers.{i}.weight": f"S({i % 2})" for i in range(4)},
-            **{f"layers.{i}.bias": "S(0)" for i in range(4)}}
+    pins = {
+        "x": "S(0)",
+        "target": "S(0)",
+        **{f"layers.{i}.weight": f"S({i % 2})" for i in range(4)},
+        **{f"layers.{i}.bias": "S(0)" for i in range(4)},
+    }
     pmodel = autopar.compile(model, autopar.Mesh((4,), ("dp",)), batch, hardware=COMPUTE_DEAR, pins=pins)
     pmodel(*(pmodel.rank_part(name, x) for name, x in zip(("x", "target"), batch))).backward()
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    return {"matches": {name: torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-6) for name, p in reference.named_parameters()},
-            "buckets": [(c.kind, c.dst) for c in pmodel.plan.collectives if c.tensor.endswith("gradients")],
-            "gathered": {c.src for c in pmodel.plan.collectives if c.tensor.endswith("parameters")}}
+    return {
+        "matches": {
+            name: torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-6) for name, p in reference.named_parameters()
+        },
+        "buckets": [(c.kind, c.dst) for c in pmodel.plan.collectives if c.tensor.endswith("gradients")],
+        "gathered": {c.src for c in pmodel.plan.collectives if c.tensor.endswith("parameters")},
+    }
 
 
 @pytest.mark.slow
@@ -268,9 +316,17 @@ def test_reduce_scattered_bucket_gives_each_rank_its_shards():
 
 
 # compute dear, as COMPUTE_DEAR; a program node costs 10 us and a copy 0.2 ns per byte
-PACKING = autopar.HardwareProfile(name="packing", flops_per_s=1e8, memory_bytes_per_s=1e10, efficiency=1.0,
-                                  memory_bytes=2**34, devices_per_host=8, intra_host=autopar.Link(1e-5, 1e-9),
-                                  inter_host=autopar.Link(1e-5, 1e-9), node_overhead_s=1e-5)
+PACKING = autopar.HardwareProfile(
+    name="packing",
+    flops_per_s=1e8,
+    memory_bytes_per_s=1e10,
+    efficiency=1.0,
+    memory_bytes=2**34,
+    devices_per_host=8,
+    intra_host=autopar.Link(1e-5, 1e-9),
+    inter_host=autopar.Link(1e-5, 1e-9),
+    node_overhead_s=1e-5,
+)
 
 
 def test_plan_prices_the_local_ops_that_pack_and_unpack_each_bucket(fake_world):
@@ -279,8 +335,9 @@ def test_plan_prices_the_local_ops_that_pack_and_unpack_each_bucket(fake_world):
     model = MLP(32, 32, num_layers=6)
     captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))
     weight, bias = 32 * 32 * 4, 32 * 4
-    plan = plan_captured(captured, mesh, hardware=PACKING, pins=_data_pins(model, ("S(0)", "R")),
-                         bucket_bytes=2 * (weight + bias))
+    plan = plan_captured(
+        captured, mesh, hardware=PACKING, pins=_data_pins(model, ("S(0)", "R")), bucket_bytes=2 * (weight + bias)
+    )
     nbytes = 2 * (weight + bias)
     flatten_cat_split_view = 2 * 4 + 2  # per bucket of 4 gradients
     expected = 1e-5 + 2 * 3 / 4 * nbytes * 1e-9 + flatten_cat_split_view * 1e-5 + nbytes * 2 / 1e10
@@ -303,16 +360,19 @@ def test_gathers_and_scatters_along_other_dims_price_their_chunks_and_copy():
     link = autopar.Link(1e-5, 1e-9, local_op_s=2e-6, local_s_per_byte=1e-10)
     base = {"all_gather": 1e-5 + 0.75 * 1000 * 1e-9, "all_to_all": 1e-5 + 0.75 * 1000 * 1e-9}
     assert step_s(Step("all_gather", 0, 0, bytes=1000), mesh, (link,)) == pytest.approx(base["all_gather"])
-    assert step_s(Step("all_gather", 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(base["all_gather"] + 2 * 2e-6 + 1000 * 1e-10)
-    assert step_s(Step("all_to_all", 0, 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(base["all_to_all"] + 4 * 2e-6 + 2000 * 1e-10)
+    assert step_s(Step("all_gather", 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(
+        base["all_gather"] + 2 * 2e-6 + 1000 * 1e-10
+    )
+    assert step_s(Step("all_to_all", 0, 0, 1, bytes=1000), mesh, (link,)) == pytest.approx(
+        base["all_to_all"] + 4 * 2e-6 + 2000 * 1e-10
+    )
 
 
 @pytest.mark.parametrize(("shares", "expected"), [((0.25, 0.5), 0.75), ((0.75, 1.0), 1.0), ((), 0.0)])
 def test_the_solver_holds_a_bucket_in_flight_as_the_bucketed_gradients_up_to_one_full_bucket(shares, expected):
-    from ortools.linear_solver import pywraplp
-
     from autopar.passes.memory_program import in_flight_bucket
     from autopar.passes.mip import MEMORY_SCALE
+    from ortools.linear_solver import pywraplp
 
     solver = pywraplp.Solver.CreateSolver("HIGHS")
     joined = [solver.IntVar(1, 1, "") for _ in shares]  # every gradient joins a bucket
@@ -328,10 +388,18 @@ def test_the_packed_copy_of_the_largest_gradient_bucket_is_part_of_the_plans_mem
     fake_world(mesh.size)
     model = MLP(32, 32, num_layers=6)
     captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))
-    plan = plan_captured(captured, mesh, hardware=COMPUTE_DEAR, pins=_data_pins(model, ("S(0)", "R")),
-                         bucket_bytes=2 * (weight + bias), memory_budget=2**30)
+    plan = plan_captured(
+        captured,
+        mesh,
+        hardware=COMPUTE_DEAR,
+        pins=_data_pins(model, ("S(0)", "R")),
+        bucket_bytes=2 * (weight + bias),
+        memory_budget=2**30,
+    )
     mem = plan.memory
-    assert 2 * weight <= mem.bucket_bytes <= 2 * (weight + bias)  # two layers' weights and their biases, or most of them
+    assert (
+        2 * weight <= mem.bucket_bytes <= 2 * (weight + bias)
+    )  # two layers' weights and their biases, or most of them
     assert f"gradient bucket {format_bytes(mem.bucket_bytes)}" in str(plan)
 
 

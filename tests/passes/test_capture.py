@@ -7,13 +7,13 @@ import inspect
 
 import pytest
 import torch
-from torch import nn
-
-import autopar
 from autopar.examples.convnet import ConvNet
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
 from autopar.passes.capture import OutputKind, capture
+from torch import nn
+
+import autopar
 from tests.cases import BYTES_DEAR
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -24,8 +24,11 @@ BATCH = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
 def test_buffers_updated_in_place_become_outputs_of_their_new_values():
     captured = capture(ConvNet(), BATCH)
     buffers = [k for k in captured.outputs if k is not None and k.kind == "buffer"]
-    assert buffers == [OutputKind("buffer", f"blocks.{i}.bn.{name}") for i in range(2)
-                       for name in ("running_mean", "running_var", "num_batches_tracked")]
+    assert buffers == [
+        OutputKind("buffer", f"blocks.{i}.bn.{name}")
+        for i in range(2)
+        for name in ("running_mean", "running_var", "num_batches_tracked")
+    ]
     values = dict(zip(captured.outputs, captured.graph.graph.output_node().args[0]))
     new_mean = values[OutputKind("buffer", "blocks.0.bn.running_mean")]
     assert tuple(new_mean.meta["val"].shape) == (8,)
@@ -46,8 +49,11 @@ def test_batch_split_all_reduces_batch_norm_statistics():
     plan = autopar.plan(model, autopar.Mesh((4,), ("dp",)), BATCH, hardware=BYTES_DEAR, pins=pins)
     module_of = {n.name: n.module for n in plan.nodes}
     for bn, channels in (("blocks.0.bn", 8), ("blocks.1.bn", 16)):
-        synced = [c for c in plan.collectives
-                  if c.kind == "all_reduce" and c.phase == "forward" and module_of.get(c.tensor) == bn]
+        synced = [
+            c
+            for c in plan.collectives
+            if c.kind == "all_reduce" and c.phase == "forward" and module_of.get(c.tensor) == bn
+        ]
         assert len(synced) == 2, f"{bn}: {synced}"
         assert all(c.bytes == 4 * channels and (c.src, c.dst) == ("(P)", "(R)") for c in synced)
 
@@ -83,12 +89,13 @@ def test_outputs_that_are_not_tensors_are_refused_by_path_with_the_fix():
         capture(_ReturnsCache(8, 16), (torch.randn(4, 8), torch.randn(4, 8)))
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
 def test_a_hugging_face_model_returns_its_model_output_and_refuses_a_cache():
+    from autopar.examples.hf import gpt2
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
-
-    from autopar.examples.hf import gpt2
 
     model = gpt2(vocab_size=32, seq=8, dim=16, num_layers=1)
     ids = torch.randint(0, 32, (4, 8))
@@ -105,20 +112,24 @@ def test_a_hugging_face_model_returns_its_model_output_and_refuses_a_cache():
     assert captured.out_spec.type is CausalLMOutputWithCrossAttentions and captured.num_forward_outputs == 2
     cached = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_head=4, n_layer=1, use_cache=True))
     cache_field = r"(past_key_values|cache)"  # transformers 5.24 renamed the field
-    with pytest.raises(autopar.CaptureError, match=rf"(?s)output\['{cache_field}'\] of type DynamicCache.*use_cache=False"):
+    with pytest.raises(
+        autopar.CaptureError, match=rf"(?s)output\['{cache_field}'\] of type DynamicCache.*use_cache=False"
+    ):
         capture(Whole(cached), (ids, ids))
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
 def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_wrap_it():
-    from transformers import GPT2LMHeadModel
-
     from autopar.examples.hf import gpt2
+    from transformers import GPT2LMHeadModel
 
     ids = torch.randint(0, 32, (4, 8))
     second = list(inspect.signature(GPT2LMHeadModel.forward).parameters)[2]  # past_key_values, or cache from 5.24
-    with pytest.raises(autopar.CaptureError,
-                       match=rf"(?s)forward\(input_ids, {second}\).*wrapper module whose forward\(\) takes"):
+    with pytest.raises(
+        autopar.CaptureError, match=rf"(?s)forward\(input_ids, {second}\).*wrapper module whose forward\(\) takes"
+    ):
         capture(gpt2(vocab_size=32, seq=8, dim=16, num_layers=1).model, (ids, ids))
 
 

@@ -7,12 +7,12 @@ where a CUDA device is present (the CPU build has none).
 
 import pytest
 import torch
+from autopar.passes.propagate import _op_strategies
+from autopar.passes.rules import arg_layout, rule_for
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.mesh import Mesh
 from autopar.placement import R, S
-from autopar.passes.propagate import _op_strategies
-from autopar.passes.rules import arg_layout, rule_for
 from tests.passes.rule_check import Recorder, check_row
 
 aten = torch.ops.aten
@@ -21,20 +21,23 @@ SHAPE = (2, 4, 64, 32)  # batch, heads, sequence, head dim
 
 def _cudnn(q, k, v, grad):
     out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
-    return aten._scaled_dot_product_cudnn_attention_backward(grad, q, k, v, out[0], out[1], out[6], out[7], None,
-                                                             out[2], out[3], out[4], out[5], 0.0, True)
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out[0], out[1], out[6], out[7], None, out[2], out[3], out[4], out[5], 0.0, True
+    )
 
 
 def _flash(q, k, v, grad):
     out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
-    return aten._scaled_dot_product_flash_attention_backward(grad, q, k, v, out[0], out[1], out[2], out[3], out[4],
-                                                             out[5], 0.0, True, out[6], out[7])
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out[0], out[1], out[2], out[3], out[4], out[5], 0.0, True, out[6], out[7]
+    )
 
 
 def _efficient(q, k, v, grad):
     out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
-    return aten._scaled_dot_product_efficient_attention_backward(grad, q, k, v, None, out[0], out[1], out[2], out[3],
-                                                                 0.0, [True, True, True, False], True)
+    return aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, None, out[0], out[1], out[2], out[3], 0.0, [True, True, True, False], True
+    )
 
 
 KERNELS = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient}
@@ -67,8 +70,10 @@ def test_every_row_of_a_cuda_attention_kernel_matches_the_kernel(kernel):
     for node in nodes:
         outs = node.meta["val"]
         state = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.ndim < 3)
-        checked += [check_row(node, recorder.values, row, gen, rtol=2e-2, atol=2e-2, skip=state)
-                    for row in rule_for(node.target)(node)]
+        checked += [
+            check_row(node, recorder.values, row, gen, rtol=2e-2, atol=2e-2, skip=state)
+            for row in rule_for(node.target)(node)
+        ]
     assert len(checked) == 6 and all(checked)
 
 

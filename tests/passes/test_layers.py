@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-
-import autopar
-from autopar import Mesh
 from autopar.cost_model.hardware import Link
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 from autopar.passes.capture import capture
 from autopar.passes.redistribute import transition
+
+import autopar
+from autopar import Mesh
 from autopar.placement import R, Shard
 from autopar.planner import plan_captured
 from tests.conftest import FLOP_EQ_BYTE
@@ -48,8 +48,12 @@ def test_shared_layers_find_the_plan_of_unshared_ones_when_layers_agree():
 
 
 def test_small_programs_keep_one_choice_per_layer_by_default():
-    plan = autopar.plan(MLP(256, 256, num_layers=6), Mesh((4,), ("tp",)),
-                        (torch.randn(32, 256), torch.randn(32, 256)), hardware=FLOP_EQ_BYTE)
+    plan = autopar.plan(
+        MLP(256, 256, num_layers=6),
+        Mesh((4,), ("tp",)),
+        (torch.randn(32, 256), torch.randn(32, 256)),
+        hardware=FLOP_EQ_BYTE,
+    )
     assert plan.solver.shared_nodes == 0
 
 
@@ -93,7 +97,9 @@ def test_a_model_on_the_meta_device_plans_like_the_real_one():
         meta = MLP(256, 1024)
         meta_inputs = tuple(torch.empty_like(x) for x in inputs)
     mesh = Mesh((4,), ("tp",))
-    assert autopar.plan(meta, mesh, meta_inputs, hardware=FLOP_EQ_BYTE) == autopar.plan(real, mesh, inputs, hardware=FLOP_EQ_BYTE)
+    assert autopar.plan(meta, mesh, meta_inputs, hardware=FLOP_EQ_BYTE) == autopar.plan(
+        real, mesh, inputs, hardware=FLOP_EQ_BYTE
+    )
     assert next(meta.parameters()).is_meta  # the user's model is left as it was
 
 

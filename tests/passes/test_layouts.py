@@ -1,14 +1,14 @@
 """The standard layouts as complete plans of the solver's program."""
 
 import torch
-
-from autopar import Mesh
 from autopar.cost_model.estimate import CostModel
 from autopar.cost_model.hardware import resolve_profile
 from autopar.examples.mlp import MLP
 from autopar.passes.capture import capture
 from autopar.passes.layouts import standard_layouts
 from autopar.passes.propagate import propagate
+
+from autopar import Mesh
 from autopar.placement import R, Shard
 
 
@@ -23,8 +23,12 @@ def _layouts(mesh: Mesh):
 
 def test_standard_layouts_place_the_parameters_as_ddp_fsdp_and_hsdp_and_data_parallel_splits_the_batch():
     space, layouts = _layouts(Mesh((2, 2), ("dp", "tp")))
-    placed = {"data parallel": (R, R), "fully sharded": (Shard(0), Shard(0)),
-              "sharded over dp": (Shard(0), R), "sharded over tp": (R, Shard(0))}
+    placed = {
+        "data parallel": (R, R),
+        "fully sharded": (Shard(0), Shard(0)),
+        "sharded over dp": (Shard(0), R),
+        "sharded over tp": (R, Shard(0)),
+    }
     assert set(layouts) == set(placed)
     weight = next(n for n in space.nodes if n.target == "layers.0.weight")
     first = next(n for n in space.nodes if n.kind == "op" and n.target == "aten.addmm.default")

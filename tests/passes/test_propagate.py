@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
-from autopar import Mesh
 from autopar.examples import make_example
 from autopar.passes.capture import capture
 from autopar.passes.propagate import _op_signature, _op_strategies, propagate
+
+from autopar import Mesh
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "moe"])

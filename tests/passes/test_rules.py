@@ -15,20 +15,20 @@ import importlib.util
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
-
-from autopar.placement import P, R, S
-from autopar.passes.capture import capture
-from autopar.passes.rank_ops import local_call_args
-from autopar.passes.rules import registered_ops, rule_for
-from autopar.passes.strategy import Strategy
 from autopar.examples.bert import Bert, BertConfig, masked_batch
 from autopar.examples.convnet import ConvNet, ConvNetConfig
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 from autopar.examples.moe import MoEConfig, MoEGPT
+from autopar.passes.capture import capture
+from autopar.passes.rank_ops import local_call_args
+from autopar.passes.rules import registered_ops, rule_for
+from autopar.passes.strategy import Strategy
+from torch import nn
+from torch.nn import functional as F
+
+from autopar.placement import P, R, S
 from tests.passes.opdb_samples import validate_op_db
 from tests.passes.rule_check import MESH, Recorder, check_row
 
@@ -38,32 +38,59 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 # ops whose every row is checked on every node that uses them: the MoE routing ops,
 # convolutions and pooling, advanced indexing and padding
-EVERY_ROW_CHECKED = {aten.topk.default, aten.cumsum.default, aten.new_zeros.default,
-                     aten._assert_tensor_metadata.default, aten.scatter.src,
-                     aten.convolution.default, aten.convolution_backward.default,
-                     aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
-                     aten.avg_pool2d.default, aten.avg_pool2d_backward.default,
-                     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
-                     aten.index.Tensor, aten.constant_pad_nd.default,
-                     aten.unbind.int, aten.stack.default, aten._safe_softmax.default, aten.select_backward.default,
-                     aten.copy.default, aten.fill.Tensor, aten.slice_scatter.default, aten.select_scatter.default,
-                     # ops with rows that split the dim they reduce or index (SplitOp)
-                     aten.embedding.default, aten.embedding_dense_backward.default, aten.gather.default,
-                     aten.scatter.value, aten._log_softmax.default, aten._log_softmax_backward_data.default}
+EVERY_ROW_CHECKED = {
+    aten.topk.default,
+    aten.cumsum.default,
+    aten.new_zeros.default,
+    aten._assert_tensor_metadata.default,
+    aten.scatter.src,
+    aten.convolution.default,
+    aten.convolution_backward.default,
+    aten.max_pool2d_with_indices.default,
+    aten.max_pool2d_with_indices_backward.default,
+    aten.avg_pool2d.default,
+    aten.avg_pool2d_backward.default,
+    aten._adaptive_avg_pool2d.default,
+    aten._adaptive_avg_pool2d_backward.default,
+    aten.index.Tensor,
+    aten.constant_pad_nd.default,
+    aten.unbind.int,
+    aten.stack.default,
+    aten._safe_softmax.default,
+    aten.select_backward.default,
+    aten.copy.default,
+    aten.fill.Tensor,
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
+    # ops with rows that split the dim they reduce or index (SplitOp)
+    aten.embedding.default,
+    aten.embedding_dense_backward.default,
+    aten.gather.default,
+    aten.scatter.value,
+    aten._log_softmax.default,
+    aten._log_softmax_backward_data.default,
+}
 # registered ops that neither validator can run, and why
-_CUDA_ONLY = ("a CUDA kernel; this CPU build has none (the CPU flash attention op is validated, and "
-              "tests/passes/test_cuda_attention.py checks the CUDA kernels where a GPU is present)")
+_CUDA_ONLY = (
+    "a CUDA kernel; this CPU build has none (the CPU flash attention op is validated, and "
+    "tests/passes/test_cuda_attention.py checks the CUDA kernels where a GPU is present)"
+)
 _UNINITIALISED = "returns uninitialised memory: there are no values to compare"
-_RANDOM = ("a random draw, run whole on every rank: its values match one device's when every rank draws "
-           "from the same generator state, which the graph-diff run with dropout (hf-gpt2-dropout) checks")
-NOT_RUNNABLE = {aten.bernoulli.p: _RANDOM,
-                aten._scaled_dot_product_efficient_attention.default: _CUDA_ONLY,
-                aten._scaled_dot_product_efficient_attention_backward.default: _CUDA_ONLY,
-                aten._scaled_dot_product_flash_attention.default: _CUDA_ONLY,
-                aten._scaled_dot_product_flash_attention_backward.default: _CUDA_ONLY,
-                aten._scaled_dot_product_cudnn_attention.default: _CUDA_ONLY,
-                aten._scaled_dot_product_cudnn_attention_backward.default: _CUDA_ONLY,
-                aten.empty.memory_format: _UNINITIALISED, aten.empty_like.default: _UNINITIALISED}
+_RANDOM = (
+    "a random draw, run whole on every rank: its values match one device's when every rank draws "
+    "from the same generator state, which the graph-diff run with dropout (hf-gpt2-dropout) checks"
+)
+NOT_RUNNABLE = {
+    aten.bernoulli.p: _RANDOM,
+    aten._scaled_dot_product_efficient_attention.default: _CUDA_ONLY,
+    aten._scaled_dot_product_efficient_attention_backward.default: _CUDA_ONLY,
+    aten._scaled_dot_product_flash_attention.default: _CUDA_ONLY,
+    aten._scaled_dot_product_flash_attention_backward.default: _CUDA_ONLY,
+    aten._scaled_dot_product_cudnn_attention.default: _CUDA_ONLY,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _CUDA_ONLY,
+    aten.empty.memory_format: _UNINITIALISED,
+    aten.empty_like.default: _UNINITIALISED,
+}
 # and in Hugging Face models: the indexing that builds attention masks, the padding of labels
 HF_EVERY_ROW_CHECKED = {aten.index.Tensor, aten.new_ones.default, aten.constant_pad_nd.default}
 
@@ -188,8 +215,19 @@ def _validated_on_examples() -> tuple[set, int]:
     bert_cfg = BertConfig(vocab_size=32, max_seq=8, dim=16, num_heads=4, hidden=32, num_layers=1)
     llama = Llama(LlamaConfig(vocab_size=32, dim=16, num_heads=4, num_kv_heads=2, hidden=32, num_layers=1, max_seq=8))
     # capacity 4 (even) so that every routing tensor splits in two
-    moe = MoEGPT(MoEConfig(vocab_size=32, block_size=8, dim=16, num_heads=4, num_layers=1, num_experts=4,
-                           expert_hidden=32, group_size=8, capacity_factor=1.0))
+    moe = MoEGPT(
+        MoEConfig(
+            vocab_size=32,
+            block_size=8,
+            dim=16,
+            num_heads=4,
+            num_layers=1,
+            num_experts=4,
+            expert_hidden=32,
+            group_size=8,
+            capacity_factor=1.0,
+        )
+    )
     cases = [
         (MLP(8, 16, num_layers=3), (torch.randn(4, 8), torch.randn(4, 8))),
         (gpt, (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))),
@@ -204,7 +242,9 @@ def _validated_on_examples() -> tuple[set, int]:
         (_ShiftNet(), (torch.randint(0, 16, (4, 8)), torch.randn(4, 8))),
     ]
     ops, rows = _validate(cases, EVERY_ROW_CHECKED, gen)
-    if importlib.util.find_spec("transformers") is not None:  # its mixture of experts runs a grouped matmul op of its own
+    if (
+        importlib.util.find_spec("transformers") is not None
+    ):  # its mixture of experts runs a grouped matmul op of its own
         from autopar.examples.hf import zoo
 
         more_ops, more_rows = _validate([zoo(batch=4, seq=8, dim=16, num_layers=1)["mixtral"]()], set(), gen)
@@ -219,7 +259,9 @@ def test_every_rule_row_matches_the_whole_tensor_result():
     assert checked_rows >= 250
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
 def test_every_rule_row_of_hugging_face_models_matches_the_whole_tensor_result():
     """GPT-2 and LLaMA from transformers, and GPT-2 with a padding mask: the mask is built by
     advanced indexing, and the labels are padded before they are shifted."""
@@ -246,7 +288,9 @@ def test_every_registered_rule_is_validated_on_example_graphs_or_op_db_samples()
     on_op_db = validate_op_db().registered_validated
     validated = {str(op) for op in on_examples | on_op_db | set(NOT_RUNNABLE)}  # rules may be registered by name
     missing = sorted(str(op) for op in registered_ops() if str(op) not in validated)
-    assert not missing, f"registered ops validated neither on the example models' graphs nor on op_db samples: {missing}"
+    assert not missing, (
+        f"registered ops validated neither on the example models' graphs nor on op_db samples: {missing}"
+    )
 
 
 def test_registering_an_op_twice_raises():

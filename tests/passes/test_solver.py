@@ -4,10 +4,10 @@ import itertools
 import random
 
 import pytest
-
-from autopar.placement import R, S
 from autopar.passes.solver import solve
 from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace
+
+from autopar.placement import R, S
 
 LAYOUTS = [(R,), (S(0),), (S(1),)]
 
@@ -24,9 +24,9 @@ def _random_space(num_nodes: int, seed: int, *, chain: bool):
             args = ((f"n{i - 1}", 0),)
         else:
             args = tuple(sorted({(f"n{rng.randrange(i)}", 0) for _ in range(rng.choice([1, 2]))}))
-        strategies = list(dict.fromkeys(
-            Strategy((rng.choice(LAYOUTS),), tuple(rng.choice(LAYOUTS) for _ in args)) for _ in range(4)
-        ))
+        strategies = list(
+            dict.fromkeys(Strategy((rng.choice(LAYOUTS),), tuple(rng.choice(LAYOUTS) for _ in args)) for _ in range(4))
+        )
         nodes.append(NodeSpace(name, "op", "op", args, tuple(strategies), "forward"))
         costs[name] = [rng.uniform(0, 10) for _ in strategies]
         for p, q in itertools.product(LAYOUTS, LAYOUTS):
@@ -63,7 +63,9 @@ def test_mip_matches_exhaustive_search_on_small_dags(seed):
     space, costs, transition = _random_space(6, seed, chain=False)
     solution = solve(space, costs, transition, relative_gap=0.0)
     assert solution.info.status == "OPTIMAL"
-    assert _plan_cost(space, costs, transition, solution.choice) == pytest.approx(_brute_force(space, costs, transition))
+    assert _plan_cost(space, costs, transition, solution.choice) == pytest.approx(
+        _brute_force(space, costs, transition)
+    )
     assert solution.info.objective_s == pytest.approx(_plan_cost(space, costs, transition, solution.choice))
 
 
@@ -71,10 +73,16 @@ def _chain_dp(space, costs, transition):
     best = {k: costs[space.nodes[0].name][k] for k in range(len(space.nodes[0].strategies))}
     for prev, node in zip(space.nodes, space.nodes[1:]):
         best = {
-            k: costs[node.name][k] + min(
-                best[j] + (0.0 if prev.strategies[j].outputs[0] == s.inputs[0]
-                           else transition((prev.name, 0), prev.strategies[j].outputs[0], s.inputs[0]))
-                for j in best)
+            k: costs[node.name][k]
+            + min(
+                best[j]
+                + (
+                    0.0
+                    if prev.strategies[j].outputs[0] == s.inputs[0]
+                    else transition((prev.name, 0), prev.strategies[j].outputs[0], s.inputs[0])
+                )
+                for j in best
+            )
             for k, s in enumerate(node.strategies)
         }
     return min(best.values())
@@ -104,14 +112,16 @@ def test_a_search_stopped_early_keeps_the_plan_it_started_from():
     assert _plan_cost(space, costs, transition, started.choice) <= _plan_cost(space, costs, transition, start) + 1e-6
     best = solve(space, costs, transition)
     again = solve(space, costs, transition, time_limit_s=0.3, start=best)
-    assert _plan_cost(space, costs, transition, again.choice) <= _plan_cost(space, costs, transition, best.choice) + 1e-6
+    assert (
+        _plan_cost(space, costs, transition, again.choice) <= _plan_cost(space, costs, transition, best.choice) + 1e-6
+    )
 
 
 def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_hand_layouts():
     import torch
+    from autopar.examples.llama import Llama, LlamaConfig
 
     import autopar
-    from autopar.examples.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=4, max_seq=32)
@@ -120,8 +130,12 @@ def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_ha
     plan = autopar.plan(model, mesh, inputs, hardware="cpu", solver_time_limit_s=1.0, share_layers=False)
     assert plan.solver.num_variables > 300_000
     assert plan.solver.status in ("LAYOUT", "FEASIBLE", "OPTIMAL")
-    assert plan.solver.status != "LAYOUT" or plan.solver.layout in ("data parallel", "fully sharded", "sharded over dp",
-                                                                    "sharded over tp")
+    assert plan.solver.status != "LAYOUT" or plan.solver.layout in (
+        "data parallel",
+        "fully sharded",
+        "sharded over dp",
+        "sharded over tp",
+    )
     batch = {"idx": ("S(0)", "S(0)"), "targets": ("S(0)", "S(0)")}
     for params in (("R", "R"), ("S(0)", "S(0)")):  # DDP and FSDP by hand, their other ops planned by the solver
         pins = {**batch, **{name: params for name, _ in model.named_parameters()}}
@@ -136,8 +150,11 @@ def test_a_search_under_a_budget_gives_up_only_while_it_has_no_plan():
 
     def event(running_time, primal_bound):
         data_in = SimpleNamespace(user_interrupt=False)
-        return SimpleNamespace(data_out=SimpleNamespace(running_time=running_time, mip_primal_bound=primal_bound),
-                               data_in=data_in, interrupt=lambda: setattr(data_in, "user_interrupt", True))
+        return SimpleNamespace(
+            data_out=SimpleNamespace(running_time=running_time, mip_primal_bound=primal_bound),
+            data_in=data_in,
+            interrupt=lambda: setattr(data_in, "user_interrupt", True),
+        )
 
     cases = {(5.0, float("inf")): False, (20.0, float("inf")): True, (20.0, 1.5e9): False, (90.0, 1.5e9): False}
     for (seconds, bound), interrupted in cases.items():
@@ -175,9 +192,8 @@ def _program_relaxed_whole():
 
 
 def test_a_dive_keeps_the_strategies_the_relaxation_picks_and_searches_the_rest():
-    from ortools.linear_solver import linear_solver_pb2
-
     from autopar.passes.highs_child import dive, program
+    from ortools.linear_solver import linear_solver_pb2
 
     solver, strategies = _program_relaxed_whole()
     model = linear_solver_pb2.MPModelProto()
@@ -192,9 +208,8 @@ def test_a_dive_keeps_the_strategies_the_relaxation_picks_and_searches_the_rest(
 
 
 def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_dive_finds_nothing():
-    from ortools.linear_solver import pywraplp
-
     from autopar.passes.mip import solve_before_deadline
+    from ortools.linear_solver import pywraplp
 
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-6)
@@ -209,10 +224,9 @@ def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch):
-    from ortools.linear_solver import linear_solver_pb2
-
     from autopar.passes import solver as solver_module
     from autopar.passes.highs_child import dive, program
+    from ortools.linear_solver import linear_solver_pb2
 
     space, costs, transition = _random_space(40, seed, chain=False)
     plain = solve(space, costs, transition, relative_gap=1e-9)
@@ -229,21 +243,23 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
     dived = solve(space, costs, transition, relative_gap=1e-9)
     assert dived_from[0] is not None
     assert dived.info.objective_s == pytest.approx(plain.info.objective_s, rel=1e-9)
-    assert (_plan_cost(space, costs, transition, dived.choice)
-            == pytest.approx(_plan_cost(space, costs, transition, plain.choice)))
+    assert _plan_cost(space, costs, transition, dived.choice) == pytest.approx(
+        _plan_cost(space, costs, transition, plain.choice)
+    )
 
 
 def test_a_search_given_no_time_returns_the_fastest_standard_layout_and_says_so(monkeypatch):
     import torch
+    from autopar.examples.mlp import MLP
 
     import autopar
-    from autopar.examples.mlp import MLP
 
     # HiGHS past its deadline with no plan
     monkeypatch.setattr("autopar.passes.solver.solve_before_deadline", lambda *args, **kwargs: None)
     torch.manual_seed(0)
-    plan = autopar.plan(MLP(16, 32), autopar.Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)),
-                        hardware="h100")
+    plan = autopar.plan(
+        MLP(16, 32), autopar.Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)), hardware="h100"
+    )
     assert plan.solver.status == "LAYOUT" and plan.solver.layout in ("data parallel", "fully sharded")
     assert f"solver: LAYOUT, the {plan.solver.layout} layout" in str(plan)
     assert plan.predicted_step_s > 0

@@ -32,7 +32,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_tensors_made_and_freed_each_step_fault_their_pages_in_only_without_keeping_freed_memory():
     def faults(mode: str) -> int:
-        return int(subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, check=True).stdout)
+        return int(
+            subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, check=True).stdout
+        )
 
     assert faults("mmap") > 40 * 3 * 1000  # every step, every tensor: 1 Ki pages of 4 KiB
     assert faults("keep") < 3 * 1024  # less than one step's tensors, once

@@ -3,7 +3,10 @@
 import pytest
 
 from tests.cases import (
-    decorated_and_lazy, dict_outputs, planning_error_on_every_rank, saved_plan_and_inductor,
+    decorated_and_lazy,
+    dict_outputs,
+    planning_error_on_every_rank,
+    saved_plan_and_inductor,
 )
 from tests.harness import run_ranks
 

@@ -22,7 +22,14 @@ FOUR = [
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="sgd"),
     dict(model_name="gpt", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", recompute="layers"),
-    dict(model_name="gpt", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw", preset="megatron", recompute="layers"),
+    dict(
+        model_name="gpt",
+        mesh_shape=(4,),
+        axis_names=("tp",),
+        optimizer_name="adamw",
+        preset="megatron",
+        recompute="layers",
+    ),
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp"),
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw", preset="megatron"),
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("dp",), optimizer_name="sgd", preset="fsdp"),
@@ -39,14 +46,32 @@ FOUR = [
     dict(model_name="moe", mesh_shape=(2, 2), axis_names=("dp", "ep"), optimizer_name="adamw"),
     dict(model_name="moe", mesh_shape=(4,), axis_names=("ep",), optimizer_name="adamw", preset="experts"),
     # data parallel with synchronised batch norm; and the solver's own plan (filter splits) on 2x2
-    dict(model_name="convnet", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw", preset="dp",
-         hardware=BYTES_DEAR),
+    dict(
+        model_name="convnet",
+        mesh_shape=(4,),
+        axis_names=("dp",),
+        optimizer_name="adamw",
+        preset="dp",
+        hardware=BYTES_DEAR,
+    ),
     dict(model_name="convnet", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
     # embedding and head split along the vocabulary: vocabulary-parallel lookups and cross-entropy
-    dict(model_name="gpt", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw", preset="vocab",
-         hardware=BYTES_DEAR),
-    dict(model_name="llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw", preset="vocab",
-         hardware=BYTES_DEAR),
+    dict(
+        model_name="gpt",
+        mesh_shape=(4,),
+        axis_names=("tp",),
+        optimizer_name="adamw",
+        preset="vocab",
+        hardware=BYTES_DEAR,
+    ),
+    dict(
+        model_name="llama",
+        mesh_shape=(2, 2),
+        axis_names=("dp", "tp"),
+        optimizer_name="adamw",
+        preset="vocab",
+        hardware=BYTES_DEAR,
+    ),
 ]
 EIGHT = [  # a 3-D mesh: 8 ranks on this 2-core host, so one small model
     dict(model_name="mlp", mesh_shape=(2, 2, 2), axis_names=("a", "b", "c"), optimizer_name="adamw"),
@@ -68,11 +93,14 @@ HUGGING_FACE = [  # models written by others: GPT-2 and LLaMA from transformers,
     # more architectures of the zoo: graph constants and index_put (Falcon), an encoder-decoder
     # shifting its labels (T5), experts with transformers' grouped matmul (Mixtral), a vision
     # transformer, a masked language model
-    *(dict(model_name=f"zoo-{name}", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6")
-      for name in ("falcon", "t5", "mixtral", "vit", "bert")),
+    *(
+        dict(model_name=f"zoo-{name}", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6")
+        for name in ("falcon", "t5", "mixtral", "vit", "bert")
+    ),
 ]
 NEEDS_TRANSFORMERS = pytest.mark.skipif(
-    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')")
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
 ALL = FOUR + TWO + EIGHT + [pytest.param(case, marks=NEEDS_TRANSFORMERS) for case in HUGGING_FACE]
 
 
@@ -135,8 +163,9 @@ def test_data_parallel_batch_norm_all_reduces_its_statistics(results):
         plan = autopar.ShardingPlan.from_json(r["plan"])
         assert plan.inputs["images"] == ("S(0)",)
         module_of = {n.name: n.module for n in plan.nodes}
-        synced = collections.Counter(module_of.get(c.tensor) for c in plan.collectives
-                                     if c.kind == "all_reduce" and c.phase == "forward")
+        synced = collections.Counter(
+            module_of.get(c.tensor) for c in plan.collectives if c.kind == "all_reduce" and c.phase == "forward"
+        )
         assert synced["blocks.0.bn"] == synced["blocks.1.bn"] == 2
 
 
@@ -150,7 +179,9 @@ def test_pins_are_kept_in_the_plan(results):
     assert all(p == ("S(0)",) for p in fsdp.placements.values())
     fsdp_2d = autopar.ShardingPlan.from_json(results["llama-2x2-adamw-fsdp"][0]["plan"])
     params = [n for n in fsdp_2d.pinned if n in fsdp_2d.placements]
-    assert len(params) > 10 and all(fsdp_2d.placements[n] == ("S(0)", "S(0)") for n in params)  # one dim cut by both axes
+    assert len(params) > 10 and all(
+        fsdp_2d.placements[n] == ("S(0)", "S(0)") for n in params
+    )  # one dim cut by both axes
     ddp_2d = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-dp"][0]["plan"])
     assert ddp_2d.inputs["idx"] == ("S(0)", "S(0)")
     reduced = [(c.kind, c.axis) for c in ddp_2d.collectives if c.consumer == "gradients"]
@@ -165,7 +196,9 @@ def test_expert_split_sends_tokens_to_their_experts_and_back_with_all_to_all(res
     for r in results["moe-4-adamw-experts"]:
         plan = autopar.ShardingPlan.from_json(r["plan"])
         assert plan.placements["blocks.0.moe.w1"] == plan.placements["blocks.0.moe.w2"] == ("S(0)",)
-        moves = collections.Counter(c.phase for c in plan.collectives if c.kind == "all_to_all" and c.bytes == dispatched)
+        moves = collections.Counter(
+            c.phase for c in plan.collectives if c.kind == "all_to_all" and c.bytes == dispatched
+        )
         assert moves == {"forward": 2, "backward": 2}  # dispatch and combine, and their gradients
         assert collections.Counter(tuple(x) for x in r["ran"])["all_to_all", "ep", dispatched] == 4
 

@@ -24,8 +24,9 @@ def squeeze_with_the_batch_split() -> tuple[float, float]:
     torch.manual_seed(0)
     model, x, y = _Squeezed(), torch.randn(2, 6), torch.randn(2, 6)
     expected = float(model(x, y))
-    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), (x, y), hardware=SYNTHETIC,
-                             pins={"x": "S(0)", "y": "S(0)", "w": "R"})
+    pmodel = autopar.compile(
+        model, autopar.Mesh((2,), ("dp",)), (x, y), hardware=SYNTHETIC, pins={"x": "S(0)", "y": "S(0)", "w": "R"}
+    )
     return float(pmodel(pmodel.rank_part("x", x), pmodel.rank_part("y", y))), expected
 
 

@@ -12,17 +12,18 @@ import threading
 
 import pytest
 import torch
-
-import autopar
 from autopar.cost_model.hardware import Link
 from autopar.examples.gpt import GPT, GPTConfig
+
+import autopar
 from tests.cases import SYNTHETIC, make_optimizer
 from tests.harness import run_ranks
 
 MESH = autopar.Mesh((4,), ("dp",))
 REPLICATED = 0.6  # the budget, as a fraction of what data parallelism (replicated parameters) needs
-WITH_HOST = autopar.SyntheticProfile(s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6,
-                                     host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11)
+WITH_HOST = autopar.SyntheticProfile(
+    s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6, host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11
+)
 OFFLOADING = 0.45  # the budget, as a fraction of the unbudgeted plan's peak, that splitting alone cannot meet
 
 
@@ -81,8 +82,10 @@ def _train(pmodel, opt, batches) -> tuple[list[float], int, int]:
 
 def _matches(pmodel, losses, ref_losses, ref_params) -> dict:
     params = pmodel.full_state_dict()
-    return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params)}
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "param_ok": all(torch.allclose(params[k], ref_params[k], rtol=1e-4, atol=1e-5) for k in ref_params),
+    }
 
 
 def replicated_and_budget(model, batch) -> tuple[int, int]:
@@ -98,10 +101,15 @@ def train_under_budget() -> dict:
     replicated, budget = replicated_and_budget(model, batches[0])
     pmodel = autopar.compile(model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=budget)
     losses, peak, elsewhere = _train(pmodel, make_optimizer("adamw", pmodel.parameters()), batches)
-    return {"replicated": replicated, "budget": budget, "predicted": pmodel.plan.peak_memory_bytes, "measured": peak,
-            "freed_elsewhere": elsewhere,
-            "recomputed": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in pmodel.plan.nodes),
-            **_matches(pmodel, losses, ref_losses, ref_params)}
+    return {
+        "replicated": replicated,
+        "budget": budget,
+        "predicted": pmodel.plan.peak_memory_bytes,
+        "measured": peak,
+        "freed_elsewhere": elsewhere,
+        "recomputed": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in pmodel.plan.nodes),
+        **_matches(pmodel, losses, ref_losses, ref_params),
+    }
 
 
 def train_with_offload() -> dict:
@@ -112,10 +120,16 @@ def train_with_offload() -> dict:
     pmodel = autopar.compile(model, MESH, batches[0], hardware=WITH_HOST, memory_budget=budget)
     losses, peak, _ = _train(pmodel, pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), batches)
     plan = pmodel.plan
-    return {"budget": budget, "predicted": plan.peak_memory_bytes, "host": plan.memory.host_bytes, "measured": peak,
-            "offloaded": sum(n.activation == "offload" for n in plan.nodes), "host_optimizer": len(plan.host_optimizer),
-            "host_params": len(plan.host_params),
-            **_matches(pmodel, losses, ref_losses, ref_params)}
+    return {
+        "budget": budget,
+        "predicted": plan.peak_memory_bytes,
+        "host": plan.memory.host_bytes,
+        "measured": peak,
+        "offloaded": sum(n.activation == "offload" for n in plan.nodes),
+        "host_optimizer": len(plan.host_optimizer),
+        "host_params": len(plan.host_params),
+        **_matches(pmodel, losses, ref_losses, ref_params),
+    }
 
 
 def both() -> tuple[dict, dict]:
@@ -148,7 +162,9 @@ def test_a_model_that_does_not_fit_replicated_gets_a_plan_that_fits(runs):
 def test_measured_peak_is_within_the_budget_and_near_the_prediction(runs):
     for r in runs:
         assert r["measured"] <= r["budget"], f"measured {r['measured']} B over the budget {r['budget']} B"
-        assert abs(r["measured"] / r["predicted"] - 1) <= 0.02, f"predicted {r['predicted']} B, measured {r['measured']} B"
+        assert abs(r["measured"] / r["predicted"] - 1) <= 0.02, (
+            f"predicted {r['predicted']} B, measured {r['measured']} B"
+        )
 
 
 @pytest.mark.slow
@@ -170,5 +186,7 @@ def test_a_plan_that_offloads_fits_and_trains_as_one_device(offload_runs):
         assert r["offloaded"] > 0 and r["host_optimizer"] >= r["host_params"] > 0 and r["host"] > 0
         assert r["predicted"] <= r["budget"]
         together = r["predicted"] + r["host"]  # device and host memory are one on this host
-        assert abs(r["measured"] / together - 1) <= 0.15, f"predicted {r['predicted']} + {r['host']} B, measured {r['measured']} B"
+        assert abs(r["measured"] / together - 1) <= 0.15, (
+            f"predicted {r['predicted']} + {r['host']} B, measured {r['measured']} B"
+        )
         assert r["loss_rel"] <= 1e-5 and r["param_ok"]

@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
-
-import autopar
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.capture import capture
+
+import autopar
 from tests.conftest import FLOP_EQ_BYTE
 from tests.harness import run_ranks
 
@@ -51,20 +51,29 @@ def _train(model, batches, grads_of) -> tuple[list[float], dict]:
 def train_under_autocast(axis: str) -> dict:
     model, batches = _model_and_batches()
     reference = copy.deepcopy(model)
-    ref_losses, ref_grads = _train(reference, batches,
-                                   lambda: {k: p.grad.clone() for k, p in reference.named_parameters()})
+    ref_losses, ref_grads = _train(
+        reference, batches, lambda: {k: p.grad.clone() for k, p in reference.named_parameters()}
+    )
     pmodel = autopar.compile(model, autopar.Mesh((2,), (axis,)), batches[0], hardware=FLOP_EQ_BYTE)
-    losses, grads = _train(pmodel, batches, lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()})
-    return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "grad_rel": max(float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()),
-            "param_dtypes": {str(p.dtype) for p in pmodel.parameters()}}
+    losses, grads = _train(
+        pmodel, batches, lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()}
+    )
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "grad_rel": max(float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()),
+        "param_dtypes": {str(p.dtype) for p in pmodel.parameters()},
+    }
 
 
 def test_autocast_is_captured_as_bfloat16_matmuls():
     model, batches = _model_and_batches()
     graph = capture(model, batches[0]).graph.graph
-    matmuls = [n.meta["val"].dtype for n in graph.nodes if n.op == "call_function" and n.target in
-               (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)]
+    matmuls = [
+        n.meta["val"].dtype
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    ]
     assert matmuls and set(matmuls) == {torch.bfloat16}
 
 
@@ -98,19 +107,30 @@ def train_under_policy() -> dict:
     model = GPT(GPTConfig(vocab_size=64, block_size=8, dim=32, num_heads=4, num_layers=2))
     batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
     reference = _OneDeviceUnderPolicy(copy.deepcopy(model))
-    ref_losses, ref_grads = _train(reference, batches,
-                                   lambda: {k.removeprefix("model."): p.grad.clone() for k, p in reference.named_parameters()})
+    ref_losses, ref_grads = _train(
+        reference, batches, lambda: {k.removeprefix("model."): p.grad.clone() for k, p in reference.named_parameters()}
+    )
     policy = autopar.MixedPrecision(param_dtype=torch.bfloat16)
-    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=FLOP_EQ_BYTE,
-                             pins=pins_for("2d", "gpt", ("dp", "tp")), mixed_precision=policy)
+    pmodel = autopar.compile(
+        model,
+        autopar.Mesh((2, 2), ("dp", "tp")),
+        batches[0],
+        hardware=FLOP_EQ_BYTE,
+        pins=pins_for("2d", "gpt", ("dp", "tp")),
+        mixed_precision=policy,
+    )
     local_batches = [tuple(_rank_inputs(pmodel, b)) for b in batches]
-    losses, grads = _train(pmodel, local_batches, lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()})
-    return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-            "grad_rel": max(float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()),
-            "grad_rels": {k: float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()},
-            "param_dtypes": {str(p.dtype) for p in pmodel.parameters()},
-            "grad_dtypes": {str(g.dtype) for g in grads.values()},
-            "matmul_formats": {n.fmt for n in pmodel.plan.nodes if n.fmt}}
+    losses, grads = _train(
+        pmodel, local_batches, lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()}
+    )
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "grad_rel": max(float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()),
+        "grad_rels": {k: float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()},
+        "param_dtypes": {str(p.dtype) for p in pmodel.parameters()},
+        "grad_dtypes": {str(g.dtype) for g in grads.values()},
+        "matmul_formats": {n.fmt for n in pmodel.plan.nodes if n.fmt},
+    }
 
 
 @pytest.mark.slow

@@ -1,9 +1,8 @@
 """The optimizer ``pmodel.optimizer`` builds: the step implementation whose memory the plan counts."""
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from autopar.runtime.module import _lean_step
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def _parameter(device: str) -> torch.Tensor:

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import autopar
 from tests.cases import STEP_SEED, SYNTHETIC, _rank_inputs, make_model, make_optimizer, pins_for
-from tests.runtime.test_graph_diff import NEEDS_TRANSFORMERS
 from tests.harness import run_ranks
+from tests.runtime.test_graph_diff import NEEDS_TRANSFORMERS
 
 NORM_TYPES = (2.0, math.inf, 1.0)
 """The norm each step clips by, one step each."""
@@ -60,16 +60,25 @@ def _params_max_difference(pmodel, reference) -> float:
 def clipped_training(model_name: str, mesh_shape, axis_names, preset: str) -> dict:
     pmodel, reference, batches = _compile(model_name, mesh_shape, axis_names, preset)
     ref_losses, ref_norms = _clipped_steps(reference, batches, make_optimizer("adamw", reference.parameters()))
-    losses, norms = _clipped_steps(pmodel, batches, make_optimizer("adamw", pmodel.parameters()),
-                                   lambda b: _rank_inputs(pmodel, b))
+    losses, norms = _clipped_steps(
+        pmodel, batches, make_optimizer("adamw", pmodel.parameters()), lambda b: _rank_inputs(pmodel, b)
+    )
     split = [n for n, p in pmodel.module.named_parameters() if any(isinstance(q, Shard) for q in p.placements)]
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms, "split": split,
-            "param_max": _params_max_difference(pmodel, reference)}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "split": split,
+        "param_max": _params_max_difference(pmodel, reference),
+    }
 
 
-CLIPPED = [pytest.param("gpt", (2, 2), ("dp", "tp"), "2d", id="gpt-2x2-2d"),
-           pytest.param("mlp", (4,), ("tp",), "megatron", id="mlp-4-megatron"),
-           pytest.param("hf-llama", (2, 2), ("dp", "tp"), "fsdp", id="hf-llama-2x2-fsdp", marks=NEEDS_TRANSFORMERS)]
+CLIPPED = [
+    pytest.param("gpt", (2, 2), ("dp", "tp"), "2d", id="gpt-2x2-2d"),
+    pytest.param("mlp", (4,), ("tp",), "megatron", id="mlp-4-megatron"),
+    pytest.param("hf-llama", (2, 2), ("dp", "tp"), "fsdp", id="hf-llama-2x2-fsdp", marks=NEEDS_TRANSFORMERS),
+]
 
 
 @pytest.mark.slow
@@ -123,14 +132,27 @@ def resume_checkpoint(path: str, model_name: str, mesh_shape, axis_names, preset
     set_state_dict(pmodel, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     losses = _train(pmodel, list(enumerate(batches))[STEPS_BEFORE_SAVE:], optimizer, lambda b: _rank_inputs(pmodel, b))
     ref_losses = _train(reference, list(enumerate(batches)), make_optimizer("adamw", reference.parameters()))
-    return {"losses": losses, "ref_losses": ref_losses[STEPS_BEFORE_SAVE:], "param_max": _params_max_difference(pmodel, reference)}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses[STEPS_BEFORE_SAVE:],
+        "param_max": _params_max_difference(pmodel, reference),
+    }
 
 
 CHECKPOINTS = [  # saved on 2x2 under one plan; resumed on 4 ranks under another, and on 2 ranks
-    pytest.param("gpt", ((2, 2), ("dp", "tp"), "2d"), [(4, (4,), ("dp",), "fsdp"), (2, (2,), ("tp",), "megatron")],
-                 id="gpt-2x2-2d"),
-    pytest.param("hf-llama", ((2, 2), ("dp", "tp"), "fsdp"), [(4, (4,), ("dp",), "dp"), (2, (2,), ("dp",), "fsdp")],
-                 id="hf-llama-2x2-fsdp", marks=NEEDS_TRANSFORMERS),
+    pytest.param(
+        "gpt",
+        ((2, 2), ("dp", "tp"), "2d"),
+        [(4, (4,), ("dp",), "fsdp"), (2, (2,), ("tp",), "megatron")],
+        id="gpt-2x2-2d",
+    ),
+    pytest.param(
+        "hf-llama",
+        ((2, 2), ("dp", "tp"), "fsdp"),
+        [(4, (4,), ("dp",), "dp"), (2, (2,), ("dp",), "fsdp")],
+        id="hf-llama-2x2-fsdp",
+        marks=NEEDS_TRANSFORMERS,
+    ),
 ]
 
 
@@ -147,6 +169,7 @@ def test_a_checkpoint_resumes_on_other_meshes_as_if_uninterrupted(tmp_path, mode
 
 # state dicts, counts, pickling --------------------------------------------------------------
 
+
 def whole_state_and_counts() -> dict:
     pmodel, reference, batches = _compile("gpt", (2,), ("tp",), "megatron")
     counts = pmodel.parameter_counts()
@@ -156,7 +179,8 @@ def whole_state_and_counts() -> dict:
     loaded = pmodel.load_state_dict(reference.state_dict())  # the model's own key names, whole tensors
     out = {
         "loaded_max": _params_max_difference(pmodel, reference),
-        "missing": list(loaded.missing_keys), "unexpected": list(loaded.unexpected_keys),
+        "missing": list(loaded.missing_keys),
+        "unexpected": list(loaded.unexpected_keys),
         "numel": sum(p.numel() for p in pmodel.parameters()),
         "ref_numel": sum(p.numel() for p in reference.parameters()),
         "counts": tuple(counts),
@@ -193,7 +217,9 @@ def optimizer_before_the_plan() -> dict:
     parameters, steps the split parameters."""
     model, batches = make_model("mlp")
     reference = copy.deepcopy(model)
-    pmodel = autopar.compile(model, autopar.Mesh((2,), ("tp",)), hardware=SYNTHETIC, pins=pins_for("megatron", "mlp", ("tp",)))
+    pmodel = autopar.compile(
+        model, autopar.Mesh((2,), ("tp",)), hardware=SYNTHETIC, pins=pins_for("megatron", "mlp", ("tp",))
+    )
     try:
         pmodel.optimizer(torch.optim.SGD, lr=0.1)
         early = "no error"
@@ -202,8 +228,13 @@ def optimizer_before_the_plan() -> dict:
     optimizer = make_optimizer("sgd", pmodel.parameters())
     losses = _train(pmodel, list(enumerate(batches)), optimizer)
     ref_losses = _train(reference, list(enumerate(batches)), make_optimizer("sgd", reference.parameters()))
-    return {"early": early, "losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference),
-            "stepped_dtensors": all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])}
+    return {
+        "early": early,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_max": _params_max_difference(pmodel, reference),
+        "stepped_dtensors": all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]),
+    }
 
 
 @pytest.mark.slow
@@ -216,24 +247,36 @@ def test_an_optimizer_built_before_the_plan_steps_the_split_parameters():
 
 # batch sizes and inputs ---------------------------------------------------------------------
 
+
 def other_batch_sizes() -> dict:
     """A plan made for batches of 8 trains on 8, 4 (a smaller last batch) and 8 again; batches
     of 6 do not divide the split and are refused, as are inputs of the wrong kind."""
     model, _ = make_model("gpt")
     reference = copy.deepcopy(model)
     batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
-    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
-                             pins=pins_for("2d", "gpt", ("dp", "tp")))
+    pmodel = autopar.compile(
+        model,
+        autopar.Mesh((2, 2), ("dp", "tp")),
+        batches[0],
+        hardware=SYNTHETIC,
+        pins=pins_for("2d", "gpt", ("dp", "tp")),
+    )
     cut = [tuple(x[:n] for x in b) for n, b in zip([8, 4, 8], batches)]
     optimizer = make_optimizer("adamw", pmodel.parameters())
     losses = _train(pmodel, list(enumerate(cut)), optimizer, lambda b: _rank_inputs(pmodel, b))
     ref_losses = _train(reference, list(enumerate(cut)), make_optimizer("adamw", reference.parameters()))
-    out = {"losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference),
-           "programs": len(pmodel._lowered)}
+    out = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_max": _params_max_difference(pmodel, reference),
+        "programs": len(pmodel._lowered),
+    }
     idx, targets = batches[0]
-    wrong = {"six": lambda: pmodel(idx[:3], targets[:3]),  # pinned S(0) on dp: each rank passes its part
-             "dtype": lambda: pmodel(*_rank_inputs(pmodel, (idx.int(), targets))),
-             "list": lambda: pmodel(idx[:2].tolist(), targets[:2])}
+    wrong = {
+        "six": lambda: pmodel(idx[:3], targets[:3]),  # pinned S(0) on dp: each rank passes its part
+        "dtype": lambda: pmodel(*_rank_inputs(pmodel, (idx.int(), targets))),
+        "list": lambda: pmodel(idx[:2].tolist(), targets[:2]),
+    }
     for name, call in wrong.items():
         try:
             call()
@@ -256,14 +299,20 @@ def test_a_smaller_last_batch_runs_the_same_plan_and_sizes_it_cannot_split_are_r
 
 # accumulation and loss scaling --------------------------------------------------------------
 
+
 def accumulated_steps() -> dict:
     """Each step sums the gradients of two half batches (a loss halved each), on one device and
     on the mesh."""
     model, _ = make_model("gpt")
     reference = copy.deepcopy(model)
     batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(2)]
-    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
-                             pins=pins_for("2d", "gpt", ("dp", "tp")))
+    pmodel = autopar.compile(
+        model,
+        autopar.Mesh((2, 2), ("dp", "tp")),
+        batches[0],
+        hardware=SYNTHETIC,
+        pins=pins_for("2d", "gpt", ("dp", "tp")),
+    )
 
     def train(m, opt, inputs):
         losses = []
@@ -319,7 +368,10 @@ def modes_and_misuse() -> dict:
     with torch.no_grad():
         out = {"eval": float(pmodel(*batches[1])), "ref_eval": float(reference(*batches[1]))}
     pmodel.train()
-    for name, call in {"autocast": lambda: _under_autocast(pmodel, batches[0]), "to": lambda: pmodel.to(torch.bfloat16)}.items():
+    for name, call in {
+        "autocast": lambda: _under_autocast(pmodel, batches[0]),
+        "to": lambda: pmodel.to(torch.bfloat16),
+    }.items():
         try:
             call()
             out[name] = "no error"
@@ -368,6 +420,7 @@ def test_a_model_with_dropout_evaluates_as_on_one_device():
 
 # models built on the meta device ------------------------------------------------------------
 
+
 def meta_model() -> dict:
     """An MLP built under ``torch.device("meta")`` compiles on 4 ranks, each materialising only
     its pieces, with the values one device draws from the same seed, and trains as one device."""
@@ -379,15 +432,25 @@ def meta_model() -> dict:
         model = MLP(16, 64, num_layers=3)
     batches = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(3)]
     torch.manual_seed(0)
-    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
-                             pins={"layers.0.weight": ("S(0)", "S(0)"), "layers.1.weight": ("R", "S(1)")})
+    pmodel = autopar.compile(
+        model,
+        autopar.Mesh((2, 2), ("dp", "tp")),
+        batches[0],
+        hardware=SYNTHETIC,
+        pins={"layers.0.weight": ("S(0)", "S(0)"), "layers.1.weight": ("R", "S(1)")},
+    )
     initial = _params_max_difference(pmodel, reference)
     local = {n: tuple(p.to_local().shape) for n, p in pmodel.module.named_parameters()}
     losses = _train(pmodel, list(enumerate(batches)), make_optimizer("adamw", pmodel.parameters()))
     ref_losses = _train(reference, list(enumerate(batches)), make_optimizer("adamw", reference.parameters()))
-    return {"initial": initial, "local": local, "losses": losses, "ref_losses": ref_losses,
-            "param_max": _params_max_difference(pmodel, reference),
-            "real": all(not p.to_local().is_meta for p in pmodel.parameters())}
+    return {
+        "initial": initial,
+        "local": local,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_max": _params_max_difference(pmodel, reference),
+        "real": all(not p.to_local().is_meta for p in pmodel.parameters()),
+    }
 
 
 @pytest.mark.slow
@@ -420,8 +483,12 @@ def meta_hugging_face_model() -> dict:
     pmodel = autopar.compile(model, mesh, batch, hardware=SYNTHETIC, init_weights=model.model._init_weights)
     buffers = {n: b.full_tensor() for n, b in pmodel.module.named_buffers()}
     pmodel.load_state_dict(reference.state_dict())
-    return {"refused": refused, "buffers_max": max(float((buffers[n] - b).abs().max()) for n, b in reference.named_buffers()),
-            "loss": float(pmodel(*batch).detach()), "ref_loss": float(reference(*batch).detach())}
+    return {
+        "refused": refused,
+        "buffers_max": max(float((buffers[n] - b).abs().max()) for n, b in reference.named_buffers()),
+        "loss": float(pmodel(*batch).detach()),
+        "ref_loss": float(reference(*batch).detach()),
+    }
 
 
 @pytest.mark.slow
@@ -444,8 +511,9 @@ def one_rank_hangs() -> str:
     import time
 
     model, batches = make_model("mlp")
-    pmodel = autopar.compile(model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC,
-                             timeout=TIMEOUT_S)
+    pmodel = autopar.compile(
+        model, autopar.Mesh((2, 2), ("dp", "tp")), batches[0], hardware=SYNTHETIC, timeout=TIMEOUT_S
+    )
     try:
         for step in range(5):
             if step == 2 and dist.get_rank() == 1:
