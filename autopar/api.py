@@ -58,10 +58,11 @@ def compile(
     initialises one module's own parameters and buffers in place (default: each module's
     ``reset_parameters()``); each rank then allocates and keeps only its pieces; and
     ``mixed_precision``: a :class:`~autopar.precision.MixedPrecision` policy (compute in
-    ``param_dtype`` with float32 master parameters and gradient reductions); and
+    ``param_dtype`` with float32 master parameters and optimizer state); and
     ``timeout``: seconds after which a collective on the mesh that some rank does not join
-    fails, on every rank that waits, with :class:`~autopar.errors.CollectiveError`
-    (default: the process group's, 30 minutes for gloo and NCCL).
+    fails (default: the process group's, 30 minutes for gloo, 10 for NCCL). On gloo the
+    program's collectives then raise :class:`~autopar.errors.CollectiveError` on every rank that
+    waits; on NCCL, torch's watchdog aborts the waiting processes.
     """
     options = dict(
         hardware=hardware,

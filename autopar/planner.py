@@ -532,8 +532,8 @@ def plan(
             (default) lets the solver choose, with the layouts, what the memory budget needs;
             ``"none"`` keeps them all; ``"layers"`` recomputes each layer of a stack from its
             input (activation checkpointing of every block) and chooses the rest as ``"auto"``.
-        mixed_precision: compute with parameters cast to ``mixed_precision.param_dtype``
-            (:class:`~autopar.precision.MixedPrecision`), gradients reduced in theirs.
+        mixed_precision: compute with parameters and inputs cast to
+            ``mixed_precision.param_dtype`` (:class:`~autopar.precision.MixedPrecision`).
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):

@@ -202,9 +202,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
 
 
 class _ComputeIn(torch.nn.Module):
-    """``model`` run on copies of its floating-point parameters cast to ``dtype``. It holds the
-    model's children, parameters and buffers under the model's own names (so the graph's
-    inputs keep them) and calls the model with the casts in place of the parameters."""
+    """``model`` run on copies of its floating-point parameters, and on its floating-point
+    inputs, cast to ``dtype``. It holds the model's children, parameters and buffers under the
+    model's own names (so the graph's inputs keep them) and calls the model with the casts in
+    place of the parameters."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         super().__init__()
@@ -219,6 +220,7 @@ class _ComputeIn(torch.nn.Module):
 
     def forward(self, *args):
         casts = {name: p.to(self._dtype) if p.is_floating_point() else p for name, p in self._model.named_parameters()}
+        args = tuple(x.to(self._dtype) if x.is_floating_point() else x for x in args)
         return torch.func.functional_call(self._model, casts, args)
 
 

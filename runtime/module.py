@@ -332,7 +332,7 @@ class ParallelModule(torch.nn.Module):
             tuple(
                 tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
             ),
-            self.module.training,
+            _modes(self.module),
         )
         self._lowered[key] = _Lowered(captured, program, joint, collectives, layouts)
         self._run_for(key)
@@ -361,22 +361,41 @@ class ParallelModule(torch.nn.Module):
             captured = capture(self.module, fakes, self._param_dtype)
         plan = self._plan
         if not runs_planned_ops(captured, plan):
-            state = {k.name: self._layouts[k.name] for k in captured.inputs if k.kind in ("param", "buffer")}
-            plan = self._plan_on_rank0(captured, state)
+            plan = self._plan_on_rank0(captured, self._state_pins(captured))
         check_fits(captured, plan)
         self._lower(captured, plan)
         log.info(
             "lowered %s for input sizes %s (%s mode) in %.1f s",
             "the plan" if plan is self._plan else "a plan",
             ", ".join(map(str, key[0])),
-            "training" if key[1] else "eval",
+            "training" if self.module.training else "eval",
             time.perf_counter() - started,
         )
 
+    def _state_pins(self, captured: Captured) -> dict[str, Placements]:
+        """Pins that keep the parameters and buffers where they are, for planning the ops a
+        model runs at other sizes or in another mode; refused where the plan keeps state in host
+        memory (a new plan could place it otherwise) or the model reads state it did not before."""
+        if self._plan.host_params or self._plan.host_optimizer:
+            raise InputError(
+                "at these input sizes, or in this mode, the model runs other ops than planned, and the plan keeps "
+                "parameters or optimizer state in host memory, where a plan for these ops could not follow it. Fix: "
+                "call it at the planned sizes and mode, or compile without offloading (a larger memory_budget)"
+            )
+        state = [k.name for k in captured.inputs if k.kind in ("param", "buffer")]
+        unplanned = [name for name in state if name not in self._layouts]
+        if unplanned:
+            raise InputError(
+                f"at these input sizes, or in this mode, the model reads {', '.join(unplanned)}, which it did not read "
+                "when planned, so they were never split across the ranks. Fix: compile with example inputs in this mode"
+            )
+        return {name: self._layouts[name] for name in state}
+
     def _whole_key(self, inputs: tuple) -> tuple:
         """Each input's whole shape (an input whose split was pinned is passed as this rank's
-        part), once the inputs are checked against the planned ones, and whether the model is
-        in training mode (eval mode captures another graph where dropout or batch norm differ)."""
+        part; every rank's part must make the same whole), once the inputs are checked against
+        the planned ones, and the training flags of the modules (eval mode captures another
+        graph where dropout or batch norm differ)."""
         _check_tensors(inputs)
         planned = [
             (n.meta["val"], k.name)
@@ -402,7 +421,22 @@ class ParallelModule(torch.nn.Module):
                     if isinstance(p, Shard):
                         shape[p.dim] *= self._mesh.shape[axis]
             key.append(tuple(shape))
-        return tuple(key), self.module.training
+        if any(self.passes_own_part(name) for _, name in planned):
+            self._check_same_whole(key)
+        return tuple(key), _modes(self.module)
+
+    def _check_same_whole(self, key: list[tuple[int, ...]]) -> None:
+        """Refuse parts of per-rank inputs that do not make the same whole on every rank (a
+        smaller last part on some ranks only): the ranks would run programs of other sizes."""
+        sizes = torch.tensor([n for shape in key for n in shape], device=self._device)
+        bounds = torch.cat([sizes, -sizes])  # one all-reduce of the largest sizes and of the smallest
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        if not torch.equal(bounds[: len(sizes)], -bounds[len(sizes) :]):
+            raise InputError(
+                f"the ranks passed parts of per-rank inputs of different sizes (this rank's make the whole shapes "
+                f"{', '.join(map(str, key))}). Fix: give every rank parts of the same size, e.g. "
+                "DistributedSampler(drop_last=True) or DataLoader(drop_last=True)"
+            )
 
     def _plan_on_rank0(self, captured: Captured, state_pins: Mapping[str, Placements] | None = None) -> ShardingPlan:
         """Rank 0 plans (with ``state_pins`` added to the pins) and sends the plan to every rank;
@@ -491,8 +525,13 @@ class ParallelModule(torch.nn.Module):
 
         Every rank takes part in the gathers; with ``rank0_only`` the other ranks get ``{}``.
         """
-        state = {name: _whole(t) for name, t in self.module.state_dict(keep_vars=True).items()}
-        return {} if rank0_only and dist.get_rank() != 0 else state
+        keep = not rank0_only or dist.get_rank() == 0
+        state = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            whole = _whole(t)  # every rank gathers; only the keeping ranks hold the whole tensors
+            if keep:
+                state[name] = whole
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load a state dict keyed by the model's own names (a whole one, as the model or
@@ -539,6 +578,12 @@ class ParallelModule(torch.nn.Module):
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
             "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it"
         )
+
+
+def _modes(model: torch.nn.Module) -> tuple[bool, ...]:
+    """The training flag of every module: eval mode of some modules (frozen batch norm) changes
+    the graph as eval mode of the whole model does."""
+    return tuple(m.training for m in model.modules())
 
 
 class _Lowered(NamedTuple):

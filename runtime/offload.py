@@ -120,8 +120,19 @@ class HostOptimizer(torch.optim.Optimizer):
             p.grad = None
         self.inner.zero_grad(set_to_none)
 
+    _step_supports_amp_scaling = True
+    """So that ``torch.amp.GradScaler.step`` hands this optimizer the scaler, which it refuses:
+    the scaler would unscale and check only the gradients on the device, and the state stepped on
+    the host would take gradients still scaled."""
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot step an optimizer whose state the plan keeps in host memory: it would "
+                "unscale only the gradients on the device. Fix: compile without offloading optimizer state (a "
+                "larger memory_budget), or train in bfloat16 (MixedPrecision), which needs no loss scaling"
+            )
         copied = False
         for p, host in self._pairs:
             if p.grad is None:

@@ -6,10 +6,11 @@ a module for a :class:`~torch.distributed.tensor.DTensor` over the plan's placem
 values, gathering, norms and checkpoints are then DTensor's.
 
 An optimizer built over the old parameters (before the first call, when the plan is made then)
-is pointed at the new ones when it first steps (:func:`_step_the_new_parameters`).
+is pointed at the new ones as they replace the old (:func:`_repoint_optimizers`).
 """
 
 import contextlib
+import gc
 from collections.abc import Callable, Mapping
 
 import torch
@@ -17,12 +18,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.placement import Placements, Shard
 
-_REPLACED_BY = "_autopar_replaced_by"
-_hook_registered = False
+_handler_registered = False
 
 
 def local_piece(
@@ -59,9 +58,8 @@ def distribute(whole: torch.Tensor, piece: torch.Tensor, device_mesh: DeviceMesh
 def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> None:
     """Put ``pieces[id(t)]`` wherever ``module`` (or a submodule, tied weights included) holds
     parameter or buffer ``t``; parameters become parameters again, keeping ``requires_grad``.
-    Each old tensor's memory is released, and an optimizer still holding an old parameter steps
-    its replacement instead."""
-    global _hook_registered
+    An optimizer already built over an old parameter steps its replacement instead."""
+    global _handler_registered
     replaced: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
@@ -71,13 +69,11 @@ def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> 
                 if id(old) not in replaced:
                     new = pieces[id(old)]
                     replaced[id(old)] = torch.nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
-                    if is_param:
-                        setattr(old, _REPLACED_BY, replaced[id(old)])
                 table[name] = replaced[id(old)]
-    if not _hook_registered:
-        register_optimizer_step_pre_hook(_step_the_new_parameters)
+    _repoint_optimizers(replaced)
+    if not _handler_registered:
         DTensor._op_dispatcher._custom_op_handlers[_UNSCALE] = _found_inf_on_any_rank
-        _hook_registered = True
+        _handler_registered = True
 
 
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
@@ -92,8 +88,12 @@ def _found_inf_on_any_rank(op_call, args, kwargs) -> None:
     grads, found_inf, inv_scale = args
     op_call([local_of(g) for g in grads], local_of(found_inf), local_of(inv_scale), **kwargs)
     mesh = grads[0].device_mesh
+    flag = local_of(found_inf)
+    on_mesh = flag if flag.device.type == mesh.device_type else flag.to(mesh.device_type)  # pieces in host memory
     for axis in range(mesh.ndim):
-        dist.all_reduce(local_of(found_inf), op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        dist.all_reduce(on_mesh, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+    if on_mesh is not flag:
+        flag.copy_(on_mesh)
 
 
 def release(old: torch.Tensor) -> None:
@@ -101,21 +101,23 @@ def release(old: torch.Tensor) -> None:
     old.data = torch.empty(0, dtype=old.dtype, device=old.device)
 
 
-def _step_the_new_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before any optimizer steps: a parameter that autopar replaced by its DTensor (the
-    optimizer was built before the plan was made) is swapped for its replacement."""
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            new = getattr(p, _REPLACED_BY, None)
-            if new is not None:
+def _repoint_optimizers(replaced: Mapping[int, torch.Tensor]) -> None:
+    """Point every optimizer of the process that holds a replaced parameter (one built before
+    the plan was made) at its replacement, before it steps, unscales or clips through its
+    parameter groups; refused where it already has state for the old parameter."""
+    for optimizer in [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if id(p) not in replaced:
+                    continue
                 if p in optimizer.state:
                     raise RuntimeError(
-                        "this optimizer has state for a parameter that autopar has since split across the "
-                        "ranks. Fix: build the optimizer after the model's first call, or pass example_inputs "
-                        "to autopar.compile so that parameters are split there"
+                        "an optimizer has state for a parameter that autopar now splits across the ranks. Fix: "
+                        "build the optimizer after the model's first call, or pass example_inputs to "
+                        "autopar.compile so that parameters are split there"
                     )
-                params[i] = new
+                params[i] = replaced[id(p)]
 
 
 @contextlib.contextmanager
@@ -168,8 +170,12 @@ def materialise(
     ``module.apply`` visits them, each module's own meta tensors are made whole on ``device``,
     initialised (``init_weights(module)``, else the module's ``reset_parameters()``) and cut
     (``cut(id, whole)``); the whole ones are freed before the next module, so that memory holds
-    one module's whole tensors at a time. A tensor tied between modules is cut after the last
-    of them initialised it, as on one device the last initialisation is the one that stays."""
+    one module's whole tensors at a time. A tensor tied between modules is cut once the last of
+    them is done: with ``init_weights`` each of them initialises it in turn, as
+    ``model.apply(init_weights)`` would; with ``reset_parameters`` the first one's values stay
+    (each module draws its own at construction, and tying by assignment keeps the first's).
+    Initialisation a parent module does in its own constructor after building its children is
+    not replayed: pass ``init_weights`` for it."""
     owners: dict[int, int] = {}
     for sub in module.modules():
         for t in [*sub._parameters.values(), *sub._buffers.values()]:
@@ -177,6 +183,7 @@ def materialise(
                 owners[id(t)] = owners.get(id(t), 0) + 1
     whole: dict[int, torch.Tensor] = {}
     pieces: dict[int, torch.Tensor] = {}
+    initialised: set[int] = set()
     order: list[torch.nn.Module] = []
     module.apply(order.append)
     for sub in order:
@@ -200,8 +207,15 @@ def materialise(
                 )
             table[name] = whole[id(t)]
         with torch.no_grad():
-            init_weights(sub) if init_weights is not None else sub.reset_parameters()
+            if init_weights is not None:
+                init_weights(sub)
+            else:
+                kept = {id(t): whole[id(t)].detach().clone() for _, _, t in own if id(t) in initialised}
+                sub.reset_parameters()
+                for key, value in kept.items():
+                    whole[key].detach().copy_(value)
         for table, name, t in own:
+            initialised.add(id(t))
             table[name] = t
             owners[id(t)] -= 1
             if owners[id(t)] == 0:

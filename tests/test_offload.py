@@ -361,3 +361,12 @@ def test_inductor_recomputes_each_layer_in_its_own_backward(tmp_path):
     (r,) = run_ranks(1, backward_peaks_by_backend, str(tmp_path))
     assert r["recomputed"] > r["eager"] > 0
     assert r["inductor"] <= 1.5 * r["eager"], r
+
+
+def test_the_host_optimizer_refuses_a_grad_scaler_instead_of_stepping_scaled_gradients():
+    model = torch.nn.Linear(4, 4)
+    host = HostOptimizer(list(model.parameters()), {id(model.weight)}, torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler cannot step an optimizer whose state"):
+        scaler.step(host)

@@ -144,6 +144,6 @@ def test_the_mixed_precision_policy_trains_on_a_split_plan_as_one_device_under_i
         assert r["loss_rel"] < 1e-3 and r["grad_rel"] < 5e-2, r
 
 
-def test_a_policy_reducing_in_another_dtype_is_refused():
-    with pytest.raises(ValueError, match="reduce_dtype"):
-        autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+def test_a_policy_of_a_dtype_that_is_no_floating_point_one_is_refused():
+    with pytest.raises(ValueError, match="floating-point"):
+        autopar.MixedPrecision(param_dtype=torch.int8)
