@@ -105,7 +105,7 @@ def _repoint_optimizers(replaced: Mapping[int, torch.Tensor]) -> None:
     """Point every optimizer of the process that holds a replaced parameter (one built before
     the plan was made) at its replacement, before it steps, unscales or clips through its
     parameter groups; refused where it already has state for the old parameter."""
-    for optimizer in [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]:
+    for optimizer in [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]:
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
