@@ -250,19 +250,21 @@ def test_an_optimizer_built_before_the_plan_steps_the_split_parameters():
 # batch sizes and inputs ---------------------------------------------------------------------
 
 
+def _gpt_on_batches_of_eight(count: int):
+    """The GPT example compiled for 2x2 (data parallel on dp, Megatron on tp) with batches of
+    8, ``count`` batches, and a copy of the model for one device."""
+    model, _ = make_model("gpt")
+    reference = copy.deepcopy(model)
+    batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(count)]
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"))
+    pins = pins_for("2d", "gpt", ("dp", "tp"))
+    return autopar.compile(model, mesh, batches[0], hardware=SYNTHETIC, pins=pins), reference, batches
+
+
 def other_batch_sizes() -> dict:
     """A plan made for batches of 8 trains on 8, 4 (a smaller last batch) and 8 again; batches
     of 6 do not divide the split and are refused, as are inputs of the wrong kind."""
-    model, _ = make_model("gpt")
-    reference = copy.deepcopy(model)
-    batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
-    pmodel = autopar.compile(
-        model,
-        autopar.Mesh((2, 2), ("dp", "tp")),
-        batches[0],
-        hardware=SYNTHETIC,
-        pins=pins_for("2d", "gpt", ("dp", "tp")),
-    )
+    pmodel, reference, batches = _gpt_on_batches_of_eight(3)
     cut = [tuple(x[:n] for x in b) for n, b in zip([8, 4, 8], batches)]
     optimizer = make_optimizer("adamw", pmodel.parameters())
     losses = _train(pmodel, list(enumerate(cut)), optimizer, lambda b: _rank_inputs(pmodel, b))
@@ -308,16 +310,7 @@ def test_a_smaller_last_batch_runs_the_same_plan_and_sizes_it_cannot_split_are_r
 def accumulated_steps() -> dict:
     """Each step sums the gradients of two half batches (a loss halved each), on one device and
     on the mesh."""
-    model, _ = make_model("gpt")
-    reference = copy.deepcopy(model)
-    batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(2)]
-    pmodel = autopar.compile(
-        model,
-        autopar.Mesh((2, 2), ("dp", "tp")),
-        batches[0],
-        hardware=SYNTHETIC,
-        pins=pins_for("2d", "gpt", ("dp", "tp")),
-    )
+    pmodel, reference, batches = _gpt_on_batches_of_eight(2)
 
     def train(m, opt, inputs):
         losses = []
