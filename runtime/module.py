@@ -298,6 +298,11 @@ class ParallelModule(torch.nn.Module):
         self._coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
         self._groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
         self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
+        self._inputs = [
+            (n.meta["val"], k.name) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
+        ]
+        """The planned value and name of each input, in call order (dtype, device and dims hold at
+        every size)."""
         self._lowered: dict[tuple, _Lowered] = {}
         self._lower(captured, plan)
         self._shard_state(captured)
@@ -396,11 +401,7 @@ class ParallelModule(torch.nn.Module):
         the planned ones, and the training flags of the modules (eval mode captures another
         graph where dropout or batch norm differ)."""
         _check_tensors(inputs)
-        planned = [
-            (n.meta["val"], k.name)
-            for n, k in zip(self._captured.placeholders, self._captured.inputs)
-            if k.kind == "input"
-        ]
+        planned = self._inputs
         if len(inputs) != len(planned):
             raise TypeError(
                 f"the model was compiled for {len(planned)} inputs ({', '.join(name for _, name in planned)}), "
@@ -504,8 +505,9 @@ class ParallelModule(torch.nn.Module):
         ]
 
     def _local_inputs(self, inputs: tuple) -> list[torch.Tensor]:
-        names = [k.name for k in self._captured.inputs if k.kind == "input"]
-        return [x if self.passes_own_part(name) else self.rank_part(name, x) for x, name in zip(inputs, names)]
+        return [
+            x if self.passes_own_part(name) else self.rank_part(name, x) for x, (_, name) in zip(inputs, self._inputs)
+        ]
 
     def passes_own_part(self, name: str) -> bool:
         """Whether each rank passes only its own part of input ``name`` (its placements were
