@@ -194,7 +194,7 @@ def plan_captured(
         solved = time.perf_counter()
         plan = priced(solution)
         planned = time.perf_counter()
-        live = plan_liveness(captured, plan)
+        live = plan_liveness(captured, plan) if chooses else None
         return (
             plan,
             live,
@@ -206,7 +206,7 @@ def plan_captured(
         result, live, times, _ = _within_budget(lambda b, s: attempt(b, s or start), budget, mesh)
     except SolverTimeoutError as exc:
         result, live, times = _no_plan_in_time(
-            exc, captured, space, mesh, node_costs, costs, activations, priced, budget
+            exc, captured, space, mesh, node_costs, costs, activations, priced, budget, chooses
         )
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(
@@ -216,11 +216,11 @@ def plan_captured(
         ) from None
     if result.solver.status == "FEASIBLE":
         result, live = _no_slower_than_a_layout(
-            result, live, captured, space, mesh, node_costs, costs, activations, priced, budget
+            result, live, captured, space, mesh, node_costs, costs, activations, priced, budget, chooses
         )
     result = dataclasses.replace(
         result,
-        memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes),
+        memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes if live else 0),
         solver=dataclasses.replace(
             result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
         ),
@@ -268,7 +268,16 @@ def _best_layout(
 
 
 def _no_plan_in_time(
-    exc: SolverTimeoutError, captured, space, mesh, node_costs, costs, activations, priced, budget: int | None
+    exc: SolverTimeoutError,
+    captured,
+    space,
+    mesh,
+    node_costs,
+    costs,
+    activations,
+    priced,
+    budget: int | None,
+    measure: bool,
 ):
     """The fastest standard layout that fits, when the search found no plan in its time limit;
     the error when none fits. Returns the plan, its program's liveness and the stage times."""
@@ -282,8 +291,8 @@ def _no_plan_in_time(
         budget,
         SolverInfo("LAYOUT", math.nan, -math.inf, exc.solve_s, exc.num_variables, exc.num_constraints),
     )
-    live = plan_liveness(captured, layout) if layout is not None else None
-    if layout is None or (budget is not None and live.peak_bytes > budget):
+    live = plan_liveness(captured, layout) if layout is not None and measure else None
+    if layout is None or (live is not None and live.peak_bytes > budget):
         raise exc
     log.warning("the solver found no plan within its time limit; returning the %s layout", layout.solver.layout)
     return layout, live, {"solve": exc.solve_s}
@@ -291,7 +300,7 @@ def _no_plan_in_time(
 
 def _no_slower_than_a_layout(
     result: ShardingPlan,
-    live: Liveness,
+    live: Liveness | None,
     captured,
     space,
     mesh,
@@ -300,13 +309,14 @@ def _no_slower_than_a_layout(
     activations,
     priced,
     budget: int | None,
-) -> tuple[ShardingPlan, Liveness]:
+    measure: bool,
+) -> tuple[ShardingPlan, Liveness | None]:
     """``result``, a plan the search stopped at its time limit with, or the fastest standard
     layout that fits when that is predicted faster."""
     layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget, result.solver)
     if layout is None or layout.predicted_step_s >= result.predicted_step_s:
         return result, live
-    layout_live = plan_liveness(captured, layout)
+    layout_live = plan_liveness(captured, layout) if measure else None
     if budget is not None and layout_live.peak_bytes > budget:
         return result, live
     log.warning(
@@ -338,7 +348,8 @@ class _NoPlanUnderBudget(Exception):
 
 def _within_budget(attempt, budget: int | None, mesh: Mesh):
     """``attempt(solver_budget, start) -> (plan, liveness, stage times, solution)`` under the
-    budget by the program's liveness peak. The solver budgets a sum of parts, which a program may exceed: a
+    budget by the program's liveness peak. The solver budgets memory at moments of the step, which a program may exceed
+    where it recomputes (the segments' recomputed values are counted one segment at a time): a
     plan over the budget is solved again with the sum asked for 1.5 times the excess less than
     that plan's sum (or, once asking for less has found no plan at all, for halfway between
     that ask and the last plan over the budget), and once one fits, the solver budget is

@@ -267,7 +267,8 @@ class MemoryTerms:
 
 def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int = ADAM_SLOTS) -> MemoryTerms:
     """Parameters, their gradients and ``optimizer_slots`` optimizer states each (2 for Adam),
-    the forward values the backward reads, and the largest temporary."""
+    the forward values the backward reads with the batch's pieces (the runtime holds them for the
+    step), and the largest temporary."""
     by_name = space.index()
     params, grads, optimizer, activations, temporaries = {}, {}, {}, {}, {}
     saved: dict[str, set[int]] = {}
@@ -283,9 +284,10 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
             if n.kind == "param" and n.args:  # an updated buffer reads its new value, but has no gradient
                 grads[n.name] = sizes
                 optimizer[n.name] = [optimizer_slots * b for b in sizes]
-        if n.name in saved:
+        if n.name in saved or n.kind == "input":  # the batch's pieces are held for the whole step, read or not
+            read = saved.get(n.name, set()) | ({0} if n.kind == "input" else set())
             activations[n.name] = [
-                float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in saved[n.name])) for s in n.strategies
+                float(sum(costs.local_bytes((n.name, i), s.outputs[i]) for i in read)) for s in n.strategies
             ]
         if n.kind == "op":
             temporaries[n.name] = [

@@ -32,14 +32,19 @@ def planned(request):
     return captured, plan_captured(captured, MESH, hardware="h100")
 
 
+SCALARS = 16
+"""Bytes the solver's count leaves out: the loss the forward returns (a scalar, alive from the
+forward's last op to the step's end)."""
+
+
 def test_the_solvers_peak_is_the_programs_liveness_peak(planned):
     """Counted as one sum (every gradient and every activation at once) it was 10-22% above;
     with one op's output for what a phase holds of its own values, up to 4% (GPT, BERT and the
-    MoE now count within 0.1%, the LLaMA 2.5% above)."""
+    MoE now count within 0.1%, the LLaMA 2.5% above). It is never below, but for the loss."""
     captured, plan = planned
     live = plan_liveness(captured, plan).peak_bytes
-    assert plan.memory.moment_bytes == plan.memory.solver_bytes
-    assert abs(plan.memory.solver_bytes - live) <= 0.03 * live, (plan.memory.solver_bytes, live)
+    assert plan.memory.moment_bytes == plan.memory.peak_bytes
+    assert live - SCALARS <= plan.memory.peak_bytes <= 1.03 * live, (plan.memory.peak_bytes, live)
 
 
 def _vocabulary_heavy():
@@ -57,7 +62,7 @@ def test_a_large_vocabularys_loss_is_counted_whole():
     for mesh in (MESH, autopar.Mesh((2, 2), ("dp", "tp"))):
         plan = plan_captured(captured, mesh, hardware="h100")
         live = plan_liveness(captured, plan).peak_bytes
-        assert abs(plan.memory.solver_bytes - live) <= 0.02 * live, (mesh, plan.memory.solver_bytes, live)
+        assert abs(plan.memory.peak_bytes - live) <= 0.02 * live, (mesh, plan.memory.peak_bytes, live)
 
 
 def test_a_split_backward_op_runs_in_the_backward():

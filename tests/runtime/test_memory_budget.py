@@ -20,7 +20,7 @@ from tests.cases import SYNTHETIC, make_optimizer
 from tests.harness import run_ranks
 
 MESH = autopar.Mesh((4,), ("dp",))
-REPLICATED = 0.6  # the budget, as a fraction of what data parallelism (replicated parameters) needs
+REPLICATED = 0.5  # the budget, as a fraction of what data parallelism (replicated parameters) needs
 WITH_HOST = autopar.SyntheticProfile(
     s_per_flop=1e-12, s_per_byte=1e-12, latency_s=1e-6, host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11
 )
