@@ -47,8 +47,12 @@ def plan_table(plan: ShardingPlan) -> str:
         + (f", offload {_time(plan.offload_s)}" if plan.offload_s else "")
         + (f", step overhead {_time(plan.overhead_s)}" if plan.overhead_s else "")
         + f"); peak memory per device {format_bytes(plan.peak_memory_bytes)}"
-        + (" by the per-rank program's liveness" if mem.liveness_peak_bytes else "")
-        + f"; the solver's {format_bytes(mem.solver_bytes)} ("
+        + (
+            f" by the per-rank program's liveness; the solver's {format_bytes(mem.solver_bytes)}"
+            if mem.liveness_peak_bytes
+            else ""
+        )
+        + " ("
         + ("at the step's fullest moment; over the step: " if mem.moment_bytes else "")
         + f"params {format_bytes(mem.params_bytes)}, grads {format_bytes(mem.grads_bytes)}, "
         f"optimizer {format_bytes(mem.optimizer_bytes)}, "
