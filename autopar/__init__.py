@@ -6,8 +6,7 @@ also rewrites the step into one program per rank and runs it on torch.distribute
 """
 
 from autopar.api import compile
-from autopar.cost_model.hardware import A100, CPU, H100, HardwareProfile, Link, SyntheticProfile
-from autopar.errors import (
+from autopar.core.errors import (
     AutoparError,
     CaptureError,
     CollectiveError,
@@ -17,11 +16,12 @@ from autopar.errors import (
     StalePlanError,
     UnsupportedOpError,
 )
-from autopar.explain import annotated_graph
-from autopar.mesh import Mesh
-from autopar.plan import Collective, ShardingPlan
+from autopar.core.explain import annotated_graph
+from autopar.core.mesh import Mesh
+from autopar.core.plan import Collective, ShardingPlan
+from autopar.core.precision import MixedPrecision
+from autopar.cost_model.hardware import A100, CPU, H100, HardwareProfile, Link, SyntheticProfile
 from autopar.planner import plan
-from autopar.precision import MixedPrecision
 
 __all__ = [
     "A100",

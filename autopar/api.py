@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from autopar.core.mesh import Mesh
+from autopar.core.plan import ShardingPlan
+from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile, resolve_profile
-from autopar.mesh import Mesh
-from autopar.plan import ShardingPlan
 from autopar.planner import Pins, check_gap, check_mesh, check_recompute, parse_memory, parse_pins, plan_captured
-from autopar.precision import MixedPrecision
 from autopar.runtime.module import BACKENDS, ParallelModule
 
 
@@ -57,11 +57,11 @@ def compile(
     ``init_weights``: for a model built under ``torch.device("meta")``, a function that
     initialises one module's own parameters and buffers in place (default: each module's
     ``reset_parameters()``); each rank then allocates and keeps only its pieces; and
-    ``mixed_precision``: a :class:`~autopar.precision.MixedPrecision` policy (compute in
+    ``mixed_precision``: a :class:`~autopar.core.precision.MixedPrecision` policy (compute in
     ``param_dtype`` with float32 master parameters and optimizer state); and
     ``timeout``: seconds after which a collective on the mesh that some rank does not join
     fails (default: the process group's, 30 minutes for gloo, 10 for NCCL). On gloo the
-    program's collectives then raise :class:`~autopar.errors.CollectiveError` on every rank that
+    program's collectives then raise :class:`~autopar.core.errors.CollectiveError` on every rank that
     waits; on NCCL, torch's watchdog aborts the waiting processes.
     """
     options = dict(

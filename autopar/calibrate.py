@@ -11,7 +11,7 @@ time, so the figures include the ranks' contention for cores and memory:
 - α and β of each collective over the N ranks (the functional collectives the per-rank graph
   uses), from a least-squares fit of ``t = α + k·B·β`` over message sizes (on the relative
   error, so that small messages weigh as much as large ones), with ``k`` the ring factor of
-  :func:`autopar.passes.redistribute.step_s`. Each collective is timed as a step runs it:
+  :func:`autopar.passes.propagation.redistribute.step_s`. Each collective is timed as a step runs it:
   after the ops that make its input, on every rank. A chain of ``_CHAIN`` pairs of a few
   matmuls and the collective, every rank starting at one barrier, less the same chain's
   matmuls without the collectives. A collective that follows compute takes longer than one
@@ -52,7 +52,7 @@ import time
 import torch
 
 from autopar.cost_model.hardware import HardwareProfile, Link, save_profile
-from autopar.passes.redistribute import COLLECTIVE_KINDS
+from autopar.passes.propagation.redistribute import COLLECTIVE_KINDS
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.step_scales import CalibrationModel, step_scales
 
@@ -256,12 +256,12 @@ def _node_overhead() -> tuple[float, dict]:
     is small beside either."""
     import torch.distributed as dist
 
+    from autopar.core.mesh import Mesh
+    from autopar.core.placement import R
+    from autopar.core.strategy import Strategy
     from autopar.cost_model.op_timing import OpTimer
-    from autopar.mesh import Mesh
-    from autopar.passes.capture import capture
+    from autopar.passes.analysis.capture import capture
     from autopar.passes.rules import tensor_args
-    from autopar.passes.strategy import Strategy
-    from autopar.placement import R
 
     figures = torch.zeros(2 * _NODE_ROUNDS + 1, dtype=torch.float64)
     dist.barrier()
@@ -333,9 +333,9 @@ def _step_overhead() -> tuple[float, float, list]:
 def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
     """``(parameters, seconds)`` that a training step through the runtime's autograd function
     takes beyond the model's forward and backward programs."""
-    from autopar.passes.capture import capture
+    from autopar.passes.analysis.capture import capture
+    from autopar.passes.lower.partition import partition
     from autopar.runtime.module import _Program, _Step
-    from autopar.runtime.partition import partition
 
     x = torch.randn(256, 64)
     captured = capture(model, (x,))

@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 
 def _load_model(spec: str):

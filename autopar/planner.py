@@ -9,28 +9,30 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
+from autopar.core.explain import format_bytes
+from autopar.core.graph import segment_of
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Placement, Placements, parse_placements
+from autopar.core.plan import ShardingPlan, SolverInfo
+from autopar.core.precision import MixedPrecision
 from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import Profile, resolve_profile
-from autopar.cost_model.liveness import Liveness, plan_liveness
-from autopar.errors import InfeasiblePlanError, SolverTimeoutError
-from autopar.explain import format_bytes
-from autopar.mesh import Mesh
-from autopar.passes.buckets import BUCKET_BYTES
-from autopar.passes.capture import Captured, capture, module_paths, segment_of
-from autopar.passes.layers import LayerClasses, repeated_layers
-from autopar.passes.layouts import standard_layouts
-from autopar.passes.planning import build_plan, moment_bytes
-from autopar.passes.propagate import propagate
-from autopar.passes.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
-from autopar.passes.solver import Solution, program_size, solve
-from autopar.placement import Placement, Placements, parse_placements
-from autopar.plan import ShardingPlan, SolverInfo
-from autopar.precision import MixedPrecision
+from autopar.passes.analysis.capture import Captured, capture, module_paths
+from autopar.passes.analysis.liveness import Liveness
+from autopar.passes.lower.liveness import plan_liveness
+from autopar.passes.propagation.buckets import BUCKET_BYTES
+from autopar.passes.propagation.propagate import propagate
+from autopar.passes.solve.layers import LayerClasses, repeated_layers
+from autopar.passes.solve.layouts import standard_layouts
+from autopar.passes.solve.planning import build_plan, moment_bytes
+from autopar.passes.solve.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
+from autopar.passes.solve.solver import Solution, program_size, solve
 
 log = logging.getLogger("autopar")
 
 SHARE_ABOVE = 20_000
-"""Program size (:func:`~autopar.passes.solver.program_size`) from which repeated layers share
+"""Program size (:func:`~autopar.passes.solve.solver.program_size`) from which repeated layers share
 variables by default. Smaller programs solve in seconds without it and keep plans that differ
 from layer to layer (an MLP alternating column and row splits)."""
 
@@ -110,7 +112,7 @@ def plan_captured(
     bucket_bytes: int = BUCKET_BYTES,
 ) -> ShardingPlan:
     """Plan an already captured graph (see :func:`autopar.plan`), with gradients reduced in
-    buckets of ``bucket_bytes`` (:mod:`autopar.passes.buckets`)."""
+    buckets of ``bucket_bytes`` (:mod:`autopar.passes.propagation.buckets`)."""
     check_mesh(mesh)
     check_recompute(recompute)
     check_gap(solver_gap)
@@ -253,7 +255,7 @@ def plan_captured(
 def _best_layout(
     space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None, solver: SolverInfo
 ) -> ShardingPlan | None:
-    """The fastest standard layout (:mod:`autopar.passes.layouts`) whose predicted peak fits
+    """The fastest standard layout (:mod:`autopar.passes.solve.layouts`) whose predicted peak fits
     ``budget``, as a plan of status ``LAYOUT`` carrying the size and time of the search that
     ``solver`` describes; ``None`` when none fits."""
     best = None
@@ -532,7 +534,7 @@ def plan(
         memory_budget: per-device bytes, or a size like ``"40GB"`` / ``"512MiB"``; the plan's
             predicted peak stays under it or planning fails saying what is over and what fits.
         fallback: run ops that have no sharding rule replicated (with a warning) instead of
-            raising :class:`~autopar.errors.UnsupportedOpError`.
+            raising :class:`~autopar.core.errors.UnsupportedOpError`.
         solver_time_limit_s: stop the MIP after this long with the best plan found.
         solver_gap: stop the MIP at a plan proven within this fraction of the fastest
             (0.001 by default; 0.01 finds plans under a tight memory budget much sooner).
@@ -544,7 +546,7 @@ def plan(
             ``"none"`` keeps them all; ``"layers"`` recomputes each layer of a stack from its
             input (activation checkpointing of every block) and chooses the rest as ``"auto"``.
         mixed_precision: compute with parameters and inputs cast to
-            ``mixed_precision.param_dtype`` (:class:`~autopar.precision.MixedPrecision`).
+            ``mixed_precision.param_dtype`` (:class:`~autopar.core.precision.MixedPrecision`).
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):

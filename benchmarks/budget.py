@@ -30,10 +30,11 @@ GIB = 2**30
 
 
 def sweep(name: str, devices: int, time_limit_s: float) -> list[dict]:
-    from autopar.passes.capture import capture, segment_of
+    from autopar.passes.analysis.capture import capture
 
     import autopar
-    from autopar.errors import InfeasiblePlanError
+    from autopar.core.errors import InfeasiblePlanError
+    from autopar.core.graph import segment_of
     from autopar.planner import plan_captured
 
     model, batch = full_size(name, devices)

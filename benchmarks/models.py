@@ -36,7 +36,7 @@ def fallback_ops(captured) -> dict[str, int]:
 def plan_model(name: str, shape: tuple[int, ...], limit_s: float) -> dict:
     import torch
     from autopar.examples.hf import zoo
-    from autopar.passes.capture import capture
+    from autopar.passes.analysis.capture import capture
 
     import autopar
     from autopar.planner import plan_captured

@@ -193,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from autopar.cost_model.hardware import resolve_profile
-    from autopar.passes.capture import capture
+    from autopar.passes.analysis.capture import capture
 
     import autopar
 

@@ -17,13 +17,13 @@ import math
 import torch
 from autopar.cost_model.hardware import Profile
 from autopar.passes.rules import tensor_args
-from autopar.passes.strategy import Strategy
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from autopar.mesh import Mesh
-from autopar.placement import Shard
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Shard
+from autopar.core.strategy import Strategy
 
 aten = torch.ops.aten
 

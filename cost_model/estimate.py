@@ -6,22 +6,22 @@ from dataclasses import dataclass, field
 import torch
 from autopar.cost_model.compute import compute_s, math_format, node_work
 from autopar.cost_model.hardware import Host, Profile, mesh_links
-from autopar.cost_model.liveness import ADAM_SLOTS
 from autopar.cost_model.op_timing import OpTimer
-from autopar.passes.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
-from autopar.passes.capture import Captured
-from autopar.passes.redistribute import Step, local_shape, one_step_moves, step_s, transition
+from autopar.passes.analysis.capture import Captured
+from autopar.passes.analysis.liveness import ADAM_SLOTS
+from autopar.passes.propagation.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
+from autopar.passes.propagation.redistribute import Step, local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
-from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
 
-from autopar.mesh import Mesh
-from autopar.placement import Placements, R
-from autopar.plan import MemoryEstimate
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Placements, R
+from autopar.core.plan import MemoryEstimate
+from autopar.core.strategy import Strategy, StrategySpace, ValueRef
 
 
 class CostModel:
     """Costs of one captured graph on one mesh and hardware profile, with gradients reduced in
-    buckets of ``bucket_bytes`` (:mod:`autopar.passes.buckets`)."""
+    buckets of ``bucket_bytes`` (:mod:`autopar.passes.propagation.buckets`)."""
 
     def __init__(self, captured: Captured, mesh: Mesh, hardware: Profile, *, bucket_bytes: int = BUCKET_BYTES):
         self.mesh = mesh
@@ -139,15 +139,15 @@ class CostModel:
 
     def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
-        bucket (:func:`~autopar.passes.buckets.gradient_chain`) costs its bandwidth terms and local
-        ops here (:func:`~autopar.passes.buckets.piece_s`) and its share of the bucket's fixed
+        bucket (:func:`~autopar.passes.propagation.buckets.gradient_chain`) costs its bandwidth terms and local
+        ops here (:func:`~autopar.passes.propagation.buckets.piece_s`) and its share of the bucket's fixed
         cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
         return self._bucketed(ref, self.steps(ref, src, dst), self.gradient_chain(ref, src, dst))
 
     def gradient_chain(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...] | None:
         """The collectives by which gradient ``ref`` joins a bucket moving from ``src`` to ``dst``
-        (:func:`~autopar.passes.buckets.gradient_chain`), or ``None``."""
+        (:func:`~autopar.passes.propagation.buckets.gradient_chain`), or ``None``."""
         value = self.value(ref)
         return gradient_chain(
             src,
@@ -163,7 +163,7 @@ class CostModel:
     def gather_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter ``ref`` into placements an op reads it in, as :meth:`gradient_s` does
         for gradients: a move that is one all-gather joins the bucket of its layer and phase
-        (:func:`~autopar.passes.buckets.parameter_gathers`) and costs its bandwidth term and local
+        (:func:`~autopar.passes.propagation.buckets.parameter_gathers`) and costs its bandwidth term and local
         ops here, its share of the bucket's fixed cost beside it."""
         steps = self.steps(ref, src, dst)
         return self._bucketed(ref, steps, steps if len(steps) == 1 and steps[0].kind == "all_gather" else None)
@@ -212,7 +212,7 @@ def step_working_set(captured: Captured, mesh: Mesh, optimizer_slots: int = ADAM
 class MemoryTerms:
     """Per-device memory as a function of the chosen strategies, by part: for each part, node
     name → bytes under each of the node's strategies. The solver counts them at each moment of
-    the step (:func:`autopar.passes.memory_program.memory_budget`)."""
+    the step (:func:`autopar.passes.solve.memory_program.memory_budget`)."""
 
     params: dict[str, list[float]]
     grads: dict[str, list[float]]

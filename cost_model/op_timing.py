@@ -6,7 +6,7 @@ host that plans is the device that runs (a profile written by ``autopar calibrat
 ``timed_ops``), the cost model times each op instead, as Alpa and nnScaler profile theirs:
 every distinct ``(op, local argument shapes and dtypes, other arguments)`` a strategy gives runs
 on tensors of those shapes, the way the per-rank program runs it
-(:func:`autopar.passes.rank_ops.local_call`), and the median per call is kept. Integer and
+(:func:`autopar.passes.propagation.rank_ops.local_call`), and the median per call is kept. Integer and
 boolean arguments are zeros (a valid index everywhere), floating ones uniform in [0, 1).
 
 An op whose arguments and outputs overflow a core's L2 cache is timed on copies of its arguments
@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 
 import torch
-from autopar.passes.rank_ops import local_call, piece_of
-from autopar.passes.redistribute import local_shape
+from autopar.passes.propagation.rank_ops import local_call, piece_of
+from autopar.passes.propagation.redistribute import local_shape
 from autopar.passes.rules import tensor_args
-from autopar.passes.strategy import Strategy
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
+from autopar.core.strategy import Strategy
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""Compiler passes: capture, sharding rules, propagation, the solver and the rewriter."""
+"""Compiler passes, in layers that import only downward: ``analysis`` (capture, liveness),
+``rules`` and ``propagation``, then above the cost model ``solve`` and ``lower``."""

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
 
 
 def device_type_of(module: torch.nn.Module) -> str:

@@ -10,15 +10,15 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from autopar.cost_model.liveness import forward_made
-from autopar.passes.capture import Captured, capture
-from autopar.passes.propagate import whole_on_one_rank
-from autopar.passes.rank_ops import graph_collectives
-from autopar.passes.rewrite import check_fits, placeholder_layouts, rewrite, runs_planned_ops
+from autopar.passes.analysis.capture import Captured, capture
+from autopar.passes.analysis.liveness import forward_made
+from autopar.passes.lower.partition import Partitioned, boxed, layer_by_layer, partition
+from autopar.passes.lower.rewrite import check_fits, placeholder_layouts, rewrite, runs_planned_ops
+from autopar.passes.propagation.propagate import whole_on_one_rank
+from autopar.passes.propagation.rank_ops import graph_collectives
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
-from autopar.runtime.offload import OFFLOAD_OPS, HostOptimizer, host_copies_done
-from autopar.runtime.partition import Partitioned, boxed, layer_by_layer, partition
+from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.release import GivenRelease, release_collective_buffers
 from autopar.runtime.state import (
     as_dtensor,
@@ -33,10 +33,11 @@ from autopar.runtime.state import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_unflatten
 
-from autopar.errors import CollectiveError, InputError, StalePlanError
-from autopar.mesh import Mesh
-from autopar.placement import Placements, Shard, format_placement
-from autopar.plan import ShardingPlan
+from autopar.core.errors import CollectiveError, InputError, StalePlanError
+from autopar.core.mesh import Mesh
+from autopar.core.offload_ops import OFFLOAD_OPS, host_copies_done
+from autopar.core.placement import Placements, Shard, format_placement
+from autopar.core.plan import ShardingPlan
 
 log = logging.getLogger("autopar")
 

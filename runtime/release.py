@@ -5,11 +5,11 @@ and output until it has put the finished work down, and that may be after ``wait
 returned. When the thread holds the last reference, the storage is freed some time later, on
 that thread, while the program goes on allocating: a 4-rank run measured peaks up to 10% above
 the program's liveness, on one rank and not on the others. Resizing such a storage to 0 bytes
-right after its last read frees it where liveness (:mod:`autopar.cost_model.liveness`) counts it
+right after its last read frees it where liveness (:mod:`autopar.passes.analysis.liveness`) counts it
 freed, whichever thread lets go of the empty storage last."""
 
 import torch
-from autopar.cost_model.liveness import lifetimes
+from autopar.passes.analysis.liveness import lifetimes
 from torch import fx
 
 
@@ -35,7 +35,7 @@ def release_collective_buffers(gm: fx.GraphModule, given: tuple = (frozenset(), 
     """``gm`` with a :func:`release` after the last read of each storage, made in the graph and
     not returned by it, that a collective reads or writes; and, with ``given = (keys,
     GivenRelease)``, a :class:`GivenRelease` after that of each such storage of its inputs whose
-    liveness key (:func:`autopar.cost_model.liveness.lifetimes`) is in ``keys``."""
+    liveness key (:func:`autopar.passes.analysis.liveness.lifetimes`) is in ``keys``."""
     owned, given_release = given
     life = lifetimes(gm)
     maker: dict = {}

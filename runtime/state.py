@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.placement import Placements, Shard
+from autopar.core.placement import Placements, Shard
 
 _handler_registered = False
 

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 from autopar.cost_model.compute import math_format, node_work
-from autopar.passes.capture import capture
-from autopar.passes.rewrite import rewrite
+from autopar.passes.analysis.capture import capture
+from autopar.passes.lower.rewrite import rewrite
 from torch import nn
 
 import autopar

@@ -6,16 +6,17 @@ import pytest
 import torch
 from autopar.cost_model.estimate import CostModel, memory_terms
 from autopar.cost_model.hardware import resolve_profile
-from autopar.cost_model.liveness import plan_liveness, step_liveness
 from autopar.examples import make_example
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.passes.capture import capture
-from autopar.passes.planning import moment_bytes
-from autopar.passes.propagate import propagate
-from autopar.passes.remat import activation_space
-from autopar.passes.rewrite import rewrite
-from autopar.passes.solver import solve
-from autopar.runtime.partition import boxed, partition
+from autopar.passes.analysis.capture import capture
+from autopar.passes.analysis.liveness import step_liveness
+from autopar.passes.lower.liveness import plan_liveness
+from autopar.passes.lower.partition import boxed, partition
+from autopar.passes.lower.rewrite import rewrite
+from autopar.passes.propagation.propagate import propagate
+from autopar.passes.solve.planning import moment_bytes
+from autopar.passes.solve.remat import activation_space
+from autopar.passes.solve.solver import solve
 from torch import fx
 
 import autopar
@@ -150,7 +151,7 @@ def test_the_boxed_backward_frees_a_saved_value_after_its_last_read():
 @pytest.mark.parametrize("hardware", ["cpu", "h100"])  # without and with a host link (offload, state in host memory)
 def test_the_programs_rows_and_the_plans_count_agree(hardware):
     """The least memory the integer program finds (its peak variable) is what the plan counts
-    for the same choices (:func:`~autopar.passes.planning.moment_bytes`)."""
+    for the same choices (:func:`~autopar.passes.solve.planning.moment_bytes`)."""
     model, batch = make_example("gpt")
     captured = capture(model, batch)
     profile = resolve_profile(hardware)

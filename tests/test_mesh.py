@@ -1,7 +1,7 @@
 import pytest
 
 from autopar import Mesh
-from autopar.placement import P, R, S, format_placements, parse_placements, parse_placements_text
+from autopar.core.placement import P, R, S, format_placements, parse_placements, parse_placements_text
 
 
 def test_mesh_defaults_axis_names_and_counts_devices():

@@ -13,18 +13,18 @@ import re
 
 import pytest
 import torch
-from autopar.cost_model.hardware import Link
-from autopar.cost_model.liveness import plan_liveness
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.passes.capture import capture
-from autopar.passes.rewrite import rewrite
+from autopar.passes.analysis.capture import capture
+from autopar.passes.lower.liveness import plan_liveness
+from autopar.passes.lower.partition import partition
+from autopar.passes.lower.rewrite import rewrite
 from autopar.runtime.offload import HostOptimizer
-from autopar.runtime.partition import partition
 from torch._inductor.utils import run_and_get_code
 
 import autopar
 from autopar import Mesh
-from autopar.explain import format_bytes
+from autopar.core.explain import format_bytes
+from autopar.core.mesh import Link
 from tests.harness import run_ranks
 from tests.runtime.test_memory_budget import _model as _small_gpt
 from tests.runtime.test_memory_budget import _reference

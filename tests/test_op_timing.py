@@ -10,12 +10,12 @@ from autopar.cost_model.estimate import CostModel
 from autopar.cost_model.hardware import CPU
 from autopar.cost_model.op_timing import OpTimer
 from autopar.examples.mlp import MLP
-from autopar.passes.capture import capture
-from autopar.passes.propagate import propagate
-from autopar.passes.strategy import Strategy
+from autopar.passes.analysis.capture import capture
+from autopar.passes.propagation.propagate import propagate
 
 from autopar import Mesh
-from autopar.placement import R, S
+from autopar.core.placement import R, S
+from autopar.core.strategy import Strategy
 
 
 def _mm():

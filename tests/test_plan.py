@@ -96,7 +96,7 @@ def test_a_plan_does_not_depend_on_the_interpreters_hash_seed():
 
 def test_tied_weights_are_one_parameter_whose_gradient_sums_every_use():
     from autopar.examples.gpt import GPT, GPTConfig
-    from autopar.passes.capture import capture
+    from autopar.passes.analysis.capture import capture
 
     torch.manual_seed(0)
     model = GPT(GPTConfig())
@@ -137,7 +137,7 @@ def test_solves_under_a_budget_start_from_the_fastest_plan_that_fit():
 def test_a_retry_under_a_budget_that_runs_out_of_time_keeps_the_plan_that_fit():
     from types import SimpleNamespace
 
-    from autopar.errors import InfeasiblePlanError
+    from autopar.core.errors import InfeasiblePlanError
     from autopar.planner import _within_budget
 
     peaks = iter([120, 90])  # over the budget of 100, then under it

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 from autopar.cost_model.hardware import CPU, HardwareProfile, Link, load_profile, resolve_profile, save_profile
-from autopar.passes.redistribute import Step, step_s
+from autopar.passes.propagation.redistribute import Step, step_s
 
 import autopar
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
 
 
 def _measured() -> HardwareProfile:
@@ -70,7 +70,7 @@ def test_the_step_overhead_per_step_and_parameter_is_part_of_the_predicted_step(
     expected = (1e-3 + 1e-4 * len(list(model.parameters()))) * 2.0
     assert plain.overhead_s == 0 and charged.overhead_s == pytest.approx(expected)
     assert charged.predicted_step_s == pytest.approx(charged.compute_s + charged.communication_s + expected)
-    from autopar.explain import plan_table
+    from autopar.core.explain import plan_table
 
     assert "step overhead" in plan_table(charged) and "step overhead" not in plan_table(plain)
 
@@ -103,10 +103,10 @@ def test_the_collective_scale_lengthens_collectives_only():
     import torch
     from autopar.cost_model.estimate import CostModel
     from autopar.examples.mlp import MLP
-    from autopar.passes.capture import capture
-    from autopar.passes.propagate import propagate
+    from autopar.passes.analysis.capture import capture
+    from autopar.passes.propagation.propagate import propagate
 
-    from autopar.placement import P, R, S
+    from autopar.core.placement import P, R, S
 
     mesh = Mesh((4,), ("dp",))
     captured = capture(MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16)))
@@ -165,8 +165,8 @@ def test_a_matrix_product_runs_at_the_rate_of_its_format(float32_matmul_precisio
 def test_a_float32_model_is_priced_slower_than_in_bfloat16_on_a_gpu(float32_matmul_precision):
     from autopar.examples.mlp import MLP
 
-    from autopar.explain import plan_table
-    from autopar.plan import ShardingPlan
+    from autopar.core.explain import plan_table
+    from autopar.core.plan import ShardingPlan
 
     model, inputs = MLP(1024, 4096), (torch.randn(256, 1024), torch.randn(256, 1024))
     mesh = Mesh((4,), ("dp",))

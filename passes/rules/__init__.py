@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from autopar.passes.strategy import Strategy
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
-from autopar.placement import Placement, Placements, Shard
+from autopar.core.placement import Placement, Placements, Shard
+from autopar.core.strategy import Strategy
 
 Row = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]
 Rule = Callable[[fx.Node], list[Row]]

@@ -13,7 +13,7 @@ import torch
 from autopar.passes.rules import Row, register, register_arg_layout, tensor_args, val
 from torch import fx
 
-from autopar.placement import R, S
+from autopar.core.placement import R, S
 
 aten = torch.ops.aten
 

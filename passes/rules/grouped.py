@@ -6,7 +6,7 @@ is imported)."""
 from autopar.passes.rules import Row, register
 from torch import fx
 
-from autopar.placement import P, R, S
+from autopar.core.placement import P, R, S
 
 GROUPED_MM = "transformers.grouped_mm_fallback.default"
 GROUPED_MM_BACKWARD = "transformers.grouped_mm_fallback_backward.default"

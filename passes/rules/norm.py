@@ -9,7 +9,7 @@ import torch
 from autopar.passes.rules import Row, Split, register, register_split, tensor_args, val
 from torch import fx
 
-from autopar.placement import P, R, S
+from autopar.core.placement import P, R, S
 
 aten = torch.ops.aten
 

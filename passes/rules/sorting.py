@@ -4,7 +4,7 @@ import torch
 from autopar.passes.rules import Row, register, val
 from torch import fx
 
-from autopar.placement import R, S
+from autopar.core.placement import R, S
 
 aten = torch.ops.aten
 

@@ -12,14 +12,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from autopar.passes.propagate import placement_problem
-from autopar.passes.rank_ops import local_call, piece_of
+from autopar.passes.propagation.propagate import placement_problem
+from autopar.passes.propagation.rank_ops import local_call, piece_of
 from autopar.passes.rules import split_op, tensor_args
-from autopar.passes.strategy import Strategy
 from torch import fx
 
-from autopar.mesh import Mesh
-from autopar.placement import Partial, Replicate, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Partial, Replicate, Shard
+from autopar.core.strategy import Strategy
 
 MESH = Mesh((2,))
 

@@ -11,17 +11,17 @@ import torch
 from autopar.cost_model.estimate import CostModel
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
-from autopar.passes.buckets import BucketShare, gradient_buckets
-from autopar.passes.capture import capture
-from autopar.passes.rank_ops import graph_collectives
-from autopar.passes.redistribute import Step, step_s
-from autopar.passes.rewrite import rewrite
+from autopar.passes.analysis.capture import capture
+from autopar.passes.lower.rewrite import rewrite
+from autopar.passes.propagation.buckets import BucketShare, gradient_buckets
+from autopar.passes.propagation.rank_ops import graph_collectives
+from autopar.passes.propagation.redistribute import Step, step_s
 from autopar.runtime.launch import device_mesh
 
 import autopar
 from autopar import planner
-from autopar.explain import format_bytes
-from autopar.placement import P, R, S
+from autopar.core.explain import format_bytes
+from autopar.core.placement import P, R, S
 from autopar.planner import plan_captured
 from tests.conftest import FLOP_EQ_BYTE
 from tests.harness import run_ranks
@@ -370,8 +370,8 @@ def test_gathers_and_scatters_along_other_dims_price_their_chunks_and_copy():
 
 @pytest.mark.parametrize(("shares", "expected"), [((0.25, 0.5), 0.75), ((0.75, 1.0), 1.0), ((), 0.0)])
 def test_the_solver_holds_a_bucket_in_flight_as_the_bucketed_gradients_up_to_one_full_bucket(shares, expected):
-    from autopar.passes.memory_program import in_flight_bucket
-    from autopar.passes.mip import MEMORY_SCALE
+    from autopar.passes.solve.memory_program import in_flight_bucket
+    from autopar.passes.solve.mip import MEMORY_SCALE
     from ortools.linear_solver import pywraplp
 
     solver = pywraplp.Solver.CreateSolver("HIGHS")

@@ -10,7 +10,7 @@ import torch
 from autopar.examples.convnet import ConvNet
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.mlp import MLP
-from autopar.passes.capture import OutputKind, capture
+from autopar.passes.analysis.capture import OutputKind, capture
 from torch import nn
 
 import autopar

@@ -7,12 +7,12 @@ where a CUDA device is present (the CPU build has none).
 
 import pytest
 import torch
-from autopar.passes.propagate import _op_strategies
+from autopar.passes.propagation.propagate import _op_strategies
 from autopar.passes.rules import arg_layout, rule_for
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.mesh import Mesh
-from autopar.placement import R, S
+from autopar.core.mesh import Mesh
+from autopar.core.placement import R, S
 from tests.passes.rule_check import Recorder, check_row
 
 aten = torch.ops.aten

@@ -2,16 +2,16 @@
 
 import pytest
 import torch
-from autopar.cost_model.hardware import Link
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
-from autopar.passes.capture import capture
-from autopar.passes.redistribute import transition
+from autopar.passes.analysis.capture import capture
+from autopar.passes.propagation.redistribute import transition
 
 import autopar
 from autopar import Mesh
-from autopar.placement import R, Shard
+from autopar.core.mesh import Link
+from autopar.core.placement import R, Shard
 from autopar.planner import plan_captured
 from tests.conftest import FLOP_EQ_BYTE
 

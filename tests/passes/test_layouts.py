@@ -4,12 +4,12 @@ import torch
 from autopar.cost_model.estimate import CostModel
 from autopar.cost_model.hardware import resolve_profile
 from autopar.examples.mlp import MLP
-from autopar.passes.capture import capture
-from autopar.passes.layouts import standard_layouts
-from autopar.passes.propagate import propagate
+from autopar.passes.analysis.capture import capture
+from autopar.passes.propagation.propagate import propagate
+from autopar.passes.solve.layouts import standard_layouts
 
 from autopar import Mesh
-from autopar.placement import R, Shard
+from autopar.core.placement import R, Shard
 
 
 def _layouts(mesh: Mesh):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from autopar.examples import make_example
-from autopar.passes.capture import capture
-from autopar.passes.propagate import _op_signature, _op_strategies, propagate
+from autopar.passes.analysis.capture import capture
+from autopar.passes.propagation.propagate import _op_signature, _op_strategies, propagate
 
 from autopar import Mesh
 

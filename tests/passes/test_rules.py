@@ -21,14 +21,14 @@ from autopar.examples.gpt import GPT, GPTConfig
 from autopar.examples.llama import Llama, LlamaConfig
 from autopar.examples.mlp import MLP
 from autopar.examples.moe import MoEConfig, MoEGPT
-from autopar.passes.capture import capture
-from autopar.passes.rank_ops import local_call_args
+from autopar.passes.analysis.capture import capture
+from autopar.passes.propagation.rank_ops import local_call_args
 from autopar.passes.rules import registered_ops, rule_for
-from autopar.passes.strategy import Strategy
 from torch import nn
 from torch.nn import functional as F
 
-from autopar.placement import P, R, S
+from autopar.core.placement import P, R, S
+from autopar.core.strategy import Strategy
 from tests.passes.opdb_samples import validate_op_db
 from tests.passes.rule_check import MESH, Recorder, check_row
 

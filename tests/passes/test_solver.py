@@ -4,10 +4,10 @@ import itertools
 import random
 
 import pytest
-from autopar.passes.solver import solve
-from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace
+from autopar.passes.solve.solver import solve
 
-from autopar.placement import R, S
+from autopar.core.placement import R, S
+from autopar.core.strategy import NodeSpace, Strategy, StrategySpace
 
 LAYOUTS = [(R,), (S(0),), (S(1),)]
 
@@ -146,7 +146,7 @@ def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_ha
 def test_a_search_under_a_budget_gives_up_only_while_it_has_no_plan():
     from types import SimpleNamespace
 
-    from autopar.passes.highs_child import _give_up_without_solution
+    from autopar.passes.solve.highs_child import _give_up_without_solution
 
     def event(running_time, primal_bound):
         data_in = SimpleNamespace(user_interrupt=False)
@@ -192,7 +192,7 @@ def _program_relaxed_whole():
 
 
 def test_a_dive_keeps_the_strategies_the_relaxation_picks_and_searches_the_rest():
-    from autopar.passes.highs_child import dive, program
+    from autopar.passes.solve.highs_child import dive, program
     from ortools.linear_solver import linear_solver_pb2
 
     solver, strategies = _program_relaxed_whole()
@@ -208,7 +208,7 @@ def test_a_dive_keeps_the_strategies_the_relaxation_picks_and_searches_the_rest(
 
 
 def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_dive_finds_nothing():
-    from autopar.passes.mip import solve_before_deadline
+    from autopar.passes.solve.mip import solve_before_deadline
     from ortools.linear_solver import pywraplp
 
     params = pywraplp.MPSolverParameters()
@@ -225,7 +225,7 @@ def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_
 @pytest.mark.parametrize("seed", range(3))
 def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch):
     from autopar.passes import solver as solver_module
-    from autopar.passes.highs_child import dive, program
+    from autopar.passes.solve.highs_child import dive, program
     from ortools.linear_solver import linear_solver_pb2
 
     space, costs, transition = _random_space(40, seed, chain=False)
@@ -255,7 +255,7 @@ def test_a_search_given_no_time_returns_the_fastest_standard_layout_and_says_so(
     import autopar
 
     # HiGHS past its deadline with no plan
-    monkeypatch.setattr("autopar.passes.solver.solve_before_deadline", lambda *args, **kwargs: None)
+    monkeypatch.setattr("autopar.passes.solve.solver.solve_before_deadline", lambda *args, **kwargs: None)
     torch.manual_seed(0)
     plan = autopar.plan(
         MLP(16, 32), autopar.Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)), hardware="h100"

@@ -12,10 +12,10 @@ import threading
 
 import pytest
 import torch
-from autopar.cost_model.hardware import Link
 from autopar.examples.gpt import GPT, GPTConfig
 
 import autopar
+from autopar.core.mesh import Link
 from tests.cases import SYNTHETIC, make_optimizer
 from tests.harness import run_ranks
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.passes.capture import capture
+from autopar.passes.analysis.capture import capture
 
 import autopar
 from tests.conftest import FLOP_EQ_BYTE

@@ -1,4 +1,4 @@
-"""The logical device mesh that a plan is made for."""
+"""The logical device mesh that a plan is made for, and the α-β link of a mesh axis."""
 
 import math
 from dataclasses import dataclass
@@ -51,3 +51,49 @@ class Mesh:
 
     def __str__(self) -> str:
         return "Mesh(" + " x ".join(f"{name}={n}" for name, n in zip(self.axis_names, self.shape)) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """An α-β link: a collective moving ``n`` bytes per rank costs about ``latency_s + n * s_per_byte``."""
+
+    latency_s: float
+    """α, the fixed cost of one collective call."""
+    s_per_byte: float
+    """β, the inverse of the bandwidth."""
+    per_kind: tuple[tuple[str, float, float], ...] = ()
+    """Measured ``(collective kind, α, β)`` that replace the two above for that kind (a
+    calibrated profile has one per collective)."""
+    local_op_s: float = 0.0
+    """Time of one local op that the per-rank program runs around a collective on this link
+    (packing a bucket, putting gathered pieces side by side); :func:`mesh_links` sets it from
+    the device's profile."""
+    local_s_per_byte: float = 0.0
+    """Seconds per byte such an op copies (read and written once each)."""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Link":
+        """The inverse of ``dataclasses.asdict``, as plans and profile files store links."""
+        return cls(
+            data["latency_s"],
+            data["s_per_byte"],
+            tuple(tuple(k) for k in data["per_kind"]),
+            data.get("local_op_s", 0.0),
+            data.get("local_s_per_byte", 0.0),
+        )
+
+    def scaled(self, factor: float) -> "Link":
+        """This link with every time ``factor`` times longer."""
+        return Link(
+            self.latency_s * factor,
+            self.s_per_byte * factor,
+            tuple((kind, alpha * factor, beta * factor) for kind, alpha, beta in self.per_kind),
+            self.local_op_s * factor,
+            self.local_s_per_byte * factor,
+        )
+
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        for name, alpha, beta in self.per_kind:
+            if name == kind:
+                return alpha, beta
+        return self.latency_s, self.s_per_byte

@@ -11,15 +11,15 @@ import logging
 import math
 
 import torch
-from autopar.passes.capture import Captured, captured_backward
-from autopar.passes.redistribute import valid_layouts
+from autopar.passes.analysis.capture import Captured, captured_backward
+from autopar.passes.propagation.redistribute import valid_layouts
 from autopar.passes.rules import rule_for, tensor_args
-from autopar.passes.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 from torch import fx
 
-from autopar.errors import InfeasiblePlanError, UnsupportedOpError
-from autopar.mesh import Mesh
-from autopar.placement import Partial, Placements, R, Shard, format_placements
+from autopar.core.errors import InfeasiblePlanError, UnsupportedOpError
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Partial, Placements, R, Shard, format_placements
+from autopar.core.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ tensor and target layout, however many consumers share it::
 
 The memory budget, the keep, recompute or offload choice of every forward op and the choice of
 keeping parameters and optimizer state in host memory add constraints of their own
-(:mod:`autopar.passes.memory_program` and :mod:`autopar.passes.memory_choices`, whose docstrings
+(:mod:`autopar.passes.solve.memory_program` and :mod:`autopar.passes.solve.memory_choices`, whose docstrings
 write them out).
 
 ``x_n,k`` chooses strategy ``k`` of node ``n`` with compute cost ``c_n,k``. For every tensor
@@ -25,7 +25,7 @@ for the backward's: the backward makes its own moves). Grouping strategies by la
 variables per tensor to the distinct layouts instead of the strategies.
 
 How a tensor's layouts are tied between its producer and its readers, and the rows of gradient
-and parameter buckets, are in :mod:`autopar.passes.transport`.
+and parameter buckets, are in :mod:`autopar.passes.solve.transport`.
 
 Three reductions keep the program small without changing its optimum. A tensor with one reader
 needs no ``y``: its transport carries the cost, or, when fewer, it moves as a unit of flow over
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.passes.memory_choices import host_capacity, host_state, keep_recompute_or_offload
-from autopar.passes.memory_program import in_flight_bucket, memory_budget, priced_memory
-from autopar.passes.mip import (
+from autopar.passes.solve.memory_choices import host_capacity, host_state, keep_recompute_or_offload
+from autopar.passes.solve.memory_program import in_flight_bucket, memory_budget, priced_memory
+from autopar.passes.solve.mip import (
     BUDGET_HEURISTIC_ABOVE,
     BUDGET_HEURISTIC_EFFORT,
     DEFAULT_HEURISTIC_EFFORT,
@@ -56,9 +56,8 @@ from autopar.passes.mip import (
     SCALE,
     solve_before_deadline,
 )
-from autopar.passes.remat import ActivationSpace, backward_view_reads
-from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
-from autopar.passes.transport import (
+from autopar.passes.solve.remat import ActivationSpace, backward_view_reads
+from autopar.passes.solve.transport import (
     GradientCost,
     OneStepMoves,
     TransitionCost,
@@ -72,8 +71,9 @@ from autopar.passes.transport import (
 )
 from ortools.linear_solver import pywraplp
 
-from autopar.errors import InfeasiblePlanError, SolverTimeoutError
-from autopar.plan import SolverInfo
+from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
+from autopar.core.plan import SolverInfo
+from autopar.core.strategy import NodeSpace, StrategySpace, ValueRef
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,13 @@ def solve(
     are moved one by one. ``gather_s`` likewise prices moving a parameter for the ops that read
     it (:meth:`~autopar.cost_model.estimate.CostModel.gather_s`): the moves that are one
     all-gather join the buckets of their phase and of the layer of their readers, ``segments``
-    giving each node's layer (:func:`~autopar.passes.capture.segment_of`).
+    giving each node's layer (:func:`~autopar.passes.analysis.capture.segment_of`).
 
     ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
     given, a tensor with one reader moves along them
-    (:func:`~autopar.passes.transport.layout_flow`), which takes fewer variables than all pairs
+    (:func:`~autopar.passes.solve.transport.layout_flow`), which takes fewer variables than all pairs
     of layouts on N-D meshes. ``transition_s`` must then be the
-    cheapest path over these moves, as :func:`autopar.passes.redistribute.transition` is.
+    cheapest path over these moves, as :func:`autopar.passes.propagation.redistribute.transition` is.
 
     ``activations`` makes the views of parameters the backward reads again in the backward
     (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
@@ -142,23 +142,23 @@ def solve(
     memory of activations (with ``choose_recompute``), of optimizer state and of parameters.
 
     ``shared`` maps nodes of repeated layers to their counterpart in the representative layer
-    of their class (:func:`autopar.passes.layers.repeated_layers`): they take its choice instead of their own
+    of their class (:func:`autopar.passes.solve.layers.repeated_layers`): they take its choice instead of their own
     variables, and the costs of every copy add up on the shared variables.
 
     With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
-    (:func:`~autopar.passes.memory_program.memory_budget`), with the packed copy of a gradient
+    (:func:`~autopar.passes.solve.memory_program.memory_budget`), with the packed copy of a gradient
     bucket of ``bucket_bytes`` in flight beside the backward counted when given
-    (:func:`~autopar.passes.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
+    (:func:`~autopar.passes.solve.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
     the plan with the least memory instead of the fastest. The search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
     (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
     ``start`` (in large programs from a dive on the strategy choices,
-    :func:`~autopar.passes.highs_child.dive`, and with half of HiGHS's effort on finding plans,
+    :func:`~autopar.passes.solve.highs_child.dive`, and with half of HiGHS's effort on finding plans,
     ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it has found a plan that
     fits; if it has found
     none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
     rest of the time, and if that finds none either,
-    :func:`~autopar.passes.memory_program.priced_memory` looks instead. (A start can lead HiGHS
+    :func:`~autopar.passes.solve.memory_program.priced_memory` looks instead. (A start can lead HiGHS
     away from the optimum, so it is used only where the search alone finds nothing.)
     Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
 

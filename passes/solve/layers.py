@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.cost_model.estimate import MemoryTerms
-from autopar.passes.capture import Captured, module_paths
-from autopar.passes.strategy import NodeSpace, StrategySpace
+from autopar.passes.analysis.capture import Captured, module_paths
+
+from autopar.core.strategy import NodeSpace, StrategySpace
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 

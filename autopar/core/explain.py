@@ -2,8 +2,8 @@
 
 from collections import Counter
 
-from autopar.passes.capture import segment_of
-from autopar.plan import ShardingPlan
+from autopar.core.graph import segment_of
+from autopar.core.plan import ShardingPlan
 
 # Ops worth a row in the table: the ones that carry the FLOPs.
 _HEAVY = ("mm", "addmm", "bmm", "embedding", "scaled_dot_product", "convolution", "layer_norm")

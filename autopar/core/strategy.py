@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopar.placement import Placements
+from autopar.core.placement import Placements
 
 ValueRef = tuple[str, int]
 """A tensor of the graph: (name of the node producing it, index among that node's outputs)."""

@@ -3,7 +3,7 @@
 :class:`Rank` emits the functional collectives (``torch.ops._c10d_functional``) and the local
 ops around them that move a tensor between placements on one rank, and packs gradient and
 parameter buckets, while ``make_fx`` traces the rewriter's interpretation
-(:mod:`autopar.passes.rewrite`). :func:`local_call` runs one op of the joint graph on a rank's
+(:mod:`autopar.passes.lower.rewrite`). :func:`local_call` runs one op of the joint graph on a rank's
 local pieces, as the rewriter does and as :mod:`autopar.cost_model.op_timing` times it, and
 :func:`graph_collectives` reads the collectives back from a traced per-rank graph.
 """
@@ -11,16 +11,15 @@ local pieces, as the rewriter does and as :mod:`autopar.cost_model.op_timing` ti
 from collections.abc import Callable, Sequence
 
 import torch
-from autopar.cost_model.hardware import Link
-from autopar.passes.redistribute import Step, local_shape, transition
+from autopar.passes.propagation.redistribute import Step, local_shape, transition
 from autopar.passes.rules import Split, arg_layout, shape_arg, split_op
-from autopar.passes.strategy import Strategy
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.errors import RewriteError
-from autopar.mesh import Mesh
-from autopar.placement import Placements
+from autopar.core.errors import RewriteError
+from autopar.core.mesh import Link, Mesh
+from autopar.core.placement import Placements
+from autopar.core.strategy import Strategy
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -160,7 +159,7 @@ _GRAPH_COLLECTIVES = {
 
 def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tuple[str, int, int]]:
     """``(kind, mesh axis, bytes per rank)`` of every collective in a per-rank graph, read from
-    the graph itself, with bytes counted as :class:`~autopar.passes.redistribute.Step` does."""
+    the graph itself, with bytes counted as :class:`~autopar.passes.propagation.redistribute.Step` does."""
     axis_of = {name: axis for axis, name in enumerate(group_names)}
     found = []
     for node in gm.graph.nodes:

@@ -17,10 +17,9 @@ cannot see: the search finds them.
 import math
 from collections.abc import Callable, Iterator
 
-from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
-
-from autopar.mesh import Mesh
-from autopar.placement import Placements, Replicate, Shard
+from autopar.core.mesh import Mesh
+from autopar.core.placement import Placements, Replicate, Shard
+from autopar.core.strategy import NodeSpace, StrategySpace, ValueRef
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 

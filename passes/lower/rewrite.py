@@ -2,7 +2,7 @@
 
 The rewriter interprets the captured joint graph on the rank's local pieces, following the plan:
 before each op it moves every argument into the placements the op's strategy needs
-(:func:`autopar.passes.redistribute.transition`), then runs the op on local tensors with shape
+(:func:`autopar.passes.propagation.redistribute.transition`), then runs the op on local tensors with shape
 arguments made local. ``make_fx`` traces that interpretation on fake tensors into a plain aten
 graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can compile it.
 
@@ -14,7 +14,7 @@ embedding or cross-entropy) runs as its :class:`~autopar.passes.rules.SplitOp` s
 offset of the rank's piece and all-reduces over the axes that split the dim. Ops the plan
 recomputes run again when a backward op first reads them, on their kept operands (or operands
 recomputed the same way). The outputs of ops the plan offloads are copied to host memory as soon
-as they are made (``autopar::offload``, :mod:`autopar.runtime.offload`) and copied back
+as they are made (``autopar::offload``, :mod:`autopar.core.offload_ops`) and copied back
 (``autopar::reload``) when a backward op or a recomputation first reads them; those of the
 segments the plan prefetches are copied back one segment ahead instead, when the backward
 starts the segment whose backward runs before theirs (its first backward op), so that the
@@ -23,14 +23,15 @@ copies run beside that segment's backward. The first read waits for the copy
 keeps in host memory come in as host tensors, are copied to the device when the forward first
 reads them and again when the backward does, and their gradients go out to the host (below). Backward moves,
 recomputations and reloads, and the ops of the captured backward
-(:func:`~autopar.passes.capture.captured_backward`), carry ``IN_BACKWARD`` in
+(:func:`~autopar.passes.analysis.capture.captured_backward`), carry ``IN_BACKWARD`` in
 ``node.meta["custom"]``, so that the partitioner puts them in the backward.
 
 The parameters a layer reads whole where they are split along one mesh axis are gathered
 together, one all-gather per layer and phase, when the layer first reads one of them
-(:func:`~autopar.passes.buckets.parameter_gathers`). Each parameter's gradient moves into the parameter's placements;
-the moves that are one all-reduce or reduce-scatter (or all-reduces over several mesh axes) run
-in buckets, one collective per bucket and mesh axis (:mod:`autopar.passes.buckets`), each
+(:func:`~autopar.passes.propagation.buckets.parameter_gathers`). Each parameter's gradient moves
+into the parameter's placements; the moves that are one all-reduce or reduce-scatter (or
+all-reduces over several mesh axes) run in buckets, one collective per bucket and mesh axis
+(:mod:`autopar.passes.propagation.buckets`), each
 launched as soon as the backward has made all of its gradients and waited for when the next
 bucket is launched (or at the backward's end), so that it runs beside the backward; the others
 move one by one as soon as the backward has made the gradient, so that a split parameter's
@@ -43,21 +44,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx.traceback as fx_traceback
-from autopar.passes.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
-from autopar.passes.capture import Captured, backward_segment_starts, captured_backward, module_paths, segment_of
-from autopar.passes.propagate import placement_problem, propagate
-from autopar.passes.rank_ops import Rank, local_call
-from autopar.passes.redistribute import Step, local_shape
+from autopar.passes.analysis.capture import Captured, backward_segment_starts, captured_backward, module_paths
+from autopar.passes.propagation.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
+from autopar.passes.propagation.propagate import placement_problem, propagate
+from autopar.passes.propagation.rank_ops import Rank, local_call
+from autopar.passes.propagation.redistribute import Step, local_shape
 from autopar.passes.rules import tensor_args
-from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
-from autopar.runtime.offload import offload, reload, reload_wait
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.errors import InputError, RewriteError
-from autopar.placement import Placements, R, format_placements, parse_placement, parse_placements_text
-from autopar.plan import ShardingPlan
+from autopar.core.errors import InputError, RewriteError
+from autopar.core.graph import segment_of
+from autopar.core.offload_ops import offload, reload, reload_wait
+from autopar.core.placement import Placements, R, format_placements, parse_placement, parse_placements_text
+from autopar.core.plan import ShardingPlan
+from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
 
 IN_BACKWARD = {"autopar": "backward"}
 """The ``node.meta["custom"]`` of per-rank nodes that run in the backward: the backward's ops,
@@ -411,7 +413,7 @@ def _prefetches(
 ) -> dict[str, list[ValueRef]]:
     """Per backward op, the ``offloaded`` values of the ``prefetched`` segments to start copying
     back before it runs: a segment's values when the backward starts the segment it reaches
-    just before (``starts``: :func:`~autopar.passes.capture.backward_segment_starts`). A value
+    just before (``starts``: :func:`~autopar.passes.analysis.capture.backward_segment_starts`). A value
     the backward reads before that is copied back at its first read."""
     order = list(starts)
     at: dict[str, list[ValueRef]] = {}
@@ -432,7 +434,7 @@ def _gradient_buckets(
 ) -> tuple[list, list[Step], list[Bucket]]:
     """The gradient moves that go into buckets, in parameter order: each move's key
     ``(in backward, gradient, parameter's placements)`` and first collective step, and the
-    buckets (:func:`~autopar.passes.buckets.gradient_buckets`, as the plan lists them). A move
+    buckets (:func:`~autopar.passes.propagation.buckets.gradient_buckets`, as the plan lists them). A move
     that an op makes for itself (``fetched``, a key of the same form) is left to that op. The
     rewriter makes each bucket's collectives as soon as the backward has made all of its
     gradients."""

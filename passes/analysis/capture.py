@@ -25,7 +25,6 @@ import inspect
 import logging
 import math
 import operator
-import re
 import time
 from dataclasses import dataclass
 
@@ -45,7 +44,8 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError
+from autopar.core.errors import CaptureError
+from autopar.core.graph import segment_of
 
 log = logging.getLogger(__name__)
 
@@ -365,20 +365,6 @@ def module_paths(captured: Captured) -> dict[str, str]:
         if node.meta.get("seq_nr") in by_seq:
             paths[node.name] = by_seq[node.meta["seq_nr"]]
     return paths
-
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def segment_of(module: str) -> str:
-    """The segment of an op from its module path: its layer (``blocks.3``) when it is inside a
-    stack, else its top-level module."""
-    match = _LAYER.match(module)
-    return match.group(1) if match else module.split(".")[0]
-
-
-def is_layer(segment: str) -> bool:
-    return bool(_LAYER.match(segment))
 
 
 def backward_segment_starts(captured: Captured, paths: dict[str, str]) -> dict[str, str]:

@@ -5,8 +5,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from autopar.cost_model.hardware import Link
-from autopar.mesh import Mesh
+from autopar.core.mesh import Link, Mesh
 
 FORMAT_VERSION = 8
 
@@ -78,12 +77,12 @@ class SolverInfo:
     shared_nodes: int = 0
     """Nodes of repeated layers that took the choice of the first layer of their class."""
     layer_classes: int = 0
-    """Classes of two or more identical layers (:mod:`autopar.passes.layers`)."""
+    """Classes of two or more identical layers (:mod:`autopar.passes.solve.layers`)."""
     shared_layers: int = 0
     """Layers that took the choice of the first layer of their class."""
     layout: str = ""
     """With status ``LAYOUT``: the standard layout returned (``data parallel``, ``fully
-    sharded``, ``sharded over <axis>``, :mod:`autopar.passes.layouts`), predicted faster than
+    sharded``, ``sharded over <axis>``, :mod:`autopar.passes.solve.layouts`), predicted faster than
     any plan the search found in its time limit, or the search found none."""
 
 
@@ -110,7 +109,7 @@ class MemoryEstimate:
     which ``host_bytes`` stays within."""
     liveness_peak_bytes: int = 0
     """The peak of the per-rank program itself, every tensor alive from the op making it to its
-    last reader (:mod:`autopar.cost_model.liveness`), measured for plans that recompute (under a
+    last reader (:mod:`autopar.passes.analysis.liveness`), measured for plans that recompute (under a
     memory budget, or with ``recompute="layers"``): the solver counts a segment's recomputed
     values one segment at a time, which the program can exceed. 0 when not measured: without
     recomputation the solver's count is within a few percent of the program's peak, never
@@ -120,7 +119,7 @@ class MemoryEstimate:
     the backward."""
     moment_bytes: int = 0
     """What is alive at the fullest moment of the training step, as the solver counts it
-    (:func:`autopar.passes.planning.moment_bytes`): at the start of a segment's backward,
+    (:func:`autopar.passes.solve.planning.moment_bytes`): at the start of a segment's backward,
     parameters, optimizer state, the gradients made by then, the activations not yet read for
     the last time, and the values the segment recomputes or reloads, with the most its backward
     holds beyond that while one of its ops runs and the gradient bucket in flight; in the
@@ -168,7 +167,7 @@ class ShardingPlan:
     nodes: tuple[NodePlan, ...]
     collectives: tuple[Collective, ...]
     bucket_bytes: int
-    """Capacity of a gradient bucket (:mod:`autopar.passes.buckets`): the rewriter packs the
+    """Capacity of a gradient bucket (:mod:`autopar.passes.propagation.buckets`): the rewriter packs the
     gradients into buckets as the plan's collectives list them."""
     compute_s: float
     communication_s: float
@@ -204,7 +203,7 @@ class ShardingPlan:
     ahead, while the backward of the segment after them runs; the others' are copied back when
     the backward first reads them."""
     graph_lines: tuple[str, ...] = ()
-    """One line per node of the captured graph (:func:`autopar.passes.capture.graph_lines`): a
+    """One line per node of the captured graph (:func:`autopar.passes.analysis.capture.graph_lines`): a
     plan refused as stale names the first line that differs."""
 
     def __post_init__(self) -> None:
@@ -329,6 +328,6 @@ class ShardingPlan:
         return hash(self._decisions())
 
     def __str__(self) -> str:
-        from autopar.explain import plan_table
+        from autopar.core.explain import plan_table
 
         return plan_table(self)

@@ -6,7 +6,7 @@ plan exists: this module walks its forward and backward graphs (traced on fake t
 runtime runs them, a tensor alive from the op that makes it to the last op that reads it or
 any view of it (a collective's input until the collective is waited for), a tensor the forward
 saves until the last op of the backward that reads it (the runtime's backward frees them as it
-goes, :func:`autopar.runtime.partition.boxed`), gradients until the optimizer has stepped.
+goes, :func:`autopar.passes.lower.partition.boxed`), gradients until the optimizer has stepped.
 Storages are counted once however many views look into them; copies offloaded to host memory
 are not device memory, nor is optimizer state stepped on the host.
 """
@@ -14,9 +14,10 @@ are not device memory, nor is optimizer state stepped on the host.
 from dataclasses import dataclass
 
 import torch
-from autopar.runtime.offload import OFFLOAD_OPS
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.core.offload_ops import OFFLOAD_OPS
 
 _ALIASES = {torch.ops._c10d_functional.wait_tensor.default}
 """Ops whose result is their input (a collective's result is the buffer it was launched into)."""
@@ -48,7 +49,7 @@ def step_liveness(
     host_inputs: list[bool] | None = None,
 ) -> Liveness:
     """The peaks of one step of a partitioned per-rank program (see
-    :func:`autopar.runtime.partition.partition`). ``kinds`` says what each input of the forward
+    :func:`autopar.passes.lower.partition.partition`). ``kinds`` says what each input of the forward
     graph is: ``"param"``, ``"buffer"`` or ``"input"`` (a piece of the batch, alive for the
     step). Each parameter has ``optimizer_slots`` optimizer states (2 for Adam), alive
     throughout, unless ``on_host`` marks it stepped on the host; the optimizer step itself
@@ -167,26 +168,3 @@ def forward_made(forward: fx.GraphModule) -> frozenset:
     """The storage keys of the forward's results that it makes itself (its saved activations,
     not its inputs or views of them): the backward, given them, may free them."""
     return frozenset(_run(forward)[1])
-
-
-def plan_liveness(captured, plan) -> Liveness:
-    """The liveness peaks of the program ``plan`` gives the first rank of its mesh, traced on
-    fake tensors (no devices or process group needed)."""
-    from autopar.passes.rewrite import rewrite
-    from autopar.runtime.partition import partition
-
-    mesh = plan.mesh
-    joint = rewrite(captured, plan, coordinate=(0,) * mesh.ndim, group_names=[f"planning-{a}" for a in mesh.axis_names])
-    parts = partition(
-        joint,
-        [k.kind == "tangent" for k in captured.inputs],
-        [None if k is None else k.kind == "grad" for k in captured.outputs],
-    )
-    state = [k for k in captured.inputs if k.kind != "tangent"]
-    return step_liveness(
-        parts.forward,
-        parts.backward,
-        [k.kind for k in state],
-        on_host=[k.name in plan.host_optimizer for k in state],
-        host_inputs=[k.name in plan.host_params for k in state],
-    )

@@ -1,5 +1,5 @@
-"""Running the plan's integer program (:mod:`autopar.passes.solver`,
-:mod:`autopar.passes.memory_program`, :mod:`autopar.passes.memory_choices`): the units of its
+"""Running the plan's integer program (:mod:`autopar.passes.solve.solver`,
+:mod:`autopar.passes.solve.memory_program`, :mod:`autopar.passes.solve.memory_choices`): the units of its
 coefficients, and the solver in a child process that is given up at a deadline."""
 
 import array
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ortools.linear_solver import linear_solver_pb2
 
-from autopar.errors import InfeasiblePlanError
+from autopar.core.errors import InfeasiblePlanError
 
 SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
 MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
@@ -41,7 +41,7 @@ def solve_before_deadline(
     heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT,
     dive: Sequence = (),
 ):
-    """Solve in a process of its own (:mod:`autopar.passes.highs_child`) with HiGHS's time limit
+    """Solve in a process of its own (:mod:`autopar.passes.solve.highs_child`) with HiGHS's time limit
     at ``time_limit_s``, and give up on it at ``DEADLINE_FACTOR`` times that plus
     ``DEADLINE_GRACE_S``: MIP solvers honour their own time limit only between steps, not
     inside a long root relaxation. ``hint`` holds ``(variable, value)`` pairs of a solution to
@@ -50,7 +50,7 @@ def solve_before_deadline(
     limit or the gap. ``heuristic_effort`` is the share of the search HiGHS spends looking for
     better plans rather than proving a bound. ``dive`` lists integer variables (the strategy
     choices) for the search to start from a plan that keeps them as the program's relaxation
-    sets them (:func:`autopar.passes.highs_child.dive`), instead of from ``hint``. Returns
+    sets them (:func:`autopar.passes.solve.highs_child.dive`), instead of from ``hint``. Returns
     ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
     the time limit stopped the search), or ``None`` when the deadline passed.
 

@@ -22,20 +22,20 @@ which gradients will share a bucket while it chooses layouts: it prices a bucket
 bandwidth term and its local ops (:func:`piece_s`), and counts the buckets of each kind, mesh
 axis and dtype as the sum of the moves' shares of a bucket, ``min(1, bytes / bucket_bytes)``,
 and at least one as soon as a gradient joins, each bucket paying one α and its fixed local ops
-(:class:`BucketShare`, :func:`bucket_fixed_s`, :mod:`autopar.passes.solver`).
+(:class:`BucketShare`, :func:`bucket_fixed_s`, :mod:`autopar.passes.solve.solver`).
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cost_model.hardware import Link
-from autopar.passes.capture import Captured, captured_backward, module_paths, segment_of
-from autopar.passes.redistribute import Step, bandwidth_s, one_axis_step, step_s, transition
+from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
+from autopar.passes.propagation.redistribute import Step, bandwidth_s, one_axis_step, step_s, transition
 from autopar.passes.rules import tensor_args
-from autopar.passes.strategy import Strategy, ValueRef, getitem_aliases
 
-from autopar.mesh import Mesh
-from autopar.placement import Placements
+from autopar.core.graph import segment_of
+from autopar.core.mesh import Link, Mesh
+from autopar.core.placement import Placements
+from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
 
 BUCKET_BYTES = 25 * 2**20
 """Default bucket capacity per rank, torch DDP's ``bucket_cap_mb=25``: large enough that a
@@ -64,7 +64,7 @@ class Bucket:
 
 def bucketed_steps(steps: Sequence[Step]) -> tuple[Step, ...] | None:
     """The collectives by which a gradient joins a bucket, if its move (the steps of
-    :func:`~autopar.passes.redistribute.transition`) is one all-reduce or reduce-scatter, or
+    :func:`~autopar.passes.propagation.redistribute.transition`) is one all-reduce or reduce-scatter, or
     all-reduces over distinct mesh axes; ``None`` for any other move."""
     if len(steps) == 1 and steps[0].kind in BUCKETED_KINDS:
         return tuple(steps)
@@ -142,7 +142,7 @@ class BucketShare:
 
 
 _BUCKET_OPS = {"all_reduce": (2, 2), "reduce_scatter": (3, 4), "all_gather": (3, 4)}
-"""Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.rank_ops.Rank.bucket`),
+"""Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.propagation.rank_ops.Rank.bucket`),
 per bucket and per tensor in it: an all-reduce flattens each tensor, concatenates them, splits
 the result and views each piece back; a reduce-scatter also chunks and stacks each gradient
 into rows; an all-gather also views the result as rows and moves each piece's rows into its

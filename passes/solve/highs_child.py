@@ -1,4 +1,4 @@
-"""Solve one integer program with HiGHS, in a process of its own (:func:`autopar.passes.mip.solve_before_deadline`
+"""Solve one integer program with HiGHS, in a process of its own (:func:`autopar.passes.solve.mip.solve_before_deadline`
 starts it as a script, so it imports HiGHS and the program's protocol buffer alone).
 
 Reads from stdin the relative gap, the time limit in seconds, the seconds after which a

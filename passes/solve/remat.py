@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 from autopar.cost_model.estimate import CostModel
-from autopar.passes.capture import Captured, backward_segment_starts, is_layer, module_paths, segment_of
-from autopar.passes.strategy import StrategySpace
+from autopar.passes.analysis.capture import Captured, backward_segment_starts, module_paths
+
+from autopar.core.graph import is_layer, segment_of
+from autopar.core.strategy import StrategySpace
 
 RECOMPUTE_OPTIONS = ("auto", "none", "layers")
 """``recompute=`` on plan and compile: ``"auto"`` lets the solver recompute or offload what the

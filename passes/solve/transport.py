@@ -1,8 +1,8 @@
 """The rows that tie a tensor's layout at its producer to the layouts its readers need, and
-the buckets its moves join (:func:`autopar.passes.solver.solve`'s program; its docstring
+the buckets its moves join (:func:`autopar.passes.solve.solver.solve`'s program; its docstring
 writes out the transport ``t``, the shared moves ``y`` and the flows).
 
-Gradient buckets (:mod:`autopar.passes.buckets`). A parameter's node reads the parameter's
+Gradient buckets (:mod:`autopar.passes.propagation.buckets`). A parameter's node reads the parameter's
 gradient, which moves into the parameter's placements once made; a move that is one
 all-reduce or reduce-scatter, or all-reduces over several mesh axes, joins a bucket, and a
 bucket pays one collective latency α per mesh axis for all its gradients. Such a move's
@@ -23,7 +23,7 @@ not by a flow over one-axis moves (:func:`layout_flow`), whose paths could chain
 rewriter would run one by one.
 
 Parameters are gathered in buckets too, one per layer and phase
-(:func:`~autopar.passes.buckets.parameter_gathers`): a parameter's move for its readers that is
+(:func:`~autopar.passes.propagation.buckets.parameter_gathers`): a parameter's move for its readers that is
 one all-gather is priced likewise, with groups ``g`` of kind, mesh axis, dtype, phase and the
 readers' layer; a parameter standing for ``c`` copies of a repeated layer joins with ``c · y``
 (each copy gathers on its own), and such moves use transports, not flows.
@@ -32,10 +32,10 @@ readers' layer; a parameter standing for ``c`` copies of a repeated layer joins 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
-from autopar.passes.buckets import BucketShare
-from autopar.passes.strategy import NodeSpace, StrategySpace, ValueRef
+from autopar.passes.propagation.buckets import BucketShare
 
-from autopar.placement import Placements
+from autopar.core.placement import Placements
+from autopar.core.strategy import NodeSpace, StrategySpace, ValueRef
 
 TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 GradientCost = Callable[[ValueRef, Placements, Placements], tuple[float, BucketShare | None]]

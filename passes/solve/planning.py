@@ -1,4 +1,4 @@
-"""Turn the solver's choice into a :class:`~autopar.plan.ShardingPlan`."""
+"""Turn the solver's choice into a :class:`~autopar.core.plan.ShardingPlan`."""
 
 import dataclasses
 from collections import defaultdict
@@ -6,15 +6,15 @@ from collections import defaultdict
 from autopar.cost_model.compute import math_format, rank_flops
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.passes.buckets import ParameterGather, bucket_s, gradient_buckets, parameter_gathers
-from autopar.passes.capture import Captured, module_paths
-from autopar.passes.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops, refilled_bytes
-from autopar.passes.solver import Solution
-from autopar.passes.strategy import Strategy, StrategySpace, ValueRef
+from autopar.passes.analysis.capture import Captured, module_paths
+from autopar.passes.propagation.buckets import ParameterGather, bucket_s, gradient_buckets, parameter_gathers
+from autopar.passes.solve.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops, refilled_bytes
+from autopar.passes.solve.solver import Solution
 
-from autopar.mesh import Mesh
-from autopar.placement import format_placement, format_placements
-from autopar.plan import Collective, NodePlan, ShardingPlan
+from autopar.core.mesh import Mesh
+from autopar.core.placement import format_placement, format_placements
+from autopar.core.plan import Collective, NodePlan, ShardingPlan
+from autopar.core.strategy import Strategy, StrategySpace, ValueRef
 
 
 def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed: frozenset[str] = frozenset()):
@@ -176,7 +176,7 @@ def moment_bytes(
     bucket: int = 0,
 ) -> int:
     """What the solver counts alive at the fullest moment of the training step
-    (:func:`~autopar.passes.memory_program.memory_budget`): parameters and optimizer state not
+    (:func:`~autopar.passes.solve.memory_program.memory_budget`): parameters and optimizer state not
     in host memory (those in host memory in the backward that makes their gradients), the
     gradients made by then, the activations kept until then and the
     values the moment's segment recomputes or reloads, with the most its backward holds beyond
@@ -255,7 +255,7 @@ def offload_s(
     acts: ActivationSpace, solution: Solution, memory: MemoryTerms, host: Host | None, compute: dict[str, float]
 ) -> float:
     """Seconds per step that offloading costs, as the solver prices them
-    (:mod:`autopar.passes.memory_choices`): what of the copies out is left when the forward's
+    (:mod:`autopar.passes.solve.memory_choices`): what of the copies out is left when the forward's
     compute ends, each segment's copies back (when prefetched, what of them is left when the
     backward of the segment after it ends), for each parameter stepped on the host its gradient out, its piece back and
     the host's update, and for each parameter in host memory one more copy in."""
@@ -306,7 +306,7 @@ def _collectives(
     """The collectives of every planned move, then the all-reduces ops make themselves
     (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
     per bucket of the gradient moves that are bucketed
-    (:func:`~autopar.passes.buckets.gradient_buckets`) and one per bucket of parameters
+    (:func:`~autopar.passes.propagation.buckets.gradient_buckets`) and one per bucket of parameters
     gathered together (``gathers``), as the rewriter runs them, each with the local ops the
     rewriter runs around it."""
     gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order

@@ -9,12 +9,13 @@ backward graph as inputs, as AOT autograd does.
 
 from dataclasses import dataclass
 
-from autopar.passes.capture import backward_nodes
-from autopar.passes.rewrite import IN_BACKWARD, PART, RECOMPUTED
-from autopar.runtime.offload import RELOAD_OP
+from autopar.passes.analysis.capture import backward_nodes
+from autopar.passes.lower.rewrite import IN_BACKWARD, PART, RECOMPUTED
 from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 from torch.fx.passes.split_module import split_module
+
+from autopar.core.offload_ops import RELOAD_OP
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """Memory constraints of the plan's integer program.
 
-The layout program (:mod:`autopar.passes.solver`) chooses strategy ``k`` of node ``n`` by the
+The layout program (:mod:`autopar.passes.solve.solver`) chooses strategy ``k`` of node ``n`` by the
 one-hot ``x_n,k``. Given the memory each strategy holds, this module counts the memory of a
 device at each *moment* of the step, the backward of each segment in the order the backward
-reaches them (:attr:`~autopar.passes.remat.ActivationSpace.backward_order`), and keeps the
+reaches them (:attr:`~autopar.passes.solve.remat.ActivationSpace.backward_order`), and keeps the
 peak ``M`` under the budget::
 
                 M ≥ Σ_n Σ_k m_n,k,t · x_n,k + Q_S(t) + T_S(t) + B    for every moment t
@@ -18,29 +18,29 @@ peak ``M`` under the budget::
 ``m_n,k,t`` is the memory node ``n`` holds at moment ``t`` under strategy ``k``: a parameter's
 piece and its optimizer state at every moment, its gradient from the first moment after the
 start of the backward that makes it, a forward value the backward reads up to the last moment
-whose backward reads it (the runtime frees it then, :func:`autopar.runtime.partition.boxed`).
+whose backward reads it (the runtime frees it then, :func:`autopar.passes.lower.partition.boxed`).
 The last moment, the end of the backward, holds every gradient; the optimizer step holds what
 it holds but for its temporaries, and the step's own ``S``: two of the largest parameter.
 While op ``n`` runs, the outputs of the ops ``A_n`` of its phase (``a_u,k`` bytes, all of them)
 are alive, from the op that makes them to their last reader in the phase
-(:attr:`~autopar.passes.remat.ActivationSpace.alive`); ``e_n,j`` is at least what the copy of
+(:attr:`~autopar.passes.solve.remat.ActivationSpace.alive`); ``e_n,j`` is at least what the copy of
 its j-th operand adds when the op reads it in a larger layout than it is made in (``r_n,j,k``
 bytes, a gathered copy, alive while the op runs; ``o_u,k`` the bytes of u's outputs).
 ``T_S(t)`` is the most the backward of moment t's segment holds beyond the moment's start while
 one of its ops runs (of the backward ops in no segment, at every moment): what it made, less
 the forward values ``D_n`` it has read for the last time by then
-(:attr:`~autopar.passes.remat.ActivationSpace.freed`; ``h_u`` their bytes kept, or recomputed
+(:attr:`~autopar.passes.solve.remat.ActivationSpace.freed`; ``h_u`` their bytes kept, or recomputed
 or reloaded for the segment). ``T_F`` is what the forward holds beyond what it keeps for the
 backward at its fullest, counted with what the first moment holds (every kept activation, no
 gradient), less what the ops after ``n`` keep (``L_n``), not made yet. ``Q_S(t)`` is the values
 the backward of moment t's segment recomputes or
-copies back (:mod:`autopar.passes.memory_choices`), ``B`` the packed copy of a gradient bucket
+copies back (:mod:`autopar.passes.solve.memory_choices`), ``B`` the packed copy of a gradient bucket
 in flight beside the backward (:func:`in_flight_bucket`). Within a stack of repeated layers the
 memory of a moment lies on the line between the stack's first and last moments; only those are
 rows. When the solver finds no plan under the budget in time, the budget row is dropped and
 ``M`` priced in the objective instead (:func:`priced_memory`).
 
-What the device holds is also chosen (:mod:`autopar.passes.memory_choices`): whether the
+What the device holds is also chosen (:mod:`autopar.passes.solve.memory_choices`): whether the
 backward keeps each forward op's outputs, recomputes them or copies them back from host memory
 (their kept bytes enter ``m``, their recomputed and reloaded bytes ``Q_S``), and whether a
 parameter's optimizer state, and the parameter itself, live in host memory (terms of
@@ -51,8 +51,8 @@ import time
 from collections import defaultdict
 
 from autopar.cost_model.estimate import MemoryTerms
-from autopar.passes.mip import MEMORY_SCALE, solve_before_deadline
-from autopar.passes.remat import ActivationSpace
+from autopar.passes.solve.mip import MEMORY_SCALE, solve_before_deadline
+from autopar.passes.solve.remat import ActivationSpace
 from ortools.linear_solver import pywraplp
 
 
@@ -70,9 +70,9 @@ def memory_budget(
     moment of the backward, and at most the budget when one is given. ``acts`` gives the
     moments (one, holding everything, without it); ``chosen`` (the kept terms and the
     segments' recomputed megabytes of
-    :func:`~autopar.passes.memory_choices.keep_recompute_or_offload`) replaces the
+    :func:`~autopar.passes.solve.memory_choices.keep_recompute_or_offload`) replaces the
     activations of the forward ops; ``terms`` adds ``(node, variable, megabytes per copy,
-    kind)`` terms, as :func:`~autopar.passes.memory_choices.host_state` makes them: alive at every
+    kind)`` terms, as :func:`~autopar.passes.solve.memory_choices.host_state` makes them: alive at every
     moment (``"always"``), from
     the node's gradient on (``"grad"``; without a node, once the backward has begun), at the
     start of the backward that makes it (``"made"``) or as long as its kept outputs (``"kept"``).
@@ -242,7 +242,7 @@ def _beyond_kept(acts: ActivationSpace, ind: dict, kept: dict, name: str) -> dic
 def _kept(memory: MemoryTerms, ind: dict, shared: dict[str, str], kept: dict | None, name: str) -> dict:
     """The megabytes the end of the forward counts for forward op ``name``, ``{variable:
     megabytes}``: its kept megabytes (``kept``, by
-    :func:`~autopar.passes.memory_choices.keep_recompute_or_offload`) or, without activation
+    :func:`~autopar.passes.solve.memory_choices.keep_recompute_or_offload`) or, without activation
     choices, the activations the backward reads."""
     if kept is not None:
         return kept.get(shared.get(name, name), {})
@@ -336,7 +336,7 @@ def priced_memory(solver, params, peak, budget_row, budget_bytes: float, deadlin
     fastest plan at that price fits, then bisected (geometrically) towards the smallest price
     that fits. Each of these programs solves like one without a budget. Returns the fitting
     outcome with the least time (status ``FEASIBLE``, bound 0), or ``None``. Each search starts
-    from ``hint`` (see :func:`~autopar.passes.mip.solve_before_deadline`)."""
+    from ``hint`` (see :func:`~autopar.passes.solve.mip.solve_before_deadline`)."""
     objective = solver.Objective()
     time_coefs = {var.index(): (var, objective.GetCoefficient(var)) for var in solver.variables()}
     budget_row.SetUb(solver.infinity())

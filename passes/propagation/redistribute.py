@@ -29,10 +29,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from autopar.cost_model.hardware import Link
-
-from autopar.mesh import Mesh
-from autopar.placement import Partial, Placements, Replicate, Shard
+from autopar.core.mesh import Link, Mesh
+from autopar.core.placement import Partial, Placements, Replicate, Shard
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -151,7 +149,7 @@ def bandwidth_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
 
 def local_work(step: Step) -> tuple[int, int]:
     """``(ops, bytes copied)`` of the local ops the per-rank program
-    (:class:`autopar.passes.rank_ops.Rank`) runs around a collective step on one tensor: an
+    (:class:`autopar.passes.propagation.rank_ops.Rank`) runs around a collective step on one tensor: an
     all-gather or reduce-scatter along a dim other than 0 splits the tensor into chunks and
     concatenates them along dim 0 or back (one copy); an all-to-all does that before and
     after."""

@@ -1,12 +1,12 @@
 """Activation and host-memory choices of the plan's integer program: keep, recompute or offload.
 
-The layout program (:mod:`autopar.passes.solver`) chooses strategy ``k`` of node ``n`` by the
-one-hot ``x_n,k``; :mod:`autopar.passes.memory_program` counts the memory ``m_n,k,t`` that node
+The layout program (:mod:`autopar.passes.solve.solver`) chooses strategy ``k`` of node ``n`` by the
+one-hot ``x_n,k``; :mod:`autopar.passes.solve.memory_program` counts the memory ``m_n,k,t`` that node
 ``n`` holds at moment ``t`` of the step under strategy ``k``, and keeps the peak ``M`` under the
 budget. This module adds the choices of what the device holds, their rows and their time in the
-objective, and gives what they hold to :func:`~autopar.passes.memory_program.memory_budget`.
+objective, and gives what they hold to :func:`~autopar.passes.solve.memory_program.memory_budget`.
 
-With activation choices (:mod:`autopar.passes.remat`) every forward op ``n`` is also kept
+With activation choices (:mod:`autopar.passes.solve.remat`) every forward op ``n`` is also kept
 (``K_n``), recomputed (``R_n``) or offloaded to host memory (``O_n``), all binary, and the saved
 activations leave ``m``::
 
@@ -55,9 +55,9 @@ from collections import defaultdict
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.passes.memory_program import _represented
-from autopar.passes.mip import MEMORY_SCALE, SCALE
-from autopar.passes.remat import ActivationSpace
+from autopar.passes.solve.memory_program import _represented
+from autopar.passes.solve.mip import MEMORY_SCALE, SCALE
+from autopar.passes.solve.remat import ActivationSpace
 
 
 def keep_recompute_or_offload(
@@ -188,7 +188,7 @@ def host_state(
     """``H_p`` and ``P_p`` of the module docstring for every parameter: its optimizer state, and
     the parameter with its gradient, in host memory. Returns ``{parameter: H_p}``,
     ``{parameter: P_p}`` and the megabytes they take off the device, per copy of a repeated
-    layer, as terms of :func:`~autopar.passes.memory_program.memory_budget` (the gradient's only
+    layer, as terms of :func:`~autopar.passes.solve.memory_program.memory_budget` (the gradient's only
     from when it is made; the
     backward that makes it holds the parameter's copy in and the gradient before it goes out).
     ``host_mb`` gets the megabytes they put in host memory, every copy counted, as linear terms."""
@@ -244,7 +244,7 @@ def _reloaded_during(
 ) -> dict[str, list[tuple[str | None, float, int]]]:
     """Per segment of ``own`` ops, beside whose backward its copies back run when prefetched:
     ``(segment of own ops or None, part of its copies, how many copies of that backward hide
-    them)`` (:meth:`~autopar.passes.remat.ActivationSpace.reloaded_during`; a copy of a repeated
+    them)`` (:meth:`~autopar.passes.solve.remat.ActivationSpace.reloaded_during`; a copy of a repeated
     layer stands for the layer; ``None``: never prefetched). A layer standing for ``c`` repeated
     layers (shared choices) has ``c − 1`` of its copies prefetched beside the backward of their
     next copy, and the copy the backward reaches first beside the segment before it."""

@@ -1,0 +1,3 @@
+"""The core values every layer shares: the mesh and its links, placements, strategies, the plan's
+data and its table, errors, and the conventions of captured graphs (module segments, the ops
+that copy to and from host memory). Nothing here imports another part of autopar."""
