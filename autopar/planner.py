@@ -16,7 +16,8 @@ from autopar.core.mesh import Mesh
 from autopar.core.placement import Placement, Placements, parse_placements
 from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
-from autopar.cost_model.estimate import CostModel, memory_terms
+from autopar.core.strategy import StrategySpace
+from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
 from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.passes.analysis.capture import Captured, capture, module_paths
 from autopar.passes.analysis.liveness import Liveness
@@ -26,7 +27,7 @@ from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.layers import LayerClasses, repeated_layers
 from autopar.passes.solve.layouts import standard_layouts
 from autopar.passes.solve.planning import build_plan, moment_bytes
-from autopar.passes.solve.remat import RECOMPUTE_OPTIONS, activation_bytes, activation_space
+from autopar.passes.solve.remat import RECOMPUTE_OPTIONS, ActivationSpace, activation_bytes, activation_space
 from autopar.passes.solve.solver import Solution, program_size, solve
 
 log = logging.getLogger("autopar")
@@ -116,75 +117,200 @@ def plan_captured(
     check_mesh(mesh)
     check_recompute(recompute)
     check_gap(solver_gap)
-    profile = resolve_profile(hardware)
-    parsed = parse_pins(pins, mesh)
-    budget = parse_memory(memory_budget)
-    t0 = time.perf_counter()
-    space = propagate(captured, mesh, pins=parsed, fallback=fallback)
-    t1 = time.perf_counter()
-    costs = CostModel(captured, mesh, profile, bucket_bytes=bucket_bytes)
-    compute = costs.compute_costs(space)
-    node_costs = costs.node_costs(space, compute)
-    t2 = time.perf_counter()
-    memory = memory_terms(space, costs)
-    host = costs.host()
-    activations = activation_space(captured, space, costs, recompute, offload=host is not None)
-    chooses = budget is not None or recompute == "layers"
-    classes = _layer_classes(captured, space, node_costs, memory, share_layers)
-    shared = classes.template
-    if classes.num_classes:
-        log.info(
-            "%d repeated layers in %d classes share the choice of their class's first layer",
-            classes.num_shared_layers,
-            classes.num_classes,
-        )
-    log.info(
-        "solving for %d nodes with %d strategies on %s",
-        len(space.nodes),
-        sum(len(n.strategies) for n in space.nodes),
+    problem = _Problem.build(
+        captured,
         mesh,
+        resolve_profile(hardware),
+        parse_pins(pins, mesh),
+        parse_memory(memory_budget),
+        fallback=fallback,
+        time_limit_s=solver_time_limit_s,
+        gap=solver_gap,
+        share_layers=share_layers,
+        recompute=recompute,
+        bucket_bytes=bucket_bytes,
     )
-    stages = {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1}
+    try:
+        result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
+    except SolverTimeoutError as exc:
+        result, live, times = problem.no_plan_in_time(exc)
+    except _NoPlanUnderBudget:
+        raise InfeasiblePlanError(problem.over_budget()) from None
+    if result.solver.status == "FEASIBLE":
+        result, live = problem.no_slower_than_a_layout(result, live)
+    classes = problem.classes
+    result = dataclasses.replace(
+        result,
+        memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes if live else 0),
+        solver=dataclasses.replace(
+            result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
+        ),
+        stage_s={**problem.stages, **times},
+    )
+    _report(result, problem)
+    return result
 
-    segments = {name: segment_of(path) for name, path in module_paths(captured).items()}
 
-    def priced(solution: Solution) -> ShardingPlan:
-        return build_plan(
+def _report(result: ShardingPlan, problem: "_Problem") -> None:
+    """Log the plan's figures, and warn when a plan made without a budget overflows the device."""
+    log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
+    log.info(
+        "planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
+        len(problem.space.nodes),
+        problem.mesh,
+        result.solver.status,
+        result.predicted_step_s,
+        result.peak_memory_bytes / 1e9,
+        len(result.collectives),
+    )
+    device = getattr(problem.profile, "memory_bytes", None)
+    if problem.budget is None and device and result.peak_memory_bytes > device:
+        log.warning(
+            "the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "
+            "memory left out; pass memory_budget=%d (%s) for one that fits",
+            format_bytes(result.peak_memory_bytes),
+            format_bytes(device),
+            problem.profile.name,
+            device,
+            format_bytes(device),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """One planning once its costs are known: the strategy space with its cost tables, the
+    activations' choices and the layer classes, and the options every search of it reads (the
+    search for the fastest plan, the standard layouts it is checked against, and the search
+    for the least memory that explains a budget no plan fits)."""
+
+    captured: Captured
+    mesh: Mesh
+    profile: Profile
+    pins: dict[str, Placements]
+    budget: int | None
+    recompute: str
+    time_limit_s: float
+    gap: float
+    space: StrategySpace
+    costs: CostModel
+    compute: dict
+    node_costs: dict
+    memory: MemoryTerms
+    activations: ActivationSpace
+    classes: LayerClasses
+    segments: dict[str, str]
+    stages: dict[str, float]
+    """Seconds the stages before the search took: capture, propagate and cost."""
+
+    @classmethod
+    def build(
+        cls,
+        captured: Captured,
+        mesh: Mesh,
+        profile: Profile,
+        pins: dict[str, Placements],
+        budget: int | None,
+        *,
+        fallback: bool,
+        time_limit_s: float,
+        gap: float,
+        share_layers: bool | None,
+        recompute: str,
+        bucket_bytes: int,
+    ) -> "_Problem":
+        t0 = time.perf_counter()
+        space = propagate(captured, mesh, pins=pins, fallback=fallback)
+        t1 = time.perf_counter()
+        costs = CostModel(captured, mesh, profile, bucket_bytes=bucket_bytes)
+        compute = costs.compute_costs(space)
+        node_costs = costs.node_costs(space, compute)
+        t2 = time.perf_counter()
+        memory = memory_terms(space, costs)
+        activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
+        classes = _layer_classes(captured, space, node_costs, memory, share_layers)
+        if classes.num_classes:
+            log.info(
+                "%d repeated layers in %d classes share the choice of their class's first layer",
+                classes.num_shared_layers,
+                classes.num_classes,
+            )
+        log.info(
+            "solving for %d nodes with %d strategies on %s",
+            len(space.nodes),
+            sum(len(n.strategies) for n in space.nodes),
+            mesh,
+        )
+        return cls(
             captured,
+            mesh,
+            profile,
+            pins,
+            budget,
+            recompute,
+            time_limit_s,
+            gap,
             space,
-            solution,
             costs,
             compute,
+            node_costs,
             memory,
             activations,
-            hardware_name=profile.name,
-            pinned=tuple(parsed),
-            memory_budget_bytes=budget,
-            stage_s=stages,
+            classes,
+            {name: segment_of(path) for name, path in module_paths(captured).items()},
+            {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1},
         )
 
-    start = _sharded_parameters(space, memory) if budget is not None else None
+    @property
+    def chooses(self) -> bool:
+        """Whether the search chooses what to recompute, and the program's liveness is measured."""
+        return self.budget is not None or self.recompute == "layers"
 
-    def attempt(solver_budget: float | None, start: Solution | None):
+    def solve(self, **options) -> Solution:
+        """:func:`~autopar.passes.solve.solver.solve` on this problem, with ``options`` added."""
+        return solve(
+            self.space,
+            self.node_costs,
+            self.costs.transition_s,
+            gradient_s=self.costs.gradient_s,
+            gather_s=self.costs.gather_s,
+            segments=self.segments,
+            one_step_moves=self.costs.one_step_moves,
+            shared=self.classes.template,
+            activations=self.activations,
+            host=self.costs.host(),
+            time_limit_s=self.time_limit_s,
+            bucket_bytes=self.costs.bucket_bytes,
+            **options,
+        )
+
+    def priced(self, solution: Solution) -> ShardingPlan:
+        return build_plan(
+            self.captured,
+            self.space,
+            solution,
+            self.costs,
+            self.compute,
+            self.memory,
+            self.activations,
+            hardware_name=self.profile.name,
+            pinned=tuple(self.pins),
+            memory_budget_bytes=self.budget,
+            stage_s=self.stages,
+        )
+
+    def attempt(self, solver_budget: float | None, start: Solution | None):
+        """The fastest plan the solver finds within ``solver_budget`` (a start under a budget:
+        ``start``, else every parameter split as far as it goes), as ``(plan, its program's
+        liveness, stage times, solution)``; :class:`SolverTimeoutError` when it finds none in time."""
+        if start is None and self.budget is not None:
+            start = _sharded_parameters(self.space, self.memory)
         started = time.perf_counter()
-        solution = solve(
-            space,
-            node_costs,
-            costs.transition_s,
-            gradient_s=costs.gradient_s,
-            gather_s=costs.gather_s,
-            segments=segments,
-            one_step_moves=costs.one_step_moves,
-            memory=memory if budget else None,
+        solution = self.solve(
+            memory=self.memory if self.budget else None,
             budget_bytes=solver_budget,
-            shared=shared,
-            activations=activations,
-            choose_recompute=chooses,
-            host=host,
-            time_limit_s=solver_time_limit_s,
-            relative_gap=solver_gap,
+            choose_recompute=self.chooses,
+            relative_gap=self.gap,
             start=start,
-            bucket_bytes=bucket_bytes,
         )
         if solution.info.status == "START":  # nothing found in time: the retries keep the plan that fit
             raise SolverTimeoutError(
@@ -194,138 +320,108 @@ def plan_captured(
                 num_constraints=solution.info.num_constraints,
             )
         solved = time.perf_counter()
-        plan = priced(solution)
+        plan = self.priced(solution)
         planned = time.perf_counter()
-        live = plan_liveness(captured, plan) if chooses else None
-        return (
-            plan,
-            live,
-            {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned},
-            solution,
-        )
+        live = plan_liveness(self.captured, plan) if self.chooses else None
+        times = {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}
+        return plan, live, times, solution
 
-    try:
-        result, live, times, _ = _within_budget(lambda b, s: attempt(b, s or start), budget, mesh)
-    except SolverTimeoutError as exc:
-        result, live, times = _no_plan_in_time(
-            exc, captured, space, mesh, node_costs, costs, activations, priced, budget, chooses
-        )
-    except _NoPlanUnderBudget:
-        raise InfeasiblePlanError(
-            _over_budget(
-                space, node_costs, costs, memory, activations, budget, mesh, shared, host, solver_time_limit_s, segments
-            )
-        ) from None
-    if result.solver.status == "FEASIBLE":
-        result, live = _no_slower_than_a_layout(
-            result, live, captured, space, mesh, node_costs, costs, activations, priced, budget, chooses
-        )
-    result = dataclasses.replace(
-        result,
-        memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes if live else 0),
-        solver=dataclasses.replace(
-            result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
-        ),
-        stage_s={**stages, **times},
-    )
-    log.debug("stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in result.stage_s.items()))
-    log.info(
-        "planned %d nodes on %s: %s, predicted step %.3g s, peak %.3g GB per device, %d collectives",
-        len(space.nodes),
-        mesh,
-        result.solver.status,
-        result.predicted_step_s,
-        result.peak_memory_bytes / 1e9,
-        len(result.collectives),
-    )
-    device = getattr(profile, "memory_bytes", None)
-    if budget is None and device and result.peak_memory_bytes > device:
+    def best_layout(self, solver: SolverInfo) -> ShardingPlan | None:
+        """The fastest standard layout (:mod:`autopar.passes.solve.layouts`) whose predicted peak
+        fits the budget, as a plan of status ``LAYOUT`` carrying the size and time of the search
+        that ``solver`` describes; ``None`` when none fits."""
+        best = None
+        for name, choice in standard_layouts(self.space, self.mesh, self.node_costs, self.costs.transition_s):
+            info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
+            plan = self.priced(Solution(choice, info, recomputed=self.activations.param_views))
+            if (self.budget is None or plan.peak_memory_bytes <= self.budget) and (
+                best is None or plan.predicted_step_s < best.predicted_step_s
+            ):
+                best = plan
+        return best
+
+    def no_plan_in_time(self, exc: SolverTimeoutError):
+        """The fastest standard layout that fits, when the search found no plan in its time
+        limit; the error when none fits. Returns the plan, its program's liveness and the stage
+        times."""
+        info = SolverInfo("LAYOUT", math.nan, -math.inf, exc.solve_s, exc.num_variables, exc.num_constraints)
+        layout = self.best_layout(info)
+        live = plan_liveness(self.captured, layout) if layout is not None and self.chooses else None
+        if layout is None or (live is not None and self.budget is not None and live.peak_bytes > self.budget):
+            raise exc
+        log.warning("the solver found no plan within its time limit; returning the %s layout", layout.solver.layout)
+        return layout, live, {"solve": exc.solve_s}
+
+    def no_slower_than_a_layout(
+        self, result: ShardingPlan, live: Liveness | None
+    ) -> tuple[ShardingPlan, Liveness | None]:
+        """``result``, a plan the search stopped at its time limit with, or the fastest standard
+        layout that fits when that is predicted faster."""
+        layout = self.best_layout(result.solver)
+        if layout is None or layout.predicted_step_s >= result.predicted_step_s:
+            return result, live
+        layout_live = plan_liveness(self.captured, layout) if self.chooses else None
+        if self.budget is not None and layout_live.peak_bytes > self.budget:
+            return result, live
         log.warning(
-            "the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "
-            "memory left out; pass memory_budget=%d (%s) for one that fits",
-            format_bytes(result.peak_memory_bytes),
-            format_bytes(device),
-            profile.name,
-            device,
-            format_bytes(device),
+            "the solver stopped at its time limit with a plan predicted slower than the %s layout; "
+            "returning the layout",
+            layout.solver.layout,
         )
-    return result
+        return layout, layout_live
 
-
-def _best_layout(
-    space, mesh: Mesh, node_costs, costs: CostModel, activations, priced, budget: int | None, solver: SolverInfo
-) -> ShardingPlan | None:
-    """The fastest standard layout (:mod:`autopar.passes.solve.layouts`) whose predicted peak fits
-    ``budget``, as a plan of status ``LAYOUT`` carrying the size and time of the search that
-    ``solver`` describes; ``None`` when none fits."""
-    best = None
-    for name, choice in standard_layouts(space, mesh, node_costs, costs.transition_s):
-        info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
-        plan = priced(Solution(choice, info, recomputed=activations.param_views))
-        if (budget is None or plan.peak_memory_bytes <= budget) and (
-            best is None or plan.predicted_step_s < best.predicted_step_s
-        ):
-            best = plan
-    return best
-
-
-def _no_plan_in_time(
-    exc: SolverTimeoutError,
-    captured,
-    space,
-    mesh,
-    node_costs,
-    costs,
-    activations,
-    priced,
-    budget: int | None,
-    measure: bool,
-):
-    """The fastest standard layout that fits, when the search found no plan in its time limit;
-    the error when none fits. Returns the plan, its program's liveness and the stage times."""
-    layout = _best_layout(
-        space,
-        mesh,
-        node_costs,
-        costs,
-        activations,
-        priced,
-        budget,
-        SolverInfo("LAYOUT", math.nan, -math.inf, exc.solve_s, exc.num_variables, exc.num_constraints),
-    )
-    live = plan_liveness(captured, layout) if layout is not None and measure else None
-    if layout is None or (live is not None and live.peak_bytes > budget):
-        raise exc
-    log.warning("the solver found no plan within its time limit; returning the %s layout", layout.solver.layout)
-    return layout, live, {"solve": exc.solve_s}
-
-
-def _no_slower_than_a_layout(
-    result: ShardingPlan,
-    live: Liveness | None,
-    captured,
-    space,
-    mesh,
-    node_costs,
-    costs,
-    activations,
-    priced,
-    budget: int | None,
-    measure: bool,
-) -> tuple[ShardingPlan, Liveness | None]:
-    """``result``, a plan the search stopped at its time limit with, or the fastest standard
-    layout that fits when that is predicted faster."""
-    layout = _best_layout(space, mesh, node_costs, costs, activations, priced, budget, result.solver)
-    if layout is None or layout.predicted_step_s >= result.predicted_step_s:
-        return result, live
-    layout_live = plan_liveness(captured, layout) if measure else None
-    if budget is not None and layout_live.peak_bytes > budget:
-        return result, live
-    log.warning(
-        "the solver stopped at its time limit with a plan predicted slower than the %s layout; returning the layout",
-        layout.solver.layout,
-    )
-    return layout, layout_live
+    def over_budget(self) -> str:
+        """Why no plan fits the budget: the least memory any plan reaches (offloading all it
+        can), by part, and what would fit."""
+        memory, activations, budget, mesh = self.memory, self.activations, self.budget, self.mesh
+        least = self.solve(memory=self.memory, minimise="memory")
+        est = dataclasses.replace(
+            memory.estimate(
+                least.choice,
+                (
+                    frozenset(activations.nodes),
+                    *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched),
+                ),
+                least.host_optimizer,
+                least.host_params,
+            ),
+            moment_bytes=moment_bytes(
+                memory,
+                activations,
+                least.choice,
+                least.recomputed,
+                least.offloaded,
+                least.prefetched,
+                least.host_optimizer,
+                least.host_params,
+            ),
+        )
+        parts = {
+            "parameters": est.params_bytes,
+            "gradients": est.grads_bytes,
+            "optimizer state": est.optimizer_bytes,
+            "activations": est.activations_bytes + est.recomputed_bytes,
+            "largest temporary": est.transient_bytes,
+        }
+        largest = max(parts, key=parts.get)
+        state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
+        if state >= budget:
+            over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
+        else:
+            over = (
+                f"the {largest} ({format_bytes(parts[largest])}) "
+                f"{'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
+                "not fit in what the rest leaves"
+            )
+        factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
+        return (
+            f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "
+            f"is {format_bytes(est.peak_bytes)}, {format_bytes(est.peak_bytes - budget)} over ("
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+            + f", not all alive at once); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes "
+            f"({format_bytes(est.peak_bytes)}), or plan for a mesh about "
+            f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
+        )
 
 
 def _sharded_parameters(space, memory) -> dict[str, int]:
@@ -424,86 +520,6 @@ def _layer_classes(captured: Captured, space, node_costs, memory, share_layers: 
     if share_layers is False or (share_layers is None and program_size(space) < SHARE_ABOVE):
         return LayerClasses({}, 0, 0)
     return repeated_layers(captured, space, node_costs, memory)
-
-
-def _over_budget(
-    space,
-    node_costs,
-    costs,
-    memory,
-    activations,
-    budget: int,
-    mesh: Mesh,
-    shared,
-    host,
-    time_limit_s: float,
-    segments: dict[str, str],
-) -> str:
-    """Why no plan fits: the least memory any plan reaches (offloading all it can), by part,
-    and what would fit."""
-    least = solve(
-        space,
-        node_costs,
-        costs.transition_s,
-        gradient_s=costs.gradient_s,
-        gather_s=costs.gather_s,
-        segments=segments,
-        one_step_moves=costs.one_step_moves,
-        memory=memory,
-        minimise="memory",
-        shared=shared,
-        activations=activations,
-        host=host,
-        time_limit_s=time_limit_s,
-        bucket_bytes=costs.bucket_bytes,
-    )
-    est = dataclasses.replace(
-        memory.estimate(
-            least.choice,
-            (
-                frozenset(activations.nodes),
-                *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched),
-            ),
-            least.host_optimizer,
-            least.host_params,
-        ),
-        moment_bytes=moment_bytes(
-            memory,
-            activations,
-            least.choice,
-            least.recomputed,
-            least.offloaded,
-            least.prefetched,
-            least.host_optimizer,
-            least.host_params,
-        ),
-    )
-    parts = {
-        "parameters": est.params_bytes,
-        "gradients": est.grads_bytes,
-        "optimizer state": est.optimizer_bytes,
-        "activations": est.activations_bytes + est.recomputed_bytes,
-        "largest temporary": est.transient_bytes,
-    }
-    largest = max(parts, key=parts.get)
-    state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
-    if state >= budget:
-        over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
-    else:
-        over = (
-            f"the {largest} ({format_bytes(parts[largest])}) "
-            f"{'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
-            "not fit in what the rest leaves"
-        )
-    factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
-    return (
-        f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "
-        f"is {format_bytes(est.peak_bytes)}, {format_bytes(est.peak_bytes - budget)} over ("
-        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-        + f", not all alive at once); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes "
-        f"({format_bytes(est.peak_bytes)}), or plan for a mesh about "
-        f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
-    )
 
 
 def plan(

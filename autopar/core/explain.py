@@ -37,10 +37,17 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def plan_table(plan: ShardingPlan) -> str:
-    """The plan as text: parameters, heavy ops, collectives and the totals."""
+    """The plan as text: the predicted step and memory, how the solve went, then parameters,
+    inputs, heavy ops, activations by layer and collectives."""
+    lines = [f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})", _step_line(plan)]
+    lines += [_solver_line(plan), "", "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else "")]
+    return "\n".join(lines + _state_tables(plan) + _op_tables(plan) + _collective_table(plan))
+
+
+def _step_line(plan: ShardingPlan) -> str:
+    """The predicted step time by part, and the peak memory by part."""
     mem = plan.memory
-    lines = [
-        f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})",
+    return (
         f"predicted step {_time(plan.predicted_step_s)} (compute {_time(plan.compute_s)}, "
         + (f"recompute {_time(plan.recompute_s)}, " if plan.recompute_s else "")
         + f"communication {_time(plan.communication_s)}"
@@ -67,7 +74,12 @@ def plan_table(plan: ShardingPlan) -> str:
             if mem.host_bytes and mem.host_capacity_bytes
             else ""
         )
-        + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""),
+        + (f", budget {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else "")
+    )
+
+
+def _solver_line(plan: ShardingPlan) -> str:
+    return (
         (
             f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
             f"limit), {plan.solver.num_variables} variables"
@@ -85,10 +97,13 @@ def plan_table(plan: ShardingPlan) -> str:
         + f", solved in {plan.solver.solve_s:.2f} s; "
         f"planning took {sum(plan.stage_s.values()):.2f} s ("
         + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_s.items())
-        + ")",
-        "",
-        "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else ""),
-    ]
+        + ")"
+    )
+
+
+def _state_tables(plan: ShardingPlan) -> list[str]:
+    """Parameters (with what lives in host memory) and inputs."""
+    lines: list[str] = []
     if plan.host_optimizer:
         lines += _table(
             ["name", "placements", "in host memory"],
@@ -109,6 +124,12 @@ def plan_table(plan: ShardingPlan) -> str:
         lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
     lines += ["", "Inputs"]
     lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
+    return lines
+
+
+def _op_tables(plan: ShardingPlan) -> list[str]:
+    """The heavy ops, and activations by layer."""
+    lines: list[str] = []
     heavy = [n for n in plan.nodes if any(h in n.op for h in _HEAVY)]
     lines += ["", "Heavy ops"]
     lines += _table(
@@ -145,6 +166,11 @@ def plan_table(plan: ShardingPlan) -> str:
         ],
         activation_rows(plan),
     )
+    return lines
+
+
+def _collective_table(plan: ShardingPlan) -> list[str]:
+    lines: list[str] = []
     lines += ["", "Collectives"]
     lines += _table(
         ["kind", "axis", "phase", "bytes", "time", "tensor", "for", "from -> to"],
@@ -165,7 +191,7 @@ def plan_table(plan: ShardingPlan) -> str:
     counts = Counter((c.phase, c.kind) for c in plan.collectives)
     if counts:
         lines.append("total: " + ", ".join(f"{n} {kind} ({phase})" for (phase, kind), n in sorted(counts.items())))
-    return "\n".join(lines)
+    return lines
 
 
 def activation_rows(plan: ShardingPlan) -> list[list[str]]:
