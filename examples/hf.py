@@ -102,142 +102,144 @@ class KeywordLoss(nn.Module):
         return self.model(**dict(zip(self.names, tensors)), **self.fixed).loss
 
 
+_VOCAB, _HEADS = 256, 4
+"""The zoo's vocabulary and attention heads."""
+
+
+class _Sizes:
+    """The sizes every model of the zoo is built at, and the settings its configurations share."""
+
+    def __init__(self, batch: int, seq: int, dim: int, num_layers: int):
+        self.batch, self.seq, self.dim, self.num_layers = batch, seq, dim, num_layers
+        self.common = dict(
+            vocab_size=_VOCAB,
+            use_cache=False,
+            attn_implementation="sdpa",
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        self.decoder = dict(
+            hidden_size=dim,
+            num_hidden_layers=num_layers,
+            num_attention_heads=_HEADS,
+            intermediate_size=2 * dim,
+            max_position_embeddings=seq,
+            **self.common,
+        )
+
+    def tokens(self):
+        import torch
+
+        return torch.randint(0, _VOCAB, (self.batch, self.seq))
+
+
+def _text(sizes: _Sizes, config_cls, model_cls, *, seq2seq: bool = False, **fields):
+    """A builder of a text model trained on ``(input_ids, labels)``: a causal or masked language
+    model from the decoder settings, or an encoder-decoder (``seq2seq``) from its own ``fields``."""
+
+    def build():
+        base = sizes.common if seq2seq else sizes.decoder
+        model = model_cls(config_cls(**{**base, **fields}))
+        return KeywordLoss(model, ("input_ids", "labels")), (sizes.tokens(), sizes.tokens())
+
+    return build
+
+
+def _vit(sizes: _Sizes):
+    import torch
+    import transformers as tf
+
+    cfg = tf.ViTConfig(
+        hidden_size=sizes.dim,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=_HEADS,
+        intermediate_size=2 * sizes.dim,
+        image_size=32,
+        patch_size=8,
+        num_labels=10,
+        attn_implementation="sdpa",
+    )
+    images, labels = torch.randn(sizes.batch, 3, 32, 32), torch.randint(0, 10, (sizes.batch,))
+    return KeywordLoss(tf.ViTForImageClassification(cfg), ("pixel_values", "labels")), (images, labels)
+
+
+def _clip(sizes: _Sizes):
+    import torch
+    import transformers as tf
+
+    layers = dict(
+        hidden_size=sizes.dim,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=_HEADS,
+        intermediate_size=2 * sizes.dim,
+    )
+    text = dict(
+        vocab_size=_VOCAB, max_position_embeddings=sizes.seq, pad_token_id=0, bos_token_id=0, eos_token_id=2, **layers
+    )
+    vision = dict(image_size=32, patch_size=8, **layers)
+    cfg = tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=sizes.dim, attn_implementation="sdpa")
+    inputs = (sizes.tokens(), torch.randn(sizes.batch, 3, 32, 32))
+    return KeywordLoss(tf.CLIPModel(cfg), ("input_ids", "pixel_values"), return_loss=True), inputs
+
+
 def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) -> dict:
     """Widely used Hugging Face architectures, each built small from its configuration:
     name → a function returning ``(model, example inputs)``. Causal and masked language models,
     encoder-decoders, a vision transformer, a CLIP-style dual encoder and mixture-of-experts
     models; every one trains (dropout off, so that runs compare exactly)."""
-    import torch
     import transformers as tf
 
-    vocab, heads = 256, 4
-    tokens = lambda: torch.randint(0, vocab, (batch, seq))  # noqa: E731
-    common = dict(
-        vocab_size=vocab, use_cache=False, attn_implementation="sdpa", pad_token_id=0, bos_token_id=0, eos_token_id=0
-    )
-    decoder = dict(
-        hidden_size=dim,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        intermediate_size=2 * dim,
-        max_position_embeddings=seq,
-        **common,
-    )
-
-    def causal(config_cls, model_cls, **fields):
-        def build():
-            model = model_cls(config_cls(**{**decoder, **fields}))
-            return KeywordLoss(model, ("input_ids", "labels")), (tokens(), tokens())
-
-        return build
-
-    def masked(config_cls, model_cls, **fields):
-        def build():
-            cfg = config_cls(**{**decoder, **fields})
-            return KeywordLoss(model_cls(cfg), ("input_ids", "labels")), (tokens(), tokens())
-
-        return build
-
-    def seq2seq(config_cls, model_cls, **fields):
-        def build():
-            model = model_cls(config_cls(**{**common, **fields}))
-            return KeywordLoss(model, ("input_ids", "labels")), (tokens(), tokens())
-
-        return build
-
-    def vit():
-        cfg = tf.ViTConfig(
-            hidden_size=dim,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            intermediate_size=2 * dim,
-            image_size=32,
-            patch_size=8,
-            num_labels=10,
-            attn_implementation="sdpa",
-        )
-        images, labels = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-        return KeywordLoss(tf.ViTForImageClassification(cfg), ("pixel_values", "labels")), (images, labels)
-
-    def clip():
-        text = dict(
-            vocab_size=vocab,
-            hidden_size=dim,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            intermediate_size=2 * dim,
-            max_position_embeddings=seq,
-            pad_token_id=0,
-            bos_token_id=0,
-            eos_token_id=2,
-        )
-        vision = dict(
-            hidden_size=dim,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            intermediate_size=2 * dim,
-            image_size=32,
-            patch_size=8,
-        )
-        cfg = tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=dim, attn_implementation="sdpa")
-        inputs = (tokens(), torch.randn(batch, 3, 32, 32))
-        return KeywordLoss(tf.CLIPModel(cfg), ("input_ids", "pixel_values"), return_loss=True), inputs
-
+    sizes = _Sizes(batch, seq, dim, num_layers)
     experts = dict(num_local_experts=4, num_experts_per_tok=2)
+    no_dropout = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    bert_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gpt2 = dict(n_embd=dim, n_layer=num_layers, n_head=_HEADS, n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0)
     return {
-        "gpt2": causal(
-            tf.GPT2Config,
-            tf.GPT2LMHeadModel,
-            n_embd=dim,
-            n_layer=num_layers,
-            n_head=heads,
-            n_positions=seq,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),
-        "llama": causal(tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2),
-        "mistral": causal(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2),
-        "qwen2": causal(tf.Qwen2Config, tf.Qwen2ForCausalLM, num_key_value_heads=2),
-        "qwen3": causal(tf.Qwen3Config, tf.Qwen3ForCausalLM, num_key_value_heads=2, head_dim=dim // heads),
-        "gemma2": causal(
+        "gpt2": _text(sizes, tf.GPT2Config, tf.GPT2LMHeadModel, attn_pdrop=0.0, **gpt2),
+        "llama": _text(sizes, tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2),
+        "mistral": _text(sizes, tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2),
+        "qwen2": _text(sizes, tf.Qwen2Config, tf.Qwen2ForCausalLM, num_key_value_heads=2),
+        "qwen3": _text(sizes, tf.Qwen3Config, tf.Qwen3ForCausalLM, num_key_value_heads=2, head_dim=dim // _HEADS),
+        "gemma2": _text(
+            sizes,
             tf.Gemma2Config,
             tf.Gemma2ForCausalLM,
             num_key_value_heads=2,
-            head_dim=dim // heads,
+            head_dim=dim // _HEADS,
             attn_implementation="eager",
         ),
-        "phi3": causal(tf.Phi3Config, tf.Phi3ForCausalLM, num_key_value_heads=2),
-        "falcon": causal(tf.FalconConfig, tf.FalconForCausalLM, hidden_dropout=0.0, attention_dropout=0.0),
-        "gpt_neox": causal(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, hidden_dropout=0.0, attention_dropout=0.0),
-        "opt": causal(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=2 * dim, word_embed_proj_dim=dim, dropout=0.0),
-        "bert": masked(tf.BertConfig, tf.BertForMaskedLM, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-        "roberta": masked(
-            tf.RobertaConfig,
-            tf.RobertaForMaskedLM,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            max_position_embeddings=seq + 2,
+        "phi3": _text(sizes, tf.Phi3Config, tf.Phi3ForCausalLM, num_key_value_heads=2),
+        "falcon": _text(sizes, tf.FalconConfig, tf.FalconForCausalLM, **no_dropout),
+        "gpt_neox": _text(sizes, tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, **no_dropout),
+        "opt": _text(sizes, tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=2 * dim, word_embed_proj_dim=dim, dropout=0.0),
+        "bert": _text(sizes, tf.BertConfig, tf.BertForMaskedLM, **bert_dropout),
+        "roberta": _text(
+            sizes, tf.RobertaConfig, tf.RobertaForMaskedLM, max_position_embeddings=seq + 2, **bert_dropout
         ),
-        "t5": seq2seq(
+        "t5": _text(
+            sizes,
             tf.T5Config,
             tf.T5ForConditionalGeneration,
+            seq2seq=True,
             d_model=dim,
-            d_kv=dim // heads,
+            d_kv=dim // _HEADS,
             d_ff=2 * dim,
             num_layers=num_layers,
-            num_heads=heads,
+            num_heads=_HEADS,
             dropout_rate=0.0,
             decoder_start_token_id=0,
         ),
-        "bart": seq2seq(
+        "bart": _text(
+            sizes,
             tf.BartConfig,
             tf.BartForConditionalGeneration,
+            seq2seq=True,
             d_model=dim,
             encoder_layers=num_layers,
             decoder_layers=num_layers,
-            encoder_attention_heads=heads,
-            decoder_attention_heads=heads,
+            encoder_attention_heads=_HEADS,
+            decoder_attention_heads=_HEADS,
             encoder_ffn_dim=2 * dim,
             decoder_ffn_dim=2 * dim,
             max_position_embeddings=seq,
@@ -246,10 +248,11 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
             decoder_start_token_id=0,
             forced_eos_token_id=None,
         ),
-        "vit": vit,
-        "clip": clip,
-        "mixtral": causal(tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, **experts),
-        "qwen2_moe": causal(
+        "vit": lambda: _vit(sizes),
+        "clip": lambda: _clip(sizes),
+        "mixtral": _text(sizes, tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, **experts),
+        "qwen2_moe": _text(
+            sizes,
             tf.Qwen2MoeConfig,
             tf.Qwen2MoeForCausalLM,
             num_key_value_heads=2,
