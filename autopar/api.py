@@ -6,11 +6,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from autopar.config import Pins, PlanConfig
 from autopar.core.mesh import Mesh
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
-from autopar.cost_model.hardware import Profile, resolve_profile
-from autopar.planner import Pins, check_gap, check_mesh, check_recompute, parse_memory, parse_pins, plan_captured
+from autopar.cost_model.hardware import Profile
+from autopar.planner import check_mesh, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
 
 
@@ -88,47 +89,37 @@ def compile(
     if mesh is None:
         raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
     check_mesh(mesh)
-    resolve_profile(hardware)
-    parsed = parse_pins(pins, mesh)
-    parse_memory(memory_budget)
-    check_recompute(recompute)
-    check_gap(solver_gap)
+    config = PlanConfig(
+        hardware=hardware,
+        pins=pins,
+        memory_budget=memory_budget,
+        fallback=fallback,
+        solver_time_limit_s=solver_time_limit_s,
+        solver_gap=solver_gap,
+        share_layers=share_layers,
+        recompute=recompute,
+        mixed_precision=mixed_precision,
+    )
+    parsed = config.pins_for(mesh)
     if plan is not None and not isinstance(plan, ShardingPlan):
         raise TypeError(
             f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}"
         )
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"mixed_precision must be an autopar.MixedPrecision, got {type(mixed_precision).__name__}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait, a positive number")
-
-    def planner(captured, state_pins=None):
-        return plan_captured(
-            captured,
-            mesh,
-            hardware=hardware,
-            pins={**(pins or {}), **(state_pins or {})},
-            memory_budget=memory_budget,
-            fallback=fallback,
-            solver_time_limit_s=solver_time_limit_s,
-            solver_gap=solver_gap,
-            share_layers=share_layers,
-            recompute=recompute,
-        )
-
     return ParallelModule(
         model,
         mesh,
         example_inputs=example_inputs,
         plan=plan,
         backend=backend or default_backend(model),
-        planner=planner,
+        planner=lambda captured, state_pins=None: plan_with(captured, mesh, config.with_pins(state_pins or {})),
         pins=parsed,
         init_weights=init_weights,
         timeout_s=timeout,
-        param_dtype=mixed_precision.param_dtype if mixed_precision is not None else None,
+        param_dtype=config.param_dtype,
     )
 
 

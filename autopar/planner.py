@@ -3,31 +3,30 @@
 import dataclasses
 import logging
 import math
-import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from autopar.config import Pins, PlanConfig
 from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
 from autopar.core.graph import segment_of
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Placement, Placements, parse_placements
+from autopar.core.placement import Placements
 from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
 from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
-from autopar.cost_model.hardware import Profile, resolve_profile
+from autopar.cost_model.hardware import Profile
 from autopar.passes.analysis.capture import Captured, capture, module_paths
 from autopar.passes.analysis.liveness import Liveness
 from autopar.passes.lower.liveness import plan_liveness
-from autopar.passes.propagation.buckets import BUCKET_BYTES
 from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.layers import LayerClasses, repeated_layers
 from autopar.passes.solve.layouts import standard_layouts
 from autopar.passes.solve.planning import build_plan, moment_bytes
-from autopar.passes.solve.remat import RECOMPUTE_OPTIONS, ActivationSpace, activation_bytes, activation_space
+from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
 from autopar.passes.solve.solver import Solution, program_size, solve
 
 log = logging.getLogger("autopar")
@@ -37,99 +36,22 @@ SHARE_ABOVE = 20_000
 variables by default. Smaller programs solve in seconds without it and keep plans that differ
 from layer to layer (an MLP alternating column and row splits)."""
 
-Pins = Mapping[str, "str | Sequence[str | Placement]"]
-
-
-def parse_pins(pins: Pins | None, mesh: Mesh) -> dict[str, Placements]:
-    if pins is None:
-        return {}
-    if not isinstance(pins, Mapping):
-        raise TypeError(f"pins must map parameter or input names to placements, got {type(pins).__name__}")
-    return {name: parse_placements(value, mesh.ndim) for name, value in pins.items()}
-
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_memory(value: "int | float | str | None") -> int | None:
-    """Bytes from ``40_000_000_000``, ``"40GB"`` (powers of 10) or ``"512MiB"`` (powers of 2)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", value.upper())
-        if not match:
-            raise ValueError(f"memory_budget={value!r} is not a size; write bytes or a size like '40GB' or '512MiB'")
-        value = float(match.group(1)) * _UNITS[match.group(2)]
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes or a size like '40GB', got {value!r}")
-    return int(value)
-
-
-def check_recompute(recompute: str) -> None:
-    if recompute not in RECOMPUTE_OPTIONS:
-        raise ValueError(
-            f"recompute={recompute!r} is not one of {', '.join(map(repr, RECOMPUTE_OPTIONS))}: "
-            "'auto' recomputes what the memory budget needs, 'none' keeps every activation, "
-            "'layers' recomputes every layer of a stack from its input"
-        )
-
-
-def check_gap(solver_gap: float) -> None:
-    if not isinstance(solver_gap, (int, float)) or not 0 <= solver_gap < 1:
-        raise ValueError(
-            f"solver_gap={solver_gap!r} is not a fraction in [0, 1): it is how far from the fastest plan "
-            "the solver may stop, e.g. 0.01 for 1%"
-        )
-
 
 def check_mesh(mesh: Mesh) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, e.g. Mesh((2, 2), ('dp', 'tp')), got {type(mesh).__name__}")
 
 
-def plan_captured(
-    captured: Captured,
-    mesh: Mesh,
-    *,
-    hardware: "str | Profile" = "h100",
-    pins: Pins | None = None,
-    memory_budget: "int | str | None" = None,
-    fallback: bool = True,
-    solver_time_limit_s: float = 120.0,
-    solver_gap: float = 1e-3,
-    share_layers: bool | None = None,
-    recompute: str = "auto",
-    bucket_bytes: int = BUCKET_BYTES,
-) -> ShardingPlan:
-    """Plan an already captured graph (see :func:`autopar.plan`), with gradients reduced in
-    buckets of ``bucket_bytes`` (:mod:`autopar.passes.propagation.buckets`)."""
+def plan_captured(captured: Captured, mesh: Mesh, **options) -> ShardingPlan:
+    """Plan an already captured graph with the options of :func:`autopar.plan` (and
+    ``bucket_bytes``, see :class:`~autopar.config.PlanConfig`)."""
+    return plan_with(captured, mesh, PlanConfig(**options))
+
+
+def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
+    """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
-    check_recompute(recompute)
-    check_gap(solver_gap)
-    problem = _Problem.build(
-        captured,
-        mesh,
-        resolve_profile(hardware),
-        parse_pins(pins, mesh),
-        parse_memory(memory_budget),
-        fallback=fallback,
-        time_limit_s=solver_time_limit_s,
-        gap=solver_gap,
-        share_layers=share_layers,
-        recompute=recompute,
-        bucket_bytes=bucket_bytes,
-    )
+    problem = _Problem.build(captured, mesh, config)
     try:
         result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
@@ -203,31 +125,18 @@ class _Problem:
     """Seconds the stages before the search took: capture, propagate and cost."""
 
     @classmethod
-    def build(
-        cls,
-        captured: Captured,
-        mesh: Mesh,
-        profile: Profile,
-        pins: dict[str, Placements],
-        budget: int | None,
-        *,
-        fallback: bool,
-        time_limit_s: float,
-        gap: float,
-        share_layers: bool | None,
-        recompute: str,
-        bucket_bytes: int,
-    ) -> "_Problem":
+    def build(cls, captured: Captured, mesh: Mesh, config: PlanConfig) -> "_Problem":
+        profile, pins, recompute = config.profile, config.pins_for(mesh), config.recompute
         t0 = time.perf_counter()
-        space = propagate(captured, mesh, pins=pins, fallback=fallback)
+        space = propagate(captured, mesh, pins=pins, fallback=config.fallback)
         t1 = time.perf_counter()
-        costs = CostModel(captured, mesh, profile, bucket_bytes=bucket_bytes)
+        costs = CostModel(captured, mesh, profile, bucket_bytes=config.bucket_bytes)
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
         t2 = time.perf_counter()
         memory = memory_terms(space, costs)
         activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
-        classes = _layer_classes(captured, space, node_costs, memory, share_layers)
+        classes = _layer_classes(captured, space, node_costs, memory, config.share_layers)
         if classes.num_classes:
             log.info(
                 "%d repeated layers in %d classes share the choice of their class's first layer",
@@ -245,10 +154,10 @@ class _Problem:
             mesh,
             profile,
             pins,
-            budget,
+            config.budget_bytes,
             recompute,
-            time_limit_s,
-            gap,
+            config.solver_time_limit_s,
+            config.solver_gap,
             space,
             costs,
             compute,
@@ -567,15 +476,7 @@ def plan(
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("example_inputs must be a tuple of tensors, e.g. (x, y)")
-    resolve_profile(hardware)
-    parse_pins(pins, mesh)
-    parse_memory(memory_budget)
-    check_recompute(recompute)
-    check_gap(solver_gap)
-    param_dtype = mixed_precision.param_dtype if mixed_precision is not None else None
-    return plan_captured(
-        capture(model, tuple(example_inputs), param_dtype),
-        mesh,
+    config = PlanConfig(
         hardware=hardware,
         pins=pins,
         memory_budget=memory_budget,
@@ -584,4 +485,7 @@ def plan(
         solver_gap=solver_gap,
         share_layers=share_layers,
         recompute=recompute,
+        mixed_precision=mixed_precision,
     )
+    config.pins_for(mesh)
+    return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)

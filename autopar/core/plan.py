@@ -112,8 +112,8 @@ class MemoryEstimate:
     last reader (:mod:`autopar.passes.analysis.liveness`), measured for plans that recompute (under a
     memory budget, or with ``recompute="layers"``): the solver counts a segment's recomputed
     values one segment at a time, which the program can exceed. 0 when not measured: without
-    recomputation the solver's count is within a few percent of the program's peak, never
-    below it but for the loss, as the tests check."""
+    recomputation the solver's count is within a few percent of the program's peak, as the
+    tests check."""
     bucket_bytes: int = 0
     """The packed copy of the largest gradient bucket, alive while its collective runs beside
     the backward."""
