@@ -41,6 +41,7 @@ copied there as soon as it is in its placements.
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -163,249 +164,333 @@ def rewrite(
     placements); its outputs are the forward results whole, each parameter's gradient in the
     parameter's placement and the new value of each buffer the forward updates in the buffer's.
     """
+    lowering = _Lowering.of(captured, plan, Rank(plan.mesh, plan.links, coordinate, group_names))
     mesh = plan.mesh
-    strategies = plan_strategies(captured, plan)
-    graph = captured.graph.graph
-    aliases = getitem_aliases(graph)
-    rank = Rank(mesh, plan.links, coordinate, group_names)
-    layouts = [strategies[n.name].outputs[0] for n in captured.placeholders]
-    nodes = {n.name: n for n in graph.nodes}
-    recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
-    offloaded = {n.name for n in plan.nodes if n.activation == "offload"}
-    backward = captured_backward(captured)
-    to_host = {
-        aliases.get(a.name, (a.name, 0))
-        for n in graph.nodes
-        if n in backward or n.name in recomputed
-        for a in n.all_input_nodes
-    }
-    to_host_of: dict[str, list[ValueRef]] = {}  # per offloaded op, its outputs the backward reads
-    for ref in sorted(to_host):
-        if ref[0] in offloaded:
-            to_host_of.setdefault(ref[0], []).append(ref)
-    paths = module_paths(captured)
-    starts = backward_segment_starts(captured, paths)
-    prefetch_at = _prefetches(
-        starts, {ref for refs in to_host_of.values() for ref in refs}, paths, set(plan.prefetched)
-    )
-    part_of = {name: i + 1 for i, name in enumerate(starts.values())}
-    host_params = {
-        n.name
-        for n, k in zip(captured.placeholders, captured.inputs)
-        if k.kind == "param" and k.name in plan.host_params
-    }
-    devices = {n.name: n.meta["val"].device for n in captured.placeholders}
-    grad_of = {
-        k.name: v
-        for k, v in zip(captured.outputs, graph.output_node().args[0])
-        if k is not None and k.kind == "grad" and isinstance(v, fx.Node)
-    }
-    gradients = [
-        (n, grad_of[k.name])
-        for n, k in zip(captured.placeholders, captured.inputs)
-        if k.kind == "param" and k.name in grad_of
-    ]  # (parameter, its gradient) in parameter order
-
-    def phases(n: fx.Node) -> tuple[bool, ...]:  # whether n runs in the backward, in the forward, or in both
-        return (True,) if n in backward else (False, True) if n.name in recomputed else (False,)
-
-    fetched = {
-        (in_backward, aliases.get(a.name, (a.name, 0)), p)
-        for n in graph.nodes
-        if n.op == "call_function" and n.name not in aliases
-        for in_backward in phases(n)
-        for a, p in zip(tensor_args(n), strategies[n.name].inputs)
-    }  # the moves ops make for themselves
-    bucket_keys, bucket_steps, buckets = _gradient_buckets(gradients, strategies, aliases, backward, fetched, plan)
-    gathers = parameter_gathers(captured, strategies, recomputed, host_params, mesh, plan.links, plan.bucket_bytes)
-    gathered_by = {key: g for g in gathers for key in g.keys}
-    inputs = {n.name for n in captured.placeholders}
-    producers = [{bucket_keys[i][1][0] for i in b.members} - inputs for b in buckets]
-    filled_by: dict[str, list[int]] = {}
-    for b, names in enumerate(producers):
-        for name in names:
-            filled_by.setdefault(name, []).append(b)
-    states = {k.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer")}
-    in_bucket = set(bucket_keys)
-    made_by: dict[str, list[int]] = {}  # per backward op, the gradients it makes that move on their own
-    reduced_with: dict[tuple, list[int]] = {}  # per bucketed move, the gradients it makes
-    for i, value in enumerate(graph.output_node().args[0]):
-        kind = captured.outputs[i]
-        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node) and value in backward:
-            ref = aliases.get(value.name, (value.name, 0))
-            key = (True, ref, strategies[states[kind.name].name].outputs[0])
-            if key in in_bucket:
-                reduced_with.setdefault(key, []).append(i)
-            else:
-                made_by.setdefault(ref[0], []).append(i)
-
-    def per_rank(*local_inputs):
-        env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
-        again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
-        on_host: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
-        brought: dict[tuple[bool, ValueRef], torch.Tensor] = {}  # parameters from host memory, per phase
-        waited: set[ValueRef] = set()  # reloads the backward has waited for
-        moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (in backward, value, placements)
-
-        def fetch(arg: fx.Node, dst: Placements, in_backward: bool = False) -> torch.Tensor:
-            """``arg`` in placements ``dst``, for a forward op or, ``in_backward``, for a
-            backward op or a recomputation, which read recomputed values and move in the
-            backward."""
-            ref = aliases.get(arg.name, (arg.name, 0))
-            if in_backward and ref[0] in recomputed:
-                if ref not in again:
-                    recompute(nodes[ref[0]])
-                t, src = again[ref]
-            elif in_backward and ref in on_host:
-                start_reload(ref)
-                t, src = again[ref]
-                if ref not in waited:
-                    with fx_traceback.annotate(IN_BACKWARD):
-                        reload_wait(t)
-                    waited.add(ref)
-            else:
-                t, src = env[ref]
-                if ref[0] in host_params:
-                    t = bring(t, ref, in_backward)
-            if src == dst:
-                return t
-            key = (in_backward, ref, dst)
-            if key not in moved:
-                with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
-                    if key in gathered_by:
-                        gather = gathered_by[key]
-                        pieces = rank.bucket(
-                            [env[k[1]][0] for k in gather.keys], list(gather.steps), gather.bucket.step
-                        )
-                        moved.update(zip(gather.keys, pieces))
-                    else:
-                        moved[key] = rank.move(t, src, dst, tuple(arg.meta["val"].shape))
-            return moved[key]
-
-        def start_reload(ref: ValueRef) -> None:
-            if ref not in again and ref in on_host:
-                with fx_traceback.annotate(IN_BACKWARD):
-                    host, layout = on_host[ref]
-                    again[ref] = reload(host, env[ref][0].device), layout
-
-        def bring(host: torch.Tensor, ref: ValueRef, in_backward: bool) -> torch.Tensor:
-            if (in_backward, ref) not in brought:
-                with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
-                    brought[in_backward, ref] = reload(host, devices[ref[0]])
-                    reload_wait(brought[in_backward, ref])
-            return brought[in_backward, ref]
-
-        def run(node: fx.Node, store: dict, in_backward: bool) -> None:
-            strategy = strategies[node.name]
-            local_args = [fetch(a, p, in_backward) for a, p in zip(tensor_args(node), strategy.inputs)]
-            result = local_call(node, local_args, strategy, mesh, rank.split)()
-            results = result if isinstance(result, (list, tuple)) else [result]
-            for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
-                store[node.name, i] = value, layout
-
-        def recompute(node: fx.Node) -> None:
-            with fx_traceback.annotate(RECOMPUTED):
-                run(node, again, True)
-
-        in_flight: list[tuple[Bucket, Callable]] = []  # the bucket launched last, not yet waited for
-
-        def reduce(bucket: Bucket) -> None:
-            """Launch one bucket's collectives on its gradients as this rank made them, after
-            waiting for the bucket launched before it, so that each runs beside the backward
-            until the next is launched."""
-            finish_reduce()
-            with fx_traceback.annotate(IN_BACKWARD):
-                in_flight.append(
-                    (
-                        bucket,
-                        rank.start_bucket(
-                            [env[bucket_keys[i][1]][0] for i in bucket.members],
-                            [bucket_steps[i] for i in bucket.members],
-                            bucket.step,
-                            bucket.then,
-                        ),
-                    )
-                )
-
-        def finish_reduce() -> None:
-            """Wait for the bucket in flight; its gradients then find their moves made."""
-            while in_flight:
-                bucket, finish = in_flight.pop()
-                with fx_traceback.annotate(IN_BACKWARD):
-                    reduced = finish()
-                for i, piece in zip(bucket.members, reduced):
-                    moved[bucket_keys[i]] = piece
-                for i in bucket.members:
-                    for j in reduced_with.get(bucket_keys[i], ()):
-                        outputs[j] = state_output(j)
-
-        def state_output(i: int) -> torch.Tensor:
-            """Output ``i``, a parameter's gradient or an updated buffer's new value, in that
-            parameter's or buffer's placements; the gradient of a parameter in host memory goes there."""
-            kind, value = captured.outputs[i], graph.output_node().args[0][i]
-            state = states[kind.name]
-            result = fetch(value, strategies[state.name].outputs[0], value in backward)
-            return offload(result) if kind.kind == "grad" and state.name in host_params else result
-
-        outputs: dict[int, torch.Tensor | None] = {}
-        left = [set(p) for p in producers]  # per bucket, the ops still to make one of its gradients
-        for i, node in enumerate(captured.placeholders):
-            env[node.name, 0] = local_inputs[i], layouts[i]
-        for node in graph.nodes:
-            if node.op == "get_attr":  # a constant of the graph, whole on every rank
-                env[node.name, 0] = getattr(captured.graph, node.target), (R,) * mesh.ndim
-        for b, names in enumerate(left):
-            if not names:
-                reduce(buckets[b])
-        part = 0
-        for node in graph.nodes:
-            part = part_of.get(node.name, part)
-            with fx_traceback.annotate({PART: part}):
-                for ref in prefetch_at.get(node.name, ()):
-                    start_reload(ref)
-                if node.op == "call_function" and node.name not in aliases:
-                    with fx_traceback.annotate(IN_BACKWARD) if node in backward else contextlib.nullcontext():
-                        run(node, env, node in backward)
-                    for ref in to_host_of.get(node.name, ()):
-                        t, layout = env[ref]
-                        on_host[ref] = offload(t), layout
-                    for b in filled_by.get(node.name, ()):
-                        left[b].discard(node.name)
-                        if not left[b]:
-                            reduce(buckets[b])
-                    for i in made_by.get(node.name, ()):
-                        outputs[i] = state_output(i)
-        finish_reduce()
-        for i, (kind, value) in enumerate(zip(captured.outputs, graph.output_node().args[0])):
-            if i in outputs:
-                continue
-            if kind is None or not isinstance(value, fx.Node):
-                outputs[i] = None
-            elif kind.kind == "output":
-                outputs[i] = fetch(value, (R,) * mesh.ndim)
-            else:
-                outputs[i] = state_output(i)
-        return [outputs[i] for i in range(len(captured.outputs))]
-
     fake_mode = FakeTensorMode()
     with fake_mode:
         fakes = [
             torch.empty(
                 local_shape(tuple(n.meta["val"].shape), p, mesh),
                 dtype=n.meta["val"].dtype,
-                device="cpu" if n.name in host_params else n.meta["val"].device,
+                device="cpu" if n.name in lowering.host_params else n.meta["val"].device,
             )
-            for n, p in zip(captured.placeholders, layouts)
+            for n, p in zip(captured.placeholders, lowering.layouts)
         ]
     try:
         with fx_traceback.preserve_node_meta():
-            gm = make_fx(per_rank, tracing_mode="fake")(*fakes)
+            gm = make_fx(lambda *local_inputs: _RankProgram(lowering).trace(local_inputs), tracing_mode="fake")(*fakes)
     except Exception as exc:
         raise RewriteError(
             f"could not build the per-rank graph at mesh coordinate {tuple(coordinate)}: "
             f"{type(exc).__name__}: {exc}\nFix: plan again with fallback=True, or pin the failing tensor replicated"
         ) from exc
     return gm
+
+
+@dataclass(frozen=True)
+class _Lowering:
+    """What the per-rank program of a plan is made from, worked out before tracing it: each
+    node's strategy, what the backward recomputes, copies to the host and back (and from which
+    op it starts copying back), the layers' parts, and the gradient buckets and parameter
+    gathers with the ops that fill them."""
+
+    captured: Captured
+    plan: ShardingPlan
+    rank: Rank
+    strategies: dict[str, Strategy]
+    aliases: dict[str, ValueRef]
+    layouts: list[Placements]
+    """The placements of each placeholder, in order."""
+    nodes: dict[str, fx.Node]
+    recomputed: set[str]
+    backward: set[fx.Node]
+    to_host_of: dict[str, list[ValueRef]]
+    """Per offloaded op, its outputs the backward reads."""
+    prefetch_at: dict[str, list[ValueRef]]
+    part_of: dict[str, int]
+    host_params: set[str]
+    devices: dict[str, torch.device]
+    states: dict[str, fx.Node]
+    """The placeholder of each parameter and buffer, by qualified name."""
+    buckets: "_Buckets"
+
+    @classmethod
+    def of(cls, captured: Captured, plan: ShardingPlan, rank: Rank) -> "_Lowering":
+        strategies = plan_strategies(captured, plan)
+        graph = captured.graph.graph
+        aliases = getitem_aliases(graph)
+        recomputed = {n.name for n in plan.nodes if n.activation == "recompute"}
+        offloaded = {n.name for n in plan.nodes if n.activation == "offload"}
+        backward = captured_backward(captured)
+        to_host = {
+            aliases.get(a.name, (a.name, 0))
+            for n in graph.nodes
+            if n in backward or n.name in recomputed
+            for a in n.all_input_nodes
+        }
+        to_host_of: dict[str, list[ValueRef]] = {}
+        for ref in sorted(to_host):
+            if ref[0] in offloaded:
+                to_host_of.setdefault(ref[0], []).append(ref)
+        paths = module_paths(captured)
+        starts = backward_segment_starts(captured, paths)
+        prefetch_at = _prefetches(
+            starts, {ref for refs in to_host_of.values() for ref in refs}, paths, set(plan.prefetched)
+        )
+        host_params = {
+            n.name
+            for n, k in zip(captured.placeholders, captured.inputs)
+            if k.kind == "param" and k.name in plan.host_params
+        }
+        states = {k.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer")}
+        lowering = dict(strategies=strategies, aliases=aliases, recomputed=recomputed, backward=backward)
+        return cls(
+            captured,
+            plan,
+            rank,
+            layouts=[strategies[n.name].outputs[0] for n in captured.placeholders],
+            nodes={n.name: n for n in graph.nodes},
+            to_host_of=to_host_of,
+            prefetch_at=prefetch_at,
+            part_of={name: i + 1 for i, name in enumerate(starts.values())},
+            host_params=host_params,
+            devices={n.name: n.meta["val"].device for n in captured.placeholders},
+            states=states,
+            buckets=_Buckets.of(captured, plan, states, host_params, **lowering),
+            **lowering,
+        )
+
+
+@dataclass(frozen=True)
+class _Buckets:
+    """The gradient buckets of a per-rank program and the parameter gathers, with what makes
+    each gradient: ``keys[i]`` is the move ``(in backward, value, placements)`` of the ``i``-th
+    bucketed gradient and ``steps[i]`` its steps; ``filled_by`` lists per op the buckets it
+    makes a gradient of; ``made_by`` per op the outputs (gradients moving alone) it makes, and
+    ``reduced_with`` per bucketed move the outputs it gives."""
+
+    keys: list
+    steps: list
+    buckets: list[Bucket]
+    gathered_by: dict
+    producers: list[set[str]]
+    filled_by: dict[str, list[int]]
+    made_by: dict[str, list[int]]
+    reduced_with: dict[tuple, list[int]]
+
+    @classmethod
+    def of(cls, captured, plan, states, host_params, *, strategies, aliases, recomputed, backward) -> "_Buckets":
+        graph = captured.graph.graph
+        grad_of = {
+            k.name: v
+            for k, v in zip(captured.outputs, graph.output_node().args[0])
+            if k is not None and k.kind == "grad" and isinstance(v, fx.Node)
+        }
+        gradients = [
+            (n, grad_of[k.name])
+            for n, k in zip(captured.placeholders, captured.inputs)
+            if k.kind == "param" and k.name in grad_of
+        ]  # (parameter, its gradient) in parameter order
+
+        def phases(n: fx.Node) -> tuple[bool, ...]:  # whether n runs in the backward, in the forward, or in both
+            return (True,) if n in backward else (False, True) if n.name in recomputed else (False,)
+
+        fetched = {
+            (in_backward, aliases.get(a.name, (a.name, 0)), p)
+            for n in graph.nodes
+            if n.op == "call_function" and n.name not in aliases
+            for in_backward in phases(n)
+            for a, p in zip(tensor_args(n), strategies[n.name].inputs)
+        }  # the moves ops make for themselves
+        keys, steps, buckets = _gradient_buckets(gradients, strategies, aliases, backward, fetched, plan)
+        gathers = parameter_gathers(
+            captured, strategies, recomputed, host_params, plan.mesh, plan.links, plan.bucket_bytes
+        )
+        inputs = {n.name for n in captured.placeholders}
+        producers = [{keys[i][1][0] for i in b.members} - inputs for b in buckets]
+        filled_by: dict[str, list[int]] = {}
+        for b, names in enumerate(producers):
+            for name in names:
+                filled_by.setdefault(name, []).append(b)
+        in_bucket = set(keys)
+        made_by: dict[str, list[int]] = {}
+        reduced_with: dict[tuple, list[int]] = {}
+        for i, value in enumerate(graph.output_node().args[0]):
+            kind = captured.outputs[i]
+            if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node) and value in backward:
+                ref = aliases.get(value.name, (value.name, 0))
+                key = (True, ref, strategies[states[kind.name].name].outputs[0])
+                if key in in_bucket:
+                    reduced_with.setdefault(key, []).append(i)
+                else:
+                    made_by.setdefault(ref[0], []).append(i)
+        gathered_by = {key: g for g in gathers for key in g.keys}
+        return cls(keys, steps, buckets, gathered_by, producers, filled_by, made_by, reduced_with)
+
+
+class _RankProgram:
+    """One rank's program as :func:`rewrite` traces it, with one method per kind of step:
+    running an op on local pieces, fetching an operand in the placements it needs (moving it,
+    or gathering a layer's parameters together), recomputing, copying back from the host, and
+    reducing a gradient bucket. Its state is what the trace has made so far."""
+
+    def __init__(self, lowering: _Lowering):
+        self.low = lowering
+        self.env: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
+        self.again: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}  # recomputed or copied back
+        self.on_host: dict[ValueRef, tuple[torch.Tensor, Placements]] = {}
+        self.brought: dict[tuple[bool, ValueRef], torch.Tensor] = {}  # parameters from host memory, per phase
+        self.waited: set[ValueRef] = set()  # reloads the backward has waited for
+        self.moved: dict[tuple[bool, ValueRef, Placements], torch.Tensor] = {}  # (in backward, value, placements)
+        self.in_flight: list[tuple[Bucket, Callable]] = []  # the bucket launched last, not yet waited for
+        self.outputs: dict[int, torch.Tensor | None] = {}
+
+    def trace(self, local_inputs: Sequence[torch.Tensor]) -> list:
+        low, captured = self.low, self.low.captured
+        graph, mesh = captured.graph.graph, low.plan.mesh
+        left = [set(p) for p in low.buckets.producers]  # per bucket, the ops still to make one of its gradients
+        for i, node in enumerate(captured.placeholders):
+            self.env[node.name, 0] = local_inputs[i], low.layouts[i]
+        for node in graph.nodes:
+            if node.op == "get_attr":  # a constant of the graph, whole on every rank
+                self.env[node.name, 0] = getattr(captured.graph, node.target), (R,) * mesh.ndim
+        for b, names in enumerate(left):
+            if not names:
+                self.reduce(low.buckets.buckets[b])
+        part = 0
+        for node in graph.nodes:
+            part = low.part_of.get(node.name, part)
+            with fx_traceback.annotate({PART: part}):
+                for ref in low.prefetch_at.get(node.name, ()):
+                    self.start_reload(ref)
+                if node.op == "call_function" and node.name not in low.aliases:
+                    self.step(node, left)
+        self.finish_reduce()
+        for i, (kind, value) in enumerate(zip(captured.outputs, graph.output_node().args[0])):
+            if i in self.outputs:
+                continue
+            if kind is None or not isinstance(value, fx.Node):
+                self.outputs[i] = None
+            elif kind.kind == "output":
+                self.outputs[i] = self.fetch(value, (R,) * mesh.ndim)
+            else:
+                self.outputs[i] = self.state_output(i)
+        return [self.outputs[i] for i in range(len(captured.outputs))]
+
+    def step(self, node: fx.Node, left: list[set[str]]) -> None:
+        """Run one op of the joint graph, copy what the plan offloads of it to the host, and
+        launch the buckets and outputs its gradients complete."""
+        low = self.low
+        in_backward = node in low.backward
+        with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
+            self.run(node, self.env, in_backward)
+        for ref in low.to_host_of.get(node.name, ()):
+            t, layout = self.env[ref]
+            self.on_host[ref] = offload(t), layout
+        for b in low.buckets.filled_by.get(node.name, ()):
+            left[b].discard(node.name)
+            if not left[b]:
+                self.reduce(low.buckets.buckets[b])
+        for i in low.buckets.made_by.get(node.name, ()):
+            self.outputs[i] = self.state_output(i)
+
+    def fetch(self, arg: fx.Node, dst: Placements, in_backward: bool = False) -> torch.Tensor:
+        """``arg`` in placements ``dst``, for a forward op or, ``in_backward``, for a backward op
+        or a recomputation, which read recomputed values and move in the backward."""
+        low = self.low
+        ref = low.aliases.get(arg.name, (arg.name, 0))
+        if in_backward and ref[0] in low.recomputed:
+            if ref not in self.again:
+                self.recompute(low.nodes[ref[0]])
+            t, src = self.again[ref]
+        elif in_backward and ref in self.on_host:
+            self.start_reload(ref)
+            t, src = self.again[ref]
+            if ref not in self.waited:
+                with fx_traceback.annotate(IN_BACKWARD):
+                    reload_wait(t)
+                self.waited.add(ref)
+        else:
+            t, src = self.env[ref]
+            if ref[0] in low.host_params:
+                t = self.bring(t, ref, in_backward)
+        if src == dst:
+            return t
+        key = (in_backward, ref, dst)
+        if key not in self.moved:
+            with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
+                if key in low.buckets.gathered_by:
+                    gather = low.buckets.gathered_by[key]
+                    pieces = low.rank.bucket(
+                        [self.env[k[1]][0] for k in gather.keys], list(gather.steps), gather.bucket.step
+                    )
+                    self.moved.update(zip(gather.keys, pieces))
+                else:
+                    self.moved[key] = low.rank.move(t, src, dst, tuple(arg.meta["val"].shape))
+        return self.moved[key]
+
+    def start_reload(self, ref: ValueRef) -> None:
+        if ref not in self.again and ref in self.on_host:
+            with fx_traceback.annotate(IN_BACKWARD):
+                host, layout = self.on_host[ref]
+                self.again[ref] = reload(host, self.env[ref][0].device), layout
+
+    def bring(self, host: torch.Tensor, ref: ValueRef, in_backward: bool) -> torch.Tensor:
+        """A parameter living in host memory, copied to the device for the phase that reads it."""
+        if (in_backward, ref) not in self.brought:
+            with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
+                self.brought[in_backward, ref] = reload(host, self.low.devices[ref[0]])
+                reload_wait(self.brought[in_backward, ref])
+        return self.brought[in_backward, ref]
+
+    def run(self, node: fx.Node, store: dict, in_backward: bool) -> None:
+        strategy = self.low.strategies[node.name]
+        local_args = [self.fetch(a, p, in_backward) for a, p in zip(tensor_args(node), strategy.inputs)]
+        result = local_call(node, local_args, strategy, self.low.plan.mesh, self.low.rank.split)()
+        results = result if isinstance(result, (list, tuple)) else [result]
+        for i, (value, layout) in enumerate(zip(results, strategy.outputs)):
+            store[node.name, i] = value, layout
+
+    def recompute(self, node: fx.Node) -> None:
+        with fx_traceback.annotate(RECOMPUTED):
+            self.run(node, self.again, True)
+
+    def reduce(self, bucket: Bucket) -> None:
+        """Launch one bucket's collectives on its gradients as this rank made them, after
+        waiting for the bucket launched before it, so that each runs beside the backward until
+        the next is launched."""
+        self.finish_reduce()
+        keys, steps = self.low.buckets.keys, self.low.buckets.steps
+        with fx_traceback.annotate(IN_BACKWARD):
+            finish = self.low.rank.start_bucket(
+                [self.env[keys[i][1]][0] for i in bucket.members],
+                [steps[i] for i in bucket.members],
+                bucket.step,
+                bucket.then,
+            )
+        self.in_flight.append((bucket, finish))
+
+    def finish_reduce(self) -> None:
+        """Wait for the bucket in flight; its gradients then find their moves made."""
+        keys, reduced_with = self.low.buckets.keys, self.low.buckets.reduced_with
+        while self.in_flight:
+            bucket, finish = self.in_flight.pop()
+            with fx_traceback.annotate(IN_BACKWARD):
+                reduced = finish()
+            for i, piece in zip(bucket.members, reduced):
+                self.moved[keys[i]] = piece
+            for i in bucket.members:
+                for j in reduced_with.get(keys[i], ()):
+                    self.outputs[j] = self.state_output(j)
+
+    def state_output(self, i: int) -> torch.Tensor:
+        """Output ``i``, a parameter's gradient or an updated buffer's new value, in that
+        parameter's or buffer's placements; the gradient of a parameter in host memory goes there."""
+        low = self.low
+        kind, value = low.captured.outputs[i], low.captured.graph.graph.output_node().args[0][i]
+        state = low.states[kind.name]
+        result = self.fetch(value, low.strategies[state.name].outputs[0], value in low.backward)
+        return offload(result) if kind.kind == "grad" and state.name in low.host_params else result
 
 
 def _prefetches(
