@@ -151,6 +151,52 @@ def run_cases(cases: list[dict]) -> list[dict]:
     return results
 
 
+def case_name(case: dict) -> str:
+    mesh = "x".join(map(str, case["mesh_shape"]))
+    recompute = f"-recompute-{case['recompute']}" if "recompute" in case else ""
+    return f"{case['model_name']}-{mesh}-{case['optimizer_name']}-{case.get('preset', 'auto')}{recompute}"
+
+
+CASES_PER_RUN = 7
+"""Cases one set of ranks runs (about 10 s each on this project's 2-core machine)."""
+
+
+def run_groups(groups) -> dict[str, list[dict]]:
+    """Every case's per-rank results, keyed by :func:`case_name`, for ``(world size, cases)``
+    groups: ``CASES_PER_RUN`` cases to a set of ranks, so that each set ends well within the
+    harness's time limit on a busy machine."""
+    from tests.harness import run_ranks
+
+    out = {}
+    for world, cases in groups:
+        for start in range(0, len(cases), CASES_PER_RUN):
+            chunk = cases[start : start + CASES_PER_RUN]
+            per_rank = run_ranks(world, run_cases, chunk)
+            for i, case in enumerate(chunk):
+                out[case_name(case)] = [rank_results[i] for rank_results in per_rank]
+    return out
+
+
+def assert_matches_one_device(runs: list[dict]) -> None:
+    """Losses within 1e-5 relative, gradients and parameters within rtol 1e-4 / atol 1e-5, on
+    every rank."""
+    for r in runs:
+        assert r["loss_rel"] <= 1e-5, f"rank {r['rank']}: loss differs by {r['loss_rel']:.2e}"
+        assert r["grad_ok"], f"rank {r['rank']}: gradients differ by up to {r['grad_max']:.2e}"
+        assert r["param_ok"], f"rank {r['rank']}: parameters differ by up to {r['param_max']:.2e}"
+
+
+def assert_runs_the_planned_collectives(runs: list[dict]) -> None:
+    """Each rank's program ran exactly the collectives its plan lists, and no other."""
+    import collections
+
+    for r in runs:
+        plan = autopar.ShardingPlan.from_json(r["plan"])
+        planned = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives)
+        ran = collections.Counter(tuple(x) for x in r["ran"])
+        assert ran == planned
+
+
 def make_optimizer(name: str, params):
     """``sgd``, ``adamw``, or ``adamw-eps1e-6`` for models with a parameter whose gradient is zero
     up to rounding (GPT-2's key bias: softmax ignores a shift shared by every key). AdamW moves

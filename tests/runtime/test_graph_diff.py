@@ -1,19 +1,24 @@
-"""Parallel training on 2, 4 and 8 gloo ranks against the same training on one device.
+"""Parallel training of the examples on 2, 4 and 8 gloo ranks against the same training on one device.
 
 Losses at every step must match within 1e-5 relative, gradients after the first step and
 parameters after 3 optimizer steps within rtol 1e-4 / atol 1e-5 (fp32), buffers (batch norm's
 running statistics) likewise, and the per-rank graphs must run exactly the collectives their
-plans list. Models from Hugging Face transformers run too where transformers is installed.
+plans list. Models from Hugging Face transformers run in :mod:`tests.runtime.test_graph_diff_hf`.
 """
 
 import collections
-import importlib.util
 
 import pytest
 
 import autopar
-from tests.cases import BYTES_DEAR, make_model, run_cases
-from tests.harness import run_ranks
+from tests.cases import (
+    BYTES_DEAR,
+    assert_matches_one_device,
+    assert_runs_the_planned_collectives,
+    case_name,
+    make_model,
+    run_groups,
+)
 
 FOUR = [
     dict(model_name="mlp", mesh_shape=(4,), axis_names=("tp",), optimizer_name="adamw"),
@@ -82,71 +87,24 @@ TWO = [
     dict(model_name="gpt", mesh_shape=(2,), axis_names=("tp",), optimizer_name="sgd", preset="megatron"),
 ]
 
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-HUGGING_FACE = [  # models written by others: GPT-2 and LLaMA from transformers, built from configurations
-    dict(model_name="hf-gpt2", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6"),
-    dict(model_name="hf-gpt2", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw-eps1e-6"),
-    # dropout on: every rank draws the masks one device draws and keeps its piece
-    dict(model_name="hf-gpt2-dropout", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6"),
-    dict(model_name="hf-llama", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw"),
-    dict(model_name="hf-llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
-    # more architectures of the zoo: graph constants and index_put (Falcon), an encoder-decoder
-    # shifting its labels (T5), experts with transformers' grouped matmul (Mixtral), a vision
-    # transformer, a masked language model
-    *(
-        dict(model_name=f"zoo-{name}", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6")
-        for name in ("falcon", "t5", "mixtral", "vit", "bert")
-    ),
-]
-NEEDS_TRANSFORMERS = pytest.mark.skipif(
-    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
-)
-ALL = FOUR + TWO + EIGHT + [pytest.param(case, marks=NEEDS_TRANSFORMERS) for case in HUGGING_FACE]
-
-
-def _name(case):
-    mesh = "x".join(map(str, case["mesh_shape"]))
-    recompute = f"-recompute-{case['recompute']}" if "recompute" in case else ""
-    return f"{case['model_name']}-{mesh}-{case['optimizer_name']}-{case.get('preset', 'auto')}{recompute}"
-
-
-CASES_PER_RUN = 7
-"""Cases one set of ranks runs (about 10 s each on this project's 2-core machine)."""
+EXAMPLES = FOUR + TWO + EIGHT
 
 
 @pytest.fixture(scope="module")
 def results():
-    """Every case's per-rank results, keyed by case name: one set of ranks per world size and
-    ``CASES_PER_RUN`` cases (the models of Hugging Face transformers apart), so that each set
-    ends well within the harness's time limit on a busy machine."""
-    out = {}
-    hugging_face = HUGGING_FACE if HAS_TRANSFORMERS else []
-    for world, cases in ((4, FOUR), (4, hugging_face), (2, TWO), (8, EIGHT)):
-        for start in range(0, len(cases), CASES_PER_RUN):
-            chunk = cases[start : start + CASES_PER_RUN]
-            per_rank = run_ranks(world, run_cases, chunk)
-            for i, case in enumerate(chunk):
-                out[_name(case)] = [rank_results[i] for rank_results in per_rank]
-    return out
+    return run_groups(((4, FOUR), (2, TWO), (8, EIGHT)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ALL, ids=_name)
+@pytest.mark.parametrize("case", EXAMPLES, ids=case_name)
 def test_parallel_training_matches_one_device(results, case):
-    for r in results[_name(case)]:
-        assert r["loss_rel"] <= 1e-5, f"rank {r['rank']}: loss differs by {r['loss_rel']:.2e}"
-        assert r["grad_ok"], f"rank {r['rank']}: gradients differ by up to {r['grad_max']:.2e}"
-        assert r["param_ok"], f"rank {r['rank']}: parameters differ by up to {r['param_max']:.2e}"
+    assert_matches_one_device(results[case_name(case)])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ALL, ids=_name)
+@pytest.mark.parametrize("case", EXAMPLES, ids=case_name)
 def test_per_rank_graph_runs_exactly_the_planned_collectives(results, case):
-    for r in results[_name(case)]:
-        plan = autopar.ShardingPlan.from_json(r["plan"])
-        planned = collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives)
-        ran = collections.Counter(tuple(x) for x in r["ran"])
-        assert ran == planned
+    assert_runs_the_planned_collectives(results[case_name(case)])
 
 
 @pytest.mark.slow
