@@ -89,17 +89,7 @@ def compile(
     if mesh is None:
         raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
     check_mesh(mesh)
-    config = PlanConfig(
-        hardware=hardware,
-        pins=pins,
-        memory_budget=memory_budget,
-        fallback=fallback,
-        solver_time_limit_s=solver_time_limit_s,
-        solver_gap=solver_gap,
-        share_layers=share_layers,
-        recompute=recompute,
-        mixed_precision=mixed_precision,
-    )
+    config = PlanConfig.of(options)
     parsed = config.pins_for(mesh)
     if plan is not None and not isinstance(plan, ShardingPlan):
         raise TypeError(

@@ -104,6 +104,13 @@ class PlanConfig:
                 f"mixed_precision must be an autopar.MixedPrecision, got {type(self.mixed_precision).__name__}"
             )
 
+    @classmethod
+    def of(cls, options: Mapping[str, object]) -> "PlanConfig":
+        """The options among ``options`` (the keyword arguments of :func:`autopar.plan` or
+        :func:`autopar.compile`) that planning reads; the others are left to their caller."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: v for k, v in options.items() if k in names})
+
     @property
     def param_dtype(self):
         """The dtype parameters and inputs are computed in, or ``None`` for their own."""

@@ -476,16 +476,6 @@ def plan(
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("example_inputs must be a tuple of tensors, e.g. (x, y)")
-    config = PlanConfig(
-        hardware=hardware,
-        pins=pins,
-        memory_budget=memory_budget,
-        fallback=fallback,
-        solver_time_limit_s=solver_time_limit_s,
-        solver_gap=solver_gap,
-        share_layers=share_layers,
-        recompute=recompute,
-        mixed_precision=mixed_precision,
-    )
+    config = PlanConfig.of(locals())
     config.pins_for(mesh)
     return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)
