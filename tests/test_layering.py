@@ -4,6 +4,7 @@ per-rank programs, the runtime, and last the public face and command line. A mod
 its own layer and those below it, at the top of a file or inside a function alike."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,7 @@ def modules() -> dict[str, Path]:
 
 def imports(path: Path) -> list[tuple[int, str]]:
     """``(line, module)`` of every autopar module the file imports."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-    return [(line, name) for line, name in found if name == "autopar" or name.startswith("autopar.")]
+    return [(line, name) for line, name in _all_imports(path) if name == "autopar" or name.startswith("autopar.")]
 
 
 def test_every_module_belongs_to_a_layer():
@@ -84,3 +79,23 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_each_layer_holds_a_module(layer):
     """A layer with no module left would make the order say less than it seems to."""
     assert any(LAYERS[layer_of(name)][0] == layer for name in modules())
+
+
+def test_every_declared_dependency_is_imported_by_the_source():
+    """A dependency in ``pyproject.toml`` that no source file imports does not earn its place."""
+    block = re.search(r"^dependencies = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S).group(1)
+    requirements = re.findall(r'"([^"]+)"', block)
+    names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower().replace("-", "_") for r in requirements}
+    assert names >= {"torch"}
+    imported = {name.split(".")[0] for path in modules().values() for _, name in _all_imports(path)}
+    assert names - imported == set()
+
+
+def _all_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
