@@ -1,7 +1,9 @@
 """Training runs compared with one device; executed on every rank by the harness."""
 
 import copy
+import importlib.util
 
+import pytest
 import torch
 import torch.distributed as dist
 from autopar.examples.bert import Bert, BertConfig, masked_batch
@@ -12,6 +14,11 @@ from autopar.examples.mlp import MLP
 from autopar.examples.moe import MoEConfig, MoEGPT
 
 import autopar
+
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="Hugging Face transformers is not installed (pip install -e '.[test]')",
+)
 
 # compute dear, communication cheap: the solver splits work across ranks
 SYNTHETIC = autopar.SyntheticProfile(s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8)

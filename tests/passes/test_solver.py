@@ -224,7 +224,7 @@ def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch):
-    from autopar.passes import solver as solver_module
+    from autopar.passes.solve import solver as solver_module
     from autopar.passes.solve.highs_child import dive, program
     from ortools.linear_solver import linear_solver_pb2
 

@@ -2,16 +2,17 @@
 gloo ranks against the same training on one device, as :mod:`tests.runtime.test_graph_diff`
 checks the examples (a file of its own, so that a second test worker runs it beside that one)."""
 
-import importlib.util
-
 import pytest
 
-from tests.cases import assert_matches_one_device, assert_runs_the_planned_collectives, case_name, run_groups
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="Hugging Face transformers is not installed (pip install -e '.[test]')",
+from tests.cases import (
+    NEEDS_TRANSFORMERS,
+    assert_matches_one_device,
+    assert_runs_the_planned_collectives,
+    case_name,
+    run_groups,
 )
+
+pytestmark = NEEDS_TRANSFORMERS
 
 HUGGING_FACE = [  # models written by others: GPT-2 and LLaMA from transformers, built from configurations
     dict(model_name="hf-gpt2", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6"),

@@ -16,9 +16,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Shard
 
 import autopar
-from tests.cases import STEP_SEED, SYNTHETIC, _rank_inputs, make_model, make_optimizer, pins_for
+from tests.cases import NEEDS_TRANSFORMERS, STEP_SEED, SYNTHETIC, _rank_inputs, make_model, make_optimizer, pins_for
 from tests.harness import run_ranks
-from tests.runtime.test_graph_diff import NEEDS_TRANSFORMERS
 
 NORM_TYPES = (2.0, math.inf, 1.0)
 """The norm each step clips by, one step each."""
