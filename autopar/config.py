@@ -16,14 +16,6 @@ from autopar.passes.solve.remat import RECOMPUTE_OPTIONS
 Pins = Mapping[str, "str | Sequence[str | Placement]"]
 
 
-def parse_pins(pins: Pins | None, mesh: Mesh) -> dict[str, Placements]:
-    if pins is None:
-        return {}
-    if not isinstance(pins, Mapping):
-        raise TypeError(f"pins must map parameter or input names to placements, got {type(pins).__name__}")
-    return {name: parse_placements(value, mesh.ndim) for name, value in pins.items()}
-
-
 _UNITS = {
     "": 1,
     "B": 1,
@@ -118,7 +110,7 @@ class PlanConfig:
 
     def pins_for(self, mesh: Mesh) -> dict[str, Placements]:
         """The pins as placements on ``mesh``, one per axis (an error names a pin that has not)."""
-        return parse_pins(self.pins, mesh)
+        return {name: parse_placements(value, mesh.ndim) for name, value in (self.pins or {}).items()}
 
     def with_pins(self, extra: Mapping[str, "Placements | str"]) -> "PlanConfig":
         """These options with ``extra`` pinned beside the user's pins."""
