@@ -1,6 +1,7 @@
 """Planning: capture → propagate → cost → solve → ShardingPlan, with no devices needed."""
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from autopar.passes.solve.layers import LayerClasses, repeated_layers
 from autopar.passes.solve.layouts import standard_layouts
 from autopar.passes.solve.planning import build_plan, moment_bytes
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
-from autopar.passes.solve.solver import Solution, program_size, solve
+from autopar.passes.solve.solver import Solution, least_memory_bound, program_size, solve
 
 log = logging.getLogger("autopar")
 
@@ -52,6 +53,8 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
+    if problem.budget is not None and problem.budget < problem.least_memory_bound:
+        raise InfeasiblePlanError(problem.over_budget())
     try:
         result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
@@ -174,12 +177,10 @@ class _Problem:
         """Whether the search chooses what to recompute, and the program's liveness is measured."""
         return self.budget is not None or self.recompute == "layers"
 
-    def solve(self, **options) -> Solution:
-        """:func:`~autopar.passes.solve.solver.solve` on this problem, with ``options`` added."""
-        return solve(
-            self.space,
-            self.node_costs,
-            self.costs.transition_s,
+    def program(self, **options) -> dict:
+        """The options of this problem's integer program
+        (:func:`~autopar.passes.solve.solver.build_program`), with ``options`` added."""
+        return dict(
             gradient_s=self.costs.gradient_s,
             gather_s=self.costs.gather_s,
             segments=self.segments,
@@ -187,9 +188,26 @@ class _Problem:
             shared=self.classes.template,
             activations=self.activations,
             host=self.costs.host(),
-            time_limit_s=self.time_limit_s,
             bucket_bytes=self.costs.bucket_bytes,
             **options,
+        )
+
+    def solve(self, **options) -> Solution:
+        """:func:`~autopar.passes.solve.solver.solve` on this problem, with ``options`` added."""
+        return solve(
+            self.space,
+            self.node_costs,
+            self.costs.transition_s,
+            **self.program(time_limit_s=self.time_limit_s, **options),
+        )
+
+    @functools.cached_property
+    def least_memory_bound(self) -> float:
+        """Bytes per device no plan goes below, by the solver's count
+        (:func:`~autopar.passes.solve.solver.least_memory_bound`): a budget below it has no plan,
+        whatever the search's time limit."""
+        return least_memory_bound(
+            self.space, self.node_costs, self.costs.transition_s, **self.program(memory=self.memory)
         )
 
     def priced(self, solution: Solution) -> ShardingPlan:
@@ -211,6 +229,10 @@ class _Problem:
         """The fastest plan the solver finds within ``solver_budget`` (a start under a budget:
         ``start``, else every parameter split as far as it goes), as ``(plan, its program's
         liveness, stage times, solution)``; :class:`SolverTimeoutError` when it finds none in time."""
+        if solver_budget is not None and solver_budget < self.least_memory_bound:
+            raise InfeasiblePlanError(
+                f"no plan is under {format_bytes(solver_budget)}: any needs {format_bytes(self.least_memory_bound)}"
+            )
         if start is None and self.budget is not None:
             start = _sharded_parameters(self.space, self.memory)
         started = time.perf_counter()
@@ -257,6 +279,10 @@ class _Problem:
         layout = self.best_layout(info)
         live = plan_liveness(self.captured, layout) if layout is not None and self.chooses else None
         if layout is None or (live is not None and self.budget is not None and live.peak_bytes > self.budget):
+            if self.budget is not None:
+                least = self.least_memory()
+                if least is not None and least.info.status == "OPTIMAL" and least.info.objective_s > self.budget:
+                    raise InfeasiblePlanError(self.over_budget(least)) from None
             raise exc
         log.warning("the solver found no plan within its time limit; returning the %s layout", layout.solver.layout)
         return layout, live, {"solve": exc.solve_s}
@@ -279,57 +305,72 @@ class _Problem:
         )
         return layout, layout_live
 
-    def over_budget(self) -> str:
-        """Why no plan fits the budget: the least memory any plan reaches (offloading all it
-        can), by part, and what would fit."""
-        memory, activations, budget, mesh = self.memory, self.activations, self.budget, self.mesh
-        least = self.solve(memory=self.memory, minimise="memory")
-        est = dataclasses.replace(
+    def least_memory(self) -> Solution | None:
+        """The plan with the least memory the search finds in its time limit, offloading all it
+        can; ``None`` when it finds none."""
+        try:
+            return self.solve(memory=self.memory, minimise="memory")
+        except SolverTimeoutError:
+            return None
+
+    def over_budget(self, least: Solution | None = None) -> str:
+        """Why no plan fits the budget: the least memory any plan needs (the relaxation's bound,
+        and :meth:`least_memory`'s plan, ``least`` when already found, by part) and what would
+        fit."""
+        budget, mesh, bound = self.budget, self.mesh, self.least_memory_bound
+        least = least or self.least_memory()
+        if least is None:
+            found = f"any plan needs at least {format_bytes(bound)}, {format_bytes(bound - budget)} over"
+            need = bound
+        else:
+            est = self._least_memory_estimate(least)
+            need = est.peak_bytes
+            parts = {
+                "parameters": est.params_bytes,
+                "gradients": est.grads_bytes,
+                "optimizer state": est.optimizer_bytes,
+                "activations": est.activations_bytes + est.recomputed_bytes,
+                "largest temporary": est.transient_bytes,
+            }
+            largest = max(parts, key=parts.get)
+            state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
+            if state >= budget:
+                over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
+            else:
+                over = (
+                    f"the {largest} ({format_bytes(parts[largest])}) "
+                    f"{'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
+                    "not fit in what the rest leaves"
+                )
+            breakdown = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+            if least.info.status == "OPTIMAL":
+                found = f"the least memory any plan needs is {format_bytes(need)}, {format_bytes(need - budget)} over"
+            else:
+                found = (
+                    f"any plan needs at least {format_bytes(bound)}, and the plan with the least memory found "
+                    f"in the time limit needs {format_bytes(need)}"
+                )
+            found += f" ({breakdown}, not all alive at once); {over}"
+        factor = math.ceil(need / budget * 10) / 10  # the split parts shrink with the device count
+        return (
+            f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: {found}.\n"
+            f"Fix: raise memory_budget to at least {math.ceil(need)} bytes ({format_bytes(need)}), or plan for a mesh "
+            f"about {factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
+        )
+
+    def _least_memory_estimate(self, least: Solution):
+        memory, activations = self.memory, self.activations
+        chosen = (least.recomputed, least.offloaded, least.prefetched)
+        return dataclasses.replace(
             memory.estimate(
                 least.choice,
-                (
-                    frozenset(activations.nodes),
-                    *activation_bytes(activations, least.choice, least.recomputed, least.offloaded, least.prefetched),
-                ),
+                (frozenset(activations.nodes), *activation_bytes(activations, least.choice, *chosen)),
                 least.host_optimizer,
                 least.host_params,
             ),
             moment_bytes=moment_bytes(
-                memory,
-                activations,
-                least.choice,
-                least.recomputed,
-                least.offloaded,
-                least.prefetched,
-                least.host_optimizer,
-                least.host_params,
+                memory, activations, least.choice, *chosen, least.host_optimizer, least.host_params
             ),
-        )
-        parts = {
-            "parameters": est.params_bytes,
-            "gradients": est.grads_bytes,
-            "optimizer state": est.optimizer_bytes,
-            "activations": est.activations_bytes + est.recomputed_bytes,
-            "largest temporary": est.transient_bytes,
-        }
-        largest = max(parts, key=parts.get)
-        state = est.params_bytes + est.grads_bytes + est.optimizer_bytes
-        if state >= budget:
-            over = f"parameters, gradients and optimizer state alone need {format_bytes(state)} per device"
-        else:
-            over = (
-                f"the {largest} ({format_bytes(parts[largest])}) "
-                f"{'do' if largest in ('parameters', 'gradients', 'activations') else 'does'} "
-                "not fit in what the rest leaves"
-            )
-        factor = math.ceil(est.peak_bytes / budget * 10) / 10  # the split parts shrink with the device count
-        return (
-            f"no plan on {mesh} fits memory_budget={format_bytes(budget)} per device: the least memory any plan needs "
-            f"is {format_bytes(est.peak_bytes)}, {format_bytes(est.peak_bytes - budget)} over ("
-            + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-            + f", not all alive at once); {over}.\nFix: raise memory_budget to at least {est.peak_bytes} bytes "
-            f"({format_bytes(est.peak_bytes)}), or plan for a mesh about "
-            f"{factor:g}x larger ({math.ceil(mesh.size * factor)} devices or more), or shrink the batch"
         )
 
 

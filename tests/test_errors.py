@@ -1,5 +1,7 @@
 """Bad input gets an error naming the cause and the fix."""
 
+import re
+
 import pytest
 import torch
 from autopar.examples.mlp import MLP
@@ -193,6 +195,20 @@ def test_infeasible_memory_budget_says_what_is_over_and_what_would_fit():
         r"mesh about .*x larger",
     ):
         autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(), memory_budget="1KB")
+
+
+def test_an_infeasible_budget_is_refused_alike_under_any_time_limit():
+    """Whether any plan fits is decided by the program's relaxation before the timed search, so
+    a limit too short for any search still gives the infeasible verdict, not a timeout."""
+    for limit in (0.01, 120.0):
+        with pytest.raises(autopar.InfeasiblePlanError) as caught:
+            autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(), memory_budget="1KB", solver_time_limit_s=limit)
+        assert type(caught.value) is autopar.InfeasiblePlanError, caught.value
+        assert re.match(
+            r"no plan on Mesh\(dp=4\) fits memory_budget=1000 B per device: "
+            r"(any plan needs at least|the least memory any plan needs is) .*\nFix: raise memory_budget to at least ",
+            str(caught.value),
+        ), caught.value
 
 
 def test_pins_are_compared_with_a_plan_as_planning_reads_them(fake_world):

@@ -3,15 +3,15 @@ starts it as a script, so it imports HiGHS and the program's protocol buffer alo
 
 Reads from stdin the relative gap, the time limit in seconds, the seconds after which a
 search that has found no solution yet gives up (infinite: never) and the share of the search
-spent in primal heuristics (HiGHS's ``mip_heuristic_effort``), four doubles, then the number of
-columns to dive on (an unsigned 32-bit integer) and their indices (32-bit integers), then the
-program as an OR-Tools ``MPModelProto``; writes to stdout the pickle of ``(status, variable
-values, objective, bound)`` with OR-Tools' status codes, and ``None`` for the last three when no
-solution was found. The program's ``solution_hint`` (a plan known to satisfy it, whole or in
-part) is the search's starting solution: HiGHS completes a partial one with a small search of
-its own. Columns to dive on make the search start from :func:`dive`'s plan instead. HiGHS is
-driven through ``highspy`` rather than OR-Tools, whose HiGHS interface crashes on a program with
-a hint."""
+spent in primal heuristics (HiGHS's ``mip_heuristic_effort``), four doubles, then whether to
+solve the linear relaxation alone and the number of columns to dive on (two unsigned 32-bit
+integers) and those columns' indices (32-bit integers), then the program as an OR-Tools
+``MPModelProto``; writes to stdout the pickle of ``(status, variable values, objective, bound)``
+with OR-Tools' status codes, and ``None`` for the last three when no solution was found. The
+program's ``solution_hint`` (a plan known to satisfy it, whole or in part) is the search's
+starting solution: HiGHS completes a partial one with a small search of its own. Columns to
+dive on make the search start from :func:`dive`'s plan instead. HiGHS is driven through
+``highspy`` rather than OR-Tools, whose HiGHS interface crashes on a program with a hint."""
 
 import array
 import math
@@ -76,6 +76,26 @@ def _highs(lp: highspy.HighsLp, time_limit_s: float) -> highspy.Highs:
     return highs
 
 
+def relaxation(lp: highspy.HighsLp, time_limit_s: float) -> highspy.Highs:
+    """A HiGHS instance holding the linear relaxation of ``lp`` (its integers made continuous)."""
+    relaxed = _highs(lp, time_limit_s)
+    integers = [i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger]
+    relaxed.changeColsIntegrality(len(integers), integers, [highspy.HighsVarType.kContinuous] * len(integers))
+    return relaxed
+
+
+def _relaxed_answer(lp: highspy.HighsLp, time_limit_s: float) -> tuple:
+    relaxed = relaxation(lp, time_limit_s)
+    relaxed.run()
+    status = relaxed.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return (INFEASIBLE, None, None, None)
+    if status != highspy.HighsModelStatus.kOptimal:
+        return (NOT_SOLVED, None, None, None)
+    value = relaxed.getInfo().objective_function_value
+    return (OPTIMAL, array.array("d", relaxed.getSolution().col_value), value, value)
+
+
 def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: float) -> list[float] | None:
     """A plan to start the search from: the linear relaxation of the program ``lp`` solved, the integer
     ``columns`` it sets to 0 or 1 fixed there, and the program left searched within ``gap``
@@ -88,9 +108,7 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
     or 1), the search it leaves 5 to 8 s, and from that plan the whole search 5 s to prove it
     within 0.5 to 0.8%."""
     started = time.perf_counter()
-    relaxed = _highs(lp, time_limit_s)
-    integers = [i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger]
-    relaxed.changeColsIntegrality(len(integers), integers, [highspy.HighsVarType.kContinuous] * len(integers))
+    relaxed = relaxation(lp, time_limit_s)
     relaxed.run()
     if relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
@@ -115,13 +133,17 @@ def _give_up_without_solution(event, give_up_s: float) -> None:
 def main() -> None:
     data = sys.stdin.buffer.read()
     started = time.perf_counter()
-    gap, time_limit_s, give_up_s, heuristic_effort, count = struct.unpack("ddddI", data[:36])
-    columns = list(array.array("i", data[36 : 36 + 4 * count]))
-    model = linear_solver_pb2.MPModelProto.FromString(data[36 + 4 * count :])
+    gap, time_limit_s, give_up_s, heuristic_effort, relax, count = struct.unpack("ddddII", data[:40])
+    columns = list(array.array("i", data[40 : 40 + 4 * count]))
+    model = linear_solver_pb2.MPModelProto.FromString(data[40 + 4 * count :])
     result = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
     lp = program(model)
+    if relax:
+        pickle.dump(_relaxed_answer(lp, time_limit_s), result)
+        result.close()
+        return
     start = dive(lp, columns, gap, DIVE_SHARE * time_limit_s) if columns else None
     spent = time.perf_counter() - started
     highs = _highs(lp, time_limit_s - spent)

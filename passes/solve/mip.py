@@ -40,6 +40,7 @@ def solve_before_deadline(
     give_up_without_plan_s: float = math.inf,
     heuristic_effort: float = DEFAULT_HEURISTIC_EFFORT,
     dive: Sequence = (),
+    relax: bool = False,
 ):
     """Solve in a process of its own (:mod:`autopar.passes.solve.highs_child`) with HiGHS's time limit
     at ``time_limit_s``, and give up on it at ``DEADLINE_FACTOR`` times that plus
@@ -50,7 +51,8 @@ def solve_before_deadline(
     limit or the gap. ``heuristic_effort`` is the share of the search HiGHS spends looking for
     better plans rather than proving a bound. ``dive`` lists integer variables (the strategy
     choices) for the search to start from a plan that keeps them as the program's relaxation
-    sets them (:func:`autopar.passes.solve.highs_child.dive`), instead of from ``hint``. Returns
+    sets them (:func:`autopar.passes.solve.highs_child.dive`), instead of from ``hint``. ``relax``
+    solves the program's linear relaxation instead, whose objective bounds the program's. Returns
     ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
     the time limit stopped the search), or ``None`` when the deadline passed.
 
@@ -65,11 +67,12 @@ def solve_before_deadline(
         model.solution_hint.var_value.append(value)
     payload = (
         struct.pack(
-            "ddddI",
+            "ddddII",
             params.GetDoubleParam(params.RELATIVE_MIP_GAP),
             time_limit_s,
             give_up_without_plan_s,
             heuristic_effort,
+            relax,
             len(dive),
         )
         + array.array("i", [var.index() for var in dive]).tobytes()

@@ -99,7 +99,34 @@ class Solution:
     after them, ahead of their first read."""
 
 
-def solve(
+@dataclass(frozen=True, slots=True)
+class Program:
+    """The plan's integer program, built (:func:`build_program`), with the variables a plan is
+    read from."""
+
+    solver: pywraplp.Solver
+    ind: dict[str, list[list]]
+    """Each node's one-hot terms, by strategy (shared nodes hold their class's)."""
+    own: set[str]
+    """Nodes with one-hot variables of their own."""
+    shared: dict[str, str]
+    choices: dict[str, dict]
+    """The activation and host-memory choices' variables by name, under the field of
+    :class:`Solution` that names those chosen."""
+    peak: object
+    """The per-device peak's variable, with memory terms."""
+    budget_row: object
+    """The row keeping ``peak`` under the budget, with one."""
+    scale: float
+    """The objective's units per second (or per byte, minimising memory)."""
+    priced_budget: float | None
+    """The memory budget of a search for the fastest plan under one."""
+    choosing: bool
+    activations: ActivationSpace | None
+    memory: MemoryTerms | None
+
+
+def build_program(
     space: StrategySpace,
     node_costs: dict[str, list[float]],
     transition_s: TransitionCost,
@@ -115,60 +142,9 @@ def solve(
     choose_recompute: bool = True,
     host: Host | None = None,
     minimise: str = "time",
-    time_limit_s: float = 120.0,
-    relative_gap: float = 1e-3,
-    start: "Solution | Mapping[str, int] | None" = None,
     bucket_bytes: float | None = None,
-) -> Solution:
-    """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
-    ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
-    reads: the seconds of the move without bucket latency, and its share of a bucket when it
-    joins one (:meth:`~autopar.cost_model.estimate.CostModel.gradient_s`); without it gradients
-    are moved one by one. ``gather_s`` likewise prices moving a parameter for the ops that read
-    it (:meth:`~autopar.cost_model.estimate.CostModel.gather_s`): the moves that are one
-    all-gather join the buckets of their phase and of the layer of their readers, ``segments``
-    giving each node's layer (:func:`~autopar.passes.analysis.capture.segment_of`).
-
-    ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
-    given, a tensor with one reader moves along them
-    (:func:`~autopar.passes.solve.transport.layout_flow`), which takes fewer variables than all pairs
-    of layouts on N-D meshes. ``transition_s`` must then be the
-    cheapest path over these moves, as :func:`autopar.passes.propagation.redistribute.transition` is.
-
-    ``activations`` makes the views of parameters the backward reads again in the backward
-    (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
-    choice of every forward op; the kept and recomputed activations then replace
-    ``memory.activations`` of those ops. ``host`` adds, under a memory budget, offload to host
-    memory of activations (with ``choose_recompute``), of optimizer state and of parameters.
-
-    ``shared`` maps nodes of repeated layers to their counterpart in the representative layer
-    of their class (:func:`autopar.passes.solve.layers.repeated_layers`): they take its choice instead of their own
-    variables, and the costs of every copy add up on the shared variables.
-
-    With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
-    (:func:`~autopar.passes.solve.memory_program.memory_budget`), with the packed copy of a gradient
-    bucket of ``bucket_bytes`` in flight beside the backward counted when given
-    (:func:`~autopar.passes.solve.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
-    the plan with the least memory instead of the fastest. The search stops at a plan proven
-    within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
-    (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
-    ``start`` (in large programs from a dive on the strategy choices,
-    :func:`~autopar.passes.solve.highs_child.dive`, and with half of HiGHS's effort on finding plans,
-    ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it has found a plan that
-    fits; if it has found
-    none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
-    rest of the time, and if that finds none either,
-    :func:`~autopar.passes.solve.memory_program.priced_memory` looks instead. (A start can lead HiGHS
-    away from the optimum, so it is used only where the search alone finds nothing.)
-    Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
-
-    ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
-    another budget, say), or strategy indices of some nodes, which the solver completes. A start
-    that satisfies the program makes the result at least as fast as the start; one that does not
-    is dropped. When the search finds no plan in its time limit and ``start`` gives every node's
-    strategy, the start comes back with status ``START`` (its objective unknown: NaN).
-    """
-    started = time.perf_counter()
+) -> Program:
+    """Build the program :func:`solve` searches (its docstring gives the options)."""
     solver = pywraplp.Solver.CreateSolver("HIGHS")
     shared = dict(shared or {})
     copies: dict[str, list[str]] = defaultdict(list)
@@ -233,6 +209,7 @@ def solve(
     if memory is not None and bucketed and bucket_bytes:
         terms.append((None, in_flight_bucket(solver, bucketed, bucket_bytes), 1.0, "grad"))
     objective = solver.Objective()
+    peak = budget_row = None
     if memory is not None:
         peak, budget_row = memory_budget(
             solver, memory, ind, budget_bytes, shared, activations, (kept_mb, refilled) if choosing else None, terms
@@ -245,6 +222,89 @@ def solve(
             objective.SetCoefficient(var, cost * SCALE)
         scale = SCALE
     objective.SetMinimization()
+    return Program(
+        solver,
+        ind,
+        own,
+        shared,
+        {
+            "recomputed": again,
+            "offloaded": away,
+            "prefetched": ahead,
+            "host_optimizer": on_host,
+            "host_params": params_on_host,
+        },
+        peak,
+        budget_row,
+        scale,
+        budget_bytes if minimise == "time" else None,
+        choosing,
+        activations,
+        memory,
+    )
+
+
+def solve(
+    space: StrategySpace,
+    node_costs: dict[str, list[float]],
+    transition_s: TransitionCost,
+    *,
+    time_limit_s: float = 120.0,
+    relative_gap: float = 1e-3,
+    start: "Solution | Mapping[str, int] | None" = None,
+    **program,
+) -> Solution:
+    """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
+    ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
+    reads: the seconds of the move without bucket latency, and its share of a bucket when it
+    joins one (:meth:`~autopar.cost_model.estimate.CostModel.gradient_s`); without it gradients
+    are moved one by one. ``gather_s`` likewise prices moving a parameter for the ops that read
+    it (:meth:`~autopar.cost_model.estimate.CostModel.gather_s`): the moves that are one
+    all-gather join the buckets of their phase and of the layer of their readers, ``segments``
+    giving each node's layer (:func:`~autopar.passes.analysis.capture.segment_of`).
+
+    ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
+    given, a tensor with one reader moves along them
+    (:func:`~autopar.passes.solve.transport.layout_flow`), which takes fewer variables than all pairs
+    of layouts on N-D meshes. ``transition_s`` must then be the
+    cheapest path over these moves, as :func:`autopar.passes.propagation.redistribute.transition` is.
+
+    ``activations`` makes the views of parameters the backward reads again in the backward
+    (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
+    choice of every forward op; the kept and recomputed activations then replace
+    ``memory.activations`` of those ops. ``host`` adds, under a memory budget, offload to host
+    memory of activations (with ``choose_recompute``), of optimizer state and of parameters.
+
+    ``shared`` maps nodes of repeated layers to their counterpart in the representative layer
+    of their class (:func:`autopar.passes.solve.layers.repeated_layers`): they take its choice instead of their own
+    variables, and the costs of every copy add up on the shared variables.
+
+    With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
+    (:func:`~autopar.passes.solve.memory_program.memory_budget`), with the packed copy of a gradient
+    bucket of ``bucket_bytes`` in flight beside the backward counted when given
+    (:func:`~autopar.passes.solve.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
+    the plan with the least memory instead of the fastest. The search stops at a plan proven
+    within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
+    (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
+    ``start`` (in large programs from a dive on the strategy choices,
+    :func:`~autopar.passes.solve.highs_child.dive`, and with half of HiGHS's effort on finding plans,
+    ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it has found a plan that
+    fits; if it has found
+    none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
+    rest of the time, and if that finds none either,
+    :func:`~autopar.passes.solve.memory_program.priced_memory` looks instead. (A start can lead HiGHS
+    away from the optimum, so it is used only where the search alone finds nothing.)
+    Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
+
+    ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
+    another budget, say), or strategy indices of some nodes, which the solver completes. A start
+    that satisfies the program makes the result at least as fast as the start; one that does not
+    is dropped. When the search finds no plan in its time limit and ``start`` gives every node's
+    strategy, the start comes back with status ``START`` (its objective unknown: NaN).
+    """
+    started = time.perf_counter()
+    built = build_program(space, node_costs, transition_s, **program)
+    solver, ind, own, shared = built.solver, built.ind, built.own, built.shared
     if solver.NumVariables() > _LARGE:
         log.warning(
             "the plan's integer program has %d variables; the solver may not finish within the time limit. "
@@ -253,20 +313,8 @@ def solve(
         )
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
-    priced = budget_bytes is not None and minimise == "time"
-    hint = _hint(
-        start,
-        ind,
-        own,
-        shared,
-        (
-            (again, "recomputed"),
-            (away, "offloaded"),
-            (ahead, "prefetched"),
-            (on_host, "host_optimizer"),
-            (params_on_host, "host_params"),
-        ),
-    )
+    priced = built.priced_budget is not None
+    hint = _hint(start, built)
     large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
     effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
     strategy_vars = [var for name in own for terms in ind[name] for var in terms] if large else []
@@ -288,7 +336,9 @@ def solve(
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
-        outcome = priced_memory(solver, params, peak, budget_row, budget_bytes, started + time_limit_s, hint)
+        outcome = priced_memory(
+            solver, params, built.peak, built.budget_row, built.priced_budget, started + time_limit_s, hint
+        )
         status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started
     if status not in answered and (whole := _complete_start(start, ind)) is not None:
@@ -306,7 +356,7 @@ def solve(
         )
         if isinstance(start, Solution):
             return dataclasses.replace(start, info=info)
-        views = activations.param_views if activations is not None else frozenset()
+        views = built.activations.param_views if built.activations is not None else frozenset()
         return Solution(whole, info, recomputed=views)
     if status not in answered:
         raise SolverTimeoutError(
@@ -318,7 +368,7 @@ def solve(
             num_constraints=solver.NumConstraints(),
         )
     if status == pywraplp.Solver.INFEASIBLE:
-        reason = "within the memory budget" if budget_bytes is not None else "that satisfies the pins"
+        reason = "within the memory budget" if built.peak is not None else "that satisfies the pins"
         raise InfeasiblePlanError(
             f"no plan {reason} exists for {len(space.nodes)} nodes (solver status {status}).\n"
             "Fix: remove conflicting pins, or raise the memory budget"
@@ -332,8 +382,10 @@ def solve(
     def chosen(variables: dict, names) -> frozenset[str]:
         return frozenset(name for name in names if values[variables[shared.get(name, name)].index()] > 0.5)
 
+    again, away, ahead, on_host, params_on_host = built.choices.values()
+    activations, memory = built.activations, built.memory
     prefetched = frozenset()
-    if choosing:
+    if built.choosing:
         recomputed, offloaded = chosen(again, activations.nodes), chosen(away, activations.nodes)
         own = {name: activations.segment[shared.get(name, name)] for name in offloaded}
         prefetched = frozenset(
@@ -347,8 +399,8 @@ def solve(
     host_optimizer, host_params = chosen(on_host, stepped_on_host), chosen(params_on_host, stepped_on_host)
     info = SolverInfo(
         status="OPTIMAL" if status == pywraplp.Solver.OPTIMAL else "FEASIBLE",
-        objective_s=objective_value / scale,
-        bound_s=bound / scale,
+        objective_s=objective_value / built.scale,
+        bound_s=bound / built.scale,
         solve_s=elapsed,
         num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints(),
@@ -364,22 +416,40 @@ def solve(
     return Solution(choice, info, recomputed, offloaded, host_optimizer, host_params, prefetched)
 
 
-def _hint(
-    start: "Solution | Mapping[str, int] | None", ind: dict, own: set[str], shared: dict[str, str], families: tuple
-) -> list[tuple]:
+RELAXATION_LIMIT_S = 600.0
+"""Seconds the relaxation of :func:`least_memory_bound` may take, whatever the search's time
+limit."""
+
+
+def least_memory_bound(space: StrategySpace, node_costs: dict[str, list[float]], transition_s, **program) -> float:
+    """Bytes per device below which no plan goes, as the program counts memory: the least peak
+    of its linear relaxation, offloading all it can (``program`` as :func:`solve` takes it, less
+    ``minimise``). The relaxation takes as long as the program needs, not a time limit that a
+    busy machine reaches sooner, so a budget below this bound is refused on any machine alike.
+    Zero when the program has no plan or the relaxation does not finish within
+    ``RELAXATION_LIMIT_S``."""
+    built = build_program(space, node_costs, transition_s, minimise="memory", **program)
+    outcome = solve_before_deadline(built.solver, pywraplp.MPSolverParameters(), RELAXATION_LIMIT_S, relax=True)
+    if outcome is None or outcome[0] == pywraplp.Solver.NOT_SOLVED:
+        log.warning("the relaxation bounding the least memory did not finish; no budget is refused by it")
+    if outcome is None or outcome[0] != pywraplp.Solver.OPTIMAL:
+        return 0.0  # an infeasible program (pins that conflict) is reported by the search
+    return outcome[2] / MEMORY_SCALE
+
+
+def _hint(start: "Solution | Mapping[str, int] | None", program: Program) -> list[tuple]:
     """``(variable, value)`` pairs setting the one-hots of the nodes ``start`` chooses for
-    and, when it is a :class:`Solution`, the activation and host-memory choices: each family is
-    the variables by name and the field of the solution naming those chosen."""
+    and, when it is a :class:`Solution`, the activation and host-memory choices."""
     if start is None:
         return []
     choice = start.choice if isinstance(start, Solution) else start
     hint = []
     for name, k in choice.items():
-        if name in own:
-            hint.extend((terms[0], float(j == k)) for j, terms in enumerate(ind[name]))
+        if name in program.own:
+            hint.extend((terms[0], float(j == k)) for j, terms in enumerate(program.ind[name]))
     if isinstance(start, Solution):
-        for variables, field in families:
-            chosen = {shared.get(name, name) for name in getattr(start, field)}
+        for field, variables in program.choices.items():
+            chosen = {program.shared.get(name, name) for name in getattr(start, field)}
             hint.extend((var, float(name in chosen)) for name, var in variables.items())
     return hint
 
