@@ -126,27 +126,10 @@ class Program:
     memory: MemoryTerms | None
 
 
-def build_program(
-    space: StrategySpace,
-    node_costs: dict[str, list[float]],
-    transition_s: TransitionCost,
-    *,
-    gradient_s: GradientCost | None = None,
-    gather_s: GradientCost | None = None,
-    segments: Mapping[str, str] | None = None,
-    memory: MemoryTerms | None = None,
-    budget_bytes: float | None = None,
-    one_step_moves: OneStepMoves | None = None,
-    shared: dict[str, str] | None = None,
-    activations: ActivationSpace | None = None,
-    choose_recompute: bool = True,
-    host: Host | None = None,
-    minimise: str = "time",
-    bucket_bytes: float | None = None,
-) -> Program:
-    """Build the program :func:`solve` searches (its docstring gives the options)."""
-    solver = pywraplp.Solver.CreateSolver("HIGHS")
-    shared = dict(shared or {})
+def _strategy_variables(solver, space: StrategySpace, node_costs, shared: dict[str, str]):
+    """Each node's one-hot terms by strategy (``ind``), the nodes with variables of their own,
+    and the ``(node, operand)`` pairs whose node follows its operand's layout: shared nodes take
+    their class's terms, and ops that cost the same under every layout their operand's."""
     copies: dict[str, list[str]] = defaultdict(list)
     for name, first in shared.items():
         copies[first].append(name)
@@ -171,28 +154,63 @@ def build_program(
             ind[n.name] = ind[first.name]
             if (first.name, first.args[0] if first.args else None) in followed:
                 followed.add((n.name, n.args[0]))
-    costs: dict = defaultdict(float)
-    for n in space.nodes:
-        for k, terms in enumerate(ind[n.name]):
-            for var in terms:
-                costs[var] += node_costs[n.name][k]
-    reader_moves: dict[tuple[str, int], list] = {}
+    return ind, own, followed
+
+
+def _moves(solver, space, ind, shared, followed, activations, prices, costs, reader_moves, bucketed) -> None:
+    """The rows and costs of moving every tensor between its producer's and its readers'
+    layouts (:mod:`autopar.passes.solve.transport`): gradients by their buckets, parameters by
+    the gathers their readers need, the rest by ``transition_s`` (or the one-step moves)."""
+    transition_s, gradient_s, gather_s, one_step_moves, segments = prices
+    by_name = space.index()
     backward_reads = backward_view_reads(activations, space) if activations is not None else {}
     bucket_shares: dict[tuple, list] = defaultdict(list)
-    bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
     for (ref, readers), count in tensor_classes(space, shared, followed, backward_reads).items():
         if gradient_s is not None and is_gradient(readers, by_name):
             gradient_transport(
                 solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares, bucketed
             )
         elif gather_s is not None and by_name[ref[0]].kind == "param":
-            price, joined = gathered(gather_s, ref, readers, count, by_name, segments or {}, bucket_shares)
+            price, joined = gathered(gather_s, ref, readers, count, by_name, segments, bucket_shares)
             layout_available(solver, costs, ref, by_name, readers, count, ind, price, None, reader_moves, joined)
         else:
             layout_available(
                 solver, costs, ref, by_name, readers, count, ind, transition_s, one_step_moves, reader_moves
             )
     enough_buckets(solver, costs, bucket_shares)
+
+
+def build_program(
+    space: StrategySpace,
+    node_costs: dict[str, list[float]],
+    transition_s: TransitionCost,
+    *,
+    gradient_s: GradientCost | None = None,
+    gather_s: GradientCost | None = None,
+    segments: Mapping[str, str] | None = None,
+    memory: MemoryTerms | None = None,
+    budget_bytes: float | None = None,
+    one_step_moves: OneStepMoves | None = None,
+    shared: dict[str, str] | None = None,
+    activations: ActivationSpace | None = None,
+    choose_recompute: bool = True,
+    host: Host | None = None,
+    minimise: str = "time",
+    bucket_bytes: float | None = None,
+) -> Program:
+    """Build the program :func:`solve` searches (its docstring gives the options)."""
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    shared = dict(shared or {})
+    ind, own, followed = _strategy_variables(solver, space, node_costs, shared)
+    costs: dict = defaultdict(float)
+    for n in space.nodes:
+        for k, terms in enumerate(ind[n.name]):
+            for var in terms:
+                costs[var] += node_costs[n.name][k]
+    reader_moves: dict[tuple[str, int], list] = {}
+    bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
+    moves = (transition_s, gradient_s, gather_s, one_step_moves, segments or {})
+    _moves(solver, space, ind, shared, followed, activations, moves, costs, reader_moves, bucketed)
     again, away, ahead, on_host, params_on_host = {}, {}, {}, {}, {}
     choosing = activations is not None and choose_recompute
     offloading = host if budget_bytes is not None or minimise == "memory" else None
@@ -304,42 +322,17 @@ def solve(
     """
     started = time.perf_counter()
     built = build_program(space, node_costs, transition_s, **program)
-    solver, ind, own, shared = built.solver, built.ind, built.own, built.shared
+    solver, ind, shared = built.solver, built.ind, built.shared
     if solver.NumVariables() > _LARGE:
         log.warning(
             "the plan's integer program has %d variables; the solver may not finish within the time limit. "
             "Pins on the large tensors, or a 1-D mesh, shrink it.",
             solver.NumVariables(),
         )
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
-    priced = built.priced_budget is not None
     hint = _hint(start, built)
-    large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
-    effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
-    strategy_vars = [var for name in own for terms in ind[name] for var in terms] if large else []
-    outcome = solve_before_deadline(
-        solver,
-        params,
-        time_limit_s,
-        () if priced else hint,
-        give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
-        heuristic_effort=effort,
-        dive=strategy_vars,
-    )
+    outcome = _search(built, relative_gap, time_limit_s, started, hint)
     status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
-    left = started + time_limit_s - time.perf_counter()
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
-    if priced and status not in answered and hint and left > 1.0:
-        log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
-        outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=effort)
-        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
-    if priced and status not in answered:
-        log.info("no plan under the memory budget yet; searching by a price on memory instead")
-        outcome = priced_memory(
-            solver, params, built.peak, built.budget_row, built.priced_budget, started + time_limit_s, hint
-        )
-        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     elapsed = time.perf_counter() - started
     if status not in answered and (whole := _complete_start(start, ind)) is not None:
         log.warning(
@@ -373,7 +366,50 @@ def solve(
             f"no plan {reason} exists for {len(space.nodes)} nodes (solver status {status}).\n"
             "Fix: remove conflicting pins, or raise the memory budget"
         )
-    _, values, objective_value, bound = outcome
+    return _read(built, outcome, elapsed)
+
+
+def _search(built: Program, relative_gap: float, time_limit_s: float, started: float, hint: list[tuple]):
+    """Run the search as :func:`solve` describes (under a budget: without ``hint`` first, then
+    from it, then by a price on memory) for ``time_limit_s``, the later steps until that long
+    after ``started``; the last outcome of :func:`~autopar.passes.solve.mip.solve_before_deadline`,
+    or ``None``."""
+    solver, ind = built.solver, built.ind
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
+    priced = built.priced_budget is not None
+    large = priced and solver.NumVariables() > BUDGET_HEURISTIC_ABOVE
+    effort = BUDGET_HEURISTIC_EFFORT if large else DEFAULT_HEURISTIC_EFFORT
+    strategy_vars = [var for name in built.own for terms in ind[name] for var in terms] if large else []
+    outcome = solve_before_deadline(
+        solver,
+        params,
+        time_limit_s,
+        () if priced else hint,
+        give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
+        heuristic_effort=effort,
+        dive=strategy_vars,
+    )
+    status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    left = started + time_limit_s - time.perf_counter()
+    answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
+    if priced and status not in answered and hint and left > 1.0:
+        log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
+        outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=effort)
+        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    if priced and status not in answered:
+        log.info("no plan under the memory budget yet; searching by a price on memory instead")
+        outcome = priced_memory(
+            solver, params, built.peak, built.budget_row, built.priced_budget, started + time_limit_s, hint
+        )
+        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    return outcome
+
+
+def _read(built: Program, outcome: tuple, elapsed: float) -> Solution:
+    """The plan in the values of a search's ``outcome``."""
+    status, values, objective_value, bound = outcome
+    ind, shared, solver = built.ind, built.shared, built.solver
     choice = {
         name: max(range(len(terms)), key=lambda k: sum(values[v.index()] for v in terms[k]))
         for name, terms in ind.items()
