@@ -52,6 +52,7 @@ with ``h_p,k``, ``q_p,k`` the products of ``H_p``, ``P_p`` with the parameter's 
 """
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
@@ -77,87 +78,164 @@ def keep_recompute_or_offload(
     {variable: megabytes}}``, and each segment's recomputed and reloaded megabytes ``Q_S``.
     ``host_mb`` gets the megabytes offloaded, every copy counted, as linear terms."""
     copies = _copies(shared)
+    own = [name for name in acts.nodes if name not in shared]
+    keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
+    again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
+    away = {name: solver.IntVar(0, 1 if host is not None and name in acts.offloadable else 0, "") for name in own}
+    choices = (keep, again, away)
+    kept_mb, segments, offloads = _priced_choices(
+        solver, acts, own, ind, node_costs, reader_moves, shared, copies, costs, host, host_mb, choices
+    )
+    ahead: dict = {}
+    reloaded: dict[str, list] = {}  # per segment: megabytes copied back beside its backward
+    if offloads.copied_out:
+        _copies_out(solver, acts, own, ind, node_costs, copies, costs, offloads)
+        ahead, reloaded = _copies_back(solver, acts, own, ind, node_costs, shared, copies, costs, offloads)
+    _at_hand(solver, acts, shared, choices)
+    return again, away, ahead, kept_mb, _refilled(solver, segments, reloaded)
+
+
+@dataclass
+class _Offloads:
+    """Per segment, what its ops offloaded to host memory copy over the host link."""
+
+    copied_out: dict[str, list] = field(default_factory=lambda: defaultdict(list))
+    """Per segment: (nanoseconds of a copy one way, o_n,j)."""
+    offloaded: dict[str, list] = field(default_factory=lambda: defaultdict(list))
+    """Per segment: (megabytes, o_n,j)."""
+    longest_out: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Per segment: the most nanoseconds its copies out can take."""
+
+
+def _priced_choices(
+    solver,
+    acts: ActivationSpace,
+    own: list[str],
+    ind: dict,
+    node_costs: dict[str, list[float]],
+    reader_moves: dict,
+    shared: dict[str, str],
+    copies: dict[str, int],
+    costs: dict,
+    host: Host | None,
+    host_mb: list | None,
+    choices: tuple[dict, dict, dict],
+) -> tuple[dict[str, dict], dict[str, list], _Offloads]:
+    """Each ``own`` op's keep, recompute and offload choices (``choices``: ``K_n``, ``R_n``,
+    ``O_n``) split by its strategy, with what they hold and cost: the megabytes each op keeps,
+    ``{op: {variable: megabytes}}``, each segment's recomputed and reloaded megabytes as linear
+    terms, and what each segment copies to host memory (:class:`_Offloads`). The recompute
+    time and the moves of a recomputed op's operands enter ``costs``; ``host_mb`` gets the
+    megabytes offloaded, every copy counted."""
+    keep, again, away = choices
     by_reader: dict[str, list] = defaultdict(list)
     most_s: dict[str, float] = defaultdict(float)
     for (reader, _), (terms, most) in reader_moves.items():
         by_reader[reader].extend(terms)
         most_s[reader] += most
-    own = [name for name in acts.nodes if name not in shared]
-    keep = {name: solver.IntVar(0, 0 if name in acts.never_kept else 1, "") for name in own}
-    again = {name: solver.IntVar(0, 1 if name in acts.recomputable else 0, "") for name in own}
-    away = {name: solver.IntVar(0, 1 if host is not None and name in acts.offloadable else 0, "") for name in own}
+    offloads = _Offloads()
     kept_mb: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     segments: dict[str, list] = defaultdict(list)
-    copied_out: dict[str, list] = defaultdict(list)  # per segment: (nanoseconds of a copy one way, o_n,j)
-    offloaded: dict[str, list] = defaultdict(list)  # per segment: (megabytes, o_n,j)
-    longest_out: dict[str, float] = defaultdict(float)  # per segment: the most nanoseconds its copies out can take
     for name in own:
-        count = 1 + copies[name]
+        count, segment = 1 + copies[name], acts.segment[name]
         kept_k, again_k = _per_strategy(solver, ind[name], keep[name]), _per_strategy(solver, ind[name], again[name])
         away_k = _per_strategy(solver, ind[name], away[name]) if away[name].ub() else [0] * len(ind[name])
         for k, size in enumerate(acts.bytes[name]):
             if size:
                 kept_mb[name][kept_k[k]] += size * MEMORY_SCALE
-                segments[acts.segment[name]].append(size * MEMORY_SCALE * (again_k[k] + away_k[k]))
+                segments[segment].append(size * MEMORY_SCALE * (again_k[k] + away_k[k]))
                 if away[name].ub():
-                    copied_out[acts.segment[name]].append((count * host.copy_s(size) * SCALE, away_k[k]))
-                    offloaded[acts.segment[name]].append((size * MEMORY_SCALE, away_k[k]))
+                    offloads.copied_out[segment].append((count * host.copy_s(size) * SCALE, away_k[k]))
+                    offloads.offloaded[segment].append((size * MEMORY_SCALE, away_k[k]))
                     if host_mb is not None:
                         host_mb.append(count * size * MEMORY_SCALE * away_k[k])
         if away[name].ub():  # an op is offloaded in one strategy at most
-            longest_out[acts.segment[name]] += count * host.copy_s(max(acts.bytes[name])) * SCALE
+            offloads.longest_out[segment] += count * host.copy_s(max(acts.bytes[name])) * SCALE
         if name in acts.extra:
-            _extra_kept(
-                solver,
-                acts.extra[name],
-                ind[name],
-                again[name],
-                [again[shared.get(r, r)] for r in acts.extra[name][1]],
-                kept_mb[name],
-            )
+            readers_again = [again[shared.get(r, r)] for r in acts.extra[name][1]]
+            _extra_kept(solver, acts.extra[name], ind[name], again[name], readers_again, kept_mb[name])
         if name in acts.copied:
             _copy_kept(solver, acts.copied[name], kept_k, ind[acts.views[name]], kept_mb[name])
         if name in acts.recomputable and name not in acts.param_views:  # those are priced as backward reads
             for k, seconds in enumerate(node_costs[name]):
                 costs[again_k[k]] += count * seconds
             _recompute_moves(solver, by_reader[name], most_s[name], again[name], count, costs)
+    return kept_mb, segments, offloads
+
+
+def _copies_out(
+    solver,
+    acts: ActivationSpace,
+    own: list[str],
+    ind: dict,
+    node_costs: dict,
+    copies: dict[str, int],
+    costs: dict,
+    offloads: _Offloads,
+) -> None:
+    """``B_S`` of the module docstring: the copies out run beside the forward, in segment
+    order, and what is still to copy when the forward ends (``B_last``) is charged."""
+    work = _segment_work(acts.nodes, acts.segment, set(own), ind, node_costs, copies)
+    backlog = 0.0
+    for segment in dict.fromkeys(acts.segment[name] for name in own):  # in forward order
+        after = solver.NumVar(0.0, solver.infinity(), "")
+        solver.Add(
+            after >= backlog + sum(c * o for c, o in offloads.copied_out[segment]) - sum(work[segment])
+        )  # B_S ≥ B_(S−1) + out_S − work_S
+        backlog = after
+    costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
+
+
+def _copies_back(
+    solver,
+    acts: ActivationSpace,
+    own: list[str],
+    ind: dict,
+    node_costs: dict,
+    shared: dict[str, str],
+    copies: dict[str, int],
+    costs: dict,
+    offloads: _Offloads,
+) -> tuple[dict, dict[str, list]]:
+    """``F_S`` and ``W_S`` of the module docstring: each segment's copies back, made when the
+    backward first reads them or prefetched beside the backward of another segment
+    (:func:`_reloaded_during`), with what they leave charged. Returns the prefetch variables by
+    segment, and per segment the megabytes copied back beside its backward."""
     ahead: dict = {}
-    reloaded: dict[str, list] = defaultdict(list)  # per segment: megabytes copied back beside its backward
-    if copied_out:
-        work = _segment_work(acts.nodes, acts.segment, set(own), ind, node_costs, copies)
-        backlog = 0.0
-        for segment in dict.fromkeys(acts.segment[name] for name in own):  # in forward order
-            after = solver.NumVar(0.0, solver.infinity(), "")
-            solver.Add(
-                after >= backlog + sum(c * o for c, o in copied_out[segment]) - sum(work[segment])
-            )  # B_S ≥ B_(S−1) + out_S − work_S
-            backlog = after
-        costs[backlog] += 1 / SCALE  # what is still to copy when the forward ends
-        backward_work = _segment_work(
-            acts.backward_segment,
-            acts.backward_segment,
-            set(acts.backward_segment) - set(shared),
-            ind,
-            node_costs,
-            defaultdict(int),
-        )  # of one copy of a repeated layer
-        for segment, beside in _reloaded_during(acts, own, shared, copies).items():
-            if not copied_out[segment]:
+    reloaded: dict[str, list] = defaultdict(list)
+    backward_work = _segment_work(
+        acts.backward_segment,
+        acts.backward_segment,
+        set(acts.backward_segment) - set(shared),
+        ind,
+        node_costs,
+        defaultdict(int),
+    )  # of one copy of a repeated layer
+    for segment, beside in _reloaded_during(acts, own, shared, copies).items():
+        if not offloads.copied_out[segment]:
+            continue
+        back = sum(c * o for c, o in offloads.copied_out[segment])
+        bound = offloads.longest_out[segment]
+        mb = sum(m * o for m, o in offloads.offloaded[segment])
+        if any(during is not None for during, _, _ in beside):
+            ahead[segment] = solver.IntVar(0, 1, "")  # F_S
+        for during, part, times in beside:
+            stall = solver.NumVar(0.0, solver.infinity(), "")  # W_S, for the part of S's copies beside one segment
+            costs[stall] += 1 / SCALE
+            if during is None:
+                solver.Add(stall >= part * back)
                 continue
-            back = sum(c * o for c, o in copied_out[segment])
-            bound = longest_out[segment]
-            mb = sum(m * o for m, o in offloaded[segment])
-            if any(during is not None for during, _, _ in beside):
-                ahead[segment] = solver.IntVar(0, 1, "")  # F_S
-            for during, part, times in beside:
-                stall = solver.NumVar(0.0, solver.infinity(), "")  # W_S, for the part of S's copies beside one segment
-                costs[stall] += 1 / SCALE
-                if during is None:
-                    solver.Add(stall >= part * back)
-                    continue
-                solver.Add(stall >= part * back - times * sum(backward_work[during]))
-                solver.Add(stall >= part * (back - bound * ahead[segment]))
-                reloaded[during].append(mb - sum(m for m, _ in offloaded[segment]) * (1 - ahead[segment]))
+            solver.Add(stall >= part * back - times * sum(backward_work[during]))
+            solver.Add(stall >= part * (back - bound * ahead[segment]))
+            reloaded[during].append(mb - sum(m for m, _ in offloads.offloaded[segment]) * (1 - ahead[segment]))
+    return ahead, reloaded
+
+
+def _at_hand(solver, acts: ActivationSpace, shared: dict[str, str], choices: tuple[dict, dict, dict]) -> None:
+    """The rows that give the backward every value it reads: each op it reads is kept,
+    recomputed or reloaded, a recomputed op's operands are at hand, and a kept view keeps what
+    it views (``choices``: ``K``, ``R``, ``O`` by op, a repeated layer's ops taking its first's)."""
+    keep, again, away = choices
     for name in acts.nodes:
         k, r, o = keep[shared.get(name, name)], again[shared.get(name, name)], away[shared.get(name, name)]
         solver.Add(
@@ -171,6 +249,12 @@ def keep_recompute_or_offload(
         if name in acts.views:
             base = acts.views[name]
             solver.Add(keep[shared.get(base, base)] >= k)  # a kept view keeps what it views
+
+
+def _refilled(solver, segments: dict[str, list], reloaded: dict[str, list]) -> dict:
+    """``Q_S`` of the module docstring for every segment: at least its recomputed and reloaded
+    megabytes (``segments``), and those with each part of the reloads of another segment copied
+    back beside its backward (``reloaded``)."""
     refilled = {}
     for segment in sorted(set(segments) | set(reloaded)):
         refilled[segment] = solver.NumVar(0.0, solver.infinity(), "")  # Q_S
@@ -179,7 +263,7 @@ def keep_recompute_or_offload(
             solver.Add(
                 refilled[segment] >= sum(segments.get(segment, ())) + mb
             )  # with the reloads copied back beside it
-    return again, away, ahead, kept_mb, refilled
+    return refilled
 
 
 def host_state(

@@ -78,29 +78,93 @@ def memory_budget(
     start of the backward that makes it (``"made"``) or as long as its kept outputs (``"kept"``).
     Returns ``M`` and the budget row (``None`` without a
     budget)."""
-    moments = acts.moments if acts is not None else 1
-    released = acts.released if acts is not None else {}
-    made = acts.grad_made if acts is not None else {}
-    last = moments - 1
-    copies: dict[str, list[str]] = defaultdict(list)
-    for name in ind:
-        copies[shared.get(name, name)].append(name)
-    alive: dict[tuple[int, int], dict] = defaultdict(lambda: defaultdict(float))  # (first, last moment) -> {var: MB}
+    moments = _Moments(acts, ind, shared)
+    replaced = frozenset(acts.nodes) if acts is not None and chosen is not None else frozenset()
+    _strategy_memory(moments, memory, ind, shared, replaced)
+    kept, refilled = chosen if chosen is not None else ({}, {})
+    picked = kept if chosen is not None else None
+    _backward_temporaries(solver, memory, acts, ind, shared, picked, moments)
+    forward = _forward_held(solver, memory, acts, ind, shared, picked) if acts is not None else None
+    stepped = _optimizer_step(solver, memory, ind, shared)
+    for segment, var in refilled.items():
+        moments.during(segment, var)
+    for name, per_var in kept.items():
+        for var, megabytes in per_var.items():
+            moments.add(name, "kept", var, megabytes)
+    for name, var, megabytes, kind in terms or ():
+        moments.add(name, kind, var, megabytes)
+    peak = solver.NumVar(0.0, solver.infinity(), "memory_peak")
+    for row in moments.rows(stepped, forward):
+        solver.Add(peak >= sum(c * v for v, c in row.items()) + sum(c * v for v, c in moments.everywhere.items()))
+    budget = solver.Add(peak <= budget_bytes * MEMORY_SCALE) if budget_bytes is not None else None
+    return peak, budget
 
-    def add(name: str | None, kind: str, var, megabytes: float) -> None:
-        for copy in copies.get(name, (name,)):
+
+class _Moments:
+    """The memory alive at the moments of the step, as terms ``{variable: megabytes}``: over a
+    span of moments, during the backward of one segment, or at every moment. ``acts`` gives the
+    moments (one, holding everything, without it)."""
+
+    def __init__(self, acts: ActivationSpace | None, ind: dict, shared: dict[str, str]):
+        self.moments = acts.moments if acts is not None else 1
+        self.last = self.moments - 1
+        self.released = acts.released if acts is not None else {}
+        self.made = acts.grad_made if acts is not None else {}
+        self.copies: dict[str, list[str]] = defaultdict(list)  # per node with choices of its own: those sharing them
+        for name in ind:
+            self.copies[shared.get(name, name)].append(name)
+        # (first, last moment) -> {var: MB}
+        self.alive: dict[tuple[int, int], dict] = defaultdict(lambda: defaultdict(float))
+        represent = _represented(acts, shared) if acts is not None else {}
+        self.order = [represent.get(s, s) for s in acts.backward_order] if acts is not None else []
+        self.everywhere: dict = {}
+        self.at_moment: list[dict] = [{} for _ in range(self.moments)]
+
+    def add(self, name: str | None, kind: str, var, megabytes: float) -> None:
+        """``megabytes`` on ``var`` for every copy of node ``name``, over the moments ``kind``
+        names (those of :func:`memory_budget`'s ``terms``)."""
+        for copy in self.copies.get(name, (name,)):
             span = (
-                (made.get(copy, 0) if copy is not None else min(1, last), last)
+                (self.made.get(copy, 0) if copy is not None else min(1, self.last), self.last)
                 if kind == "grad"
-                else (0, released.get(copy, last))
+                else (0, self.released.get(copy, self.last))
                 if kind == "kept"
-                else (max(made.get(copy, 0) - 1, 0),) * 2
+                else (max(self.made.get(copy, 0) - 1, 0),) * 2
                 if kind == "made"
-                else (0, last)
+                else (0, self.last)
             )
-            alive[span][var] += megabytes
+            self.alive[span][var] += megabytes
 
-    exclude = frozenset(acts.nodes) if acts is not None and chosen is not None else frozenset()
+    def during(self, segment: str | None, var) -> None:
+        """``var`` alive during the backward of ``segment``: at its start, and at the end of the
+        backward for the last segment (at every moment for no segment's)."""
+        if segment in self.order:
+            for k, s in enumerate(self.order):
+                if s == segment:
+                    self.at_moment[k][var] = 1.0
+            if self.order[-1] == segment:
+                self.at_moment[-1][var] = 1.0
+        else:
+            self.everywhere[var] = 1.0
+
+    def rows(self, stepped, forward) -> list[dict]:
+        """The rows of ``M``, but for the terms alive at every moment: the moments'
+        (:func:`_distinct_moments`), the optimizer step's (what the last moment holds, and
+        ``stepped``, ``S``) and, given ``T_F`` (``forward``), the forward's (what the first moment
+        holds, with ``T_F``)."""
+        rows = _distinct_moments(self.alive, self.at_moment)
+        rows.append({**_alive_at(self.alive, self.last), stepped: 1.0})
+        if forward is not None:
+            rows.append({**_alive_at(self.alive, 0), forward: 1.0})
+        return rows
+
+
+def _strategy_memory(
+    moments: _Moments, memory: MemoryTerms, ind: dict, shared: dict[str, str], replaced: frozenset
+) -> None:
+    """The parameters, optimizer state, gradients and activations each strategy holds, on its
+    one-hot terms, but for the activations of the ops in ``replaced`` (their kept terms of the
+    activation choices replace them)."""
     for kind, part in (
         ("always", memory.params),
         ("always", memory.optimizer),
@@ -108,72 +172,56 @@ def memory_budget(
         ("kept", memory.activations),
     ):
         for name, sizes in part.items():
-            if name in shared or (part is memory.activations and name in exclude):
+            if name in shared or (part is memory.activations and name in replaced):
                 continue
             for k, group in enumerate(ind[name]):
                 for var in group:
                     if sizes[k]:
-                        add(name, kind, var, sizes[k] * MEMORY_SCALE)
-    represent = _represented(acts, shared) if acts is not None else {}
-    order = [represent.get(s, s) for s in acts.backward_order] if acts is not None else []
-    everywhere: dict = {}
-    at_moment: list[dict] = [{} for _ in range(moments)]
+                        moments.add(name, kind, var, sizes[k] * MEMORY_SCALE)
 
-    def during(segment: str | None, var) -> None:
-        """``var`` alive during the backward of ``segment``: at its start, and at the end of the
-        backward for the last segment (at every moment for no segment's)."""
-        if segment in order:
-            for k, s in enumerate(order):
-                if s == segment:
-                    at_moment[k][var] = 1.0
-            if order[-1] == segment:
-                at_moment[-1][var] = 1.0
-        else:
-            everywhere[var] = 1.0
 
-    kept, refilled = chosen if chosen is not None else ({}, {})
-    picked = kept if chosen is not None else None
-    temporaries: dict = {}  # T_S, per segment; of the backward ops in none under None
+def _backward_temporaries(
+    solver,
+    memory: MemoryTerms,
+    acts: ActivationSpace | None,
+    ind: dict,
+    shared: dict[str, str],
+    kept: dict | None,
+    moments: _Moments,
+) -> None:
+    """``T_S`` of the module docstring, per segment of the backward (of the backward ops in
+    none under ``None``), alive during its backward: at least what each of its ops holds while
+    it runs beyond the moment's start, with the copies it gathers."""
+    temporaries: dict = {}
     for name, sizes in memory.temporaries.items():
         if name in shared or (acts is not None and name in acts.segment):
             continue  # a repeated layer's: the same constraint as its first layer's; a forward op's: T_F
         segment = acts.backward_segment.get(name) if acts is not None else None
-        segment = segment if segment in order else None
+        segment = segment if segment in moments.order else None
         if segment not in temporaries:
             temporaries[segment] = solver.NumVar(0.0, solver.infinity(), "")
-            during(segment, temporaries[segment])
+            moments.during(segment, temporaries[segment])
         if acts is None:
             held = sum(sizes[k] * MEMORY_SCALE * sum(group) for k, group in enumerate(ind[name]) if group and sizes[k])
         else:
             held = sum(_made(acts, ind, u) for u in acts.alive[name]) - sum(
-                _freed_mb(memory, acts, ind, shared, picked, u, acts.backward_segment[name])
+                _freed_mb(memory, acts, ind, shared, kept, u, acts.backward_segment[name])
                 for u in acts.freed.get(name, ())
             )
         solver.Add(temporaries[segment] >= held + sum(_moved_copies(solver, memory, ind, name)))
-    forward = _forward_held(solver, memory, acts, ind, shared, picked) if acts is not None else None
-    stepped = solver.NumVar(0.0, solver.infinity(), "")  # the optimizer step's temporaries, S
+
+
+def _optimizer_step(solver, memory: MemoryTerms, ind: dict, shared: dict[str, str]):
+    """``S`` of the module docstring, the optimizer step's temporaries: at least two of every
+    parameter's piece."""
+    stepped = solver.NumVar(0.0, solver.infinity(), "")
     for name in memory.optimizer:
         if name not in shared:
             solver.Add(
                 stepped
                 >= sum(2 * size * MEMORY_SCALE * sum(group) for size, group in zip(memory.params[name], ind[name]))
             )
-    for segment, var in refilled.items():
-        during(segment, var)
-    for name, per_var in kept.items():
-        for var, megabytes in per_var.items():
-            add(name, "kept", var, megabytes)
-    for name, var, megabytes, kind in terms or ():
-        add(name, kind, var, megabytes)
-    peak = solver.NumVar(0.0, solver.infinity(), "memory_peak")
-    rows = _distinct_moments(alive, at_moment)
-    rows.append({**_alive_at(alive, last), stepped: 1.0})  # the optimizer step: what the last moment holds, and S
-    if forward is not None:  # the forward: what the first moment holds, with what the forward holds beyond it
-        rows.append({**_alive_at(alive, 0), forward: 1.0})
-    for row in rows:
-        solver.Add(peak >= sum(c * v for v, c in row.items()) + sum(c * v for v, c in everywhere.items()))
-    budget = solver.Add(peak <= budget_bytes * MEMORY_SCALE) if budget_bytes is not None else None
-    return peak, budget
+    return stepped
 
 
 def _distinct_moments(alive: dict[tuple[int, int], dict], at_moment: list[dict]) -> list[dict]:

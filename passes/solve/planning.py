@@ -13,7 +13,7 @@ from autopar.passes.solve.solver import Solution
 
 from autopar.core.mesh import Mesh
 from autopar.core.placement import format_placement, format_placements
-from autopar.core.plan import Collective, NodePlan, ShardingPlan
+from autopar.core.plan import Collective, MemoryEstimate, NodePlan, ShardingPlan
 from autopar.core.strategy import Strategy, StrategySpace, ValueRef
 
 
@@ -72,84 +72,30 @@ def build_plan(
     (:meth:`~autopar.cost_model.estimate.CostModel.compute_costs`)."""
     mesh = costs.mesh
     by_name = space.index()
-    choice, recomputed, offloaded = solution.choice, solution.recomputed, solution.offloaded
+    choice, recomputed = solution.choice, solution.recomputed
     chosen = {name: by_name[name].strategies[k] for name, k in choice.items()}
-    modules = module_paths(captured)
-    kept_total, recomputed_total, offloaded_total = activation_bytes(
-        activations, choice, recomputed, offloaded, solution.prefetched
-    )
-    needed = kept_ops(activations, recomputed, offloaded)
-
     host = costs.host()
-
-    def activation(name: str) -> tuple[str, int, float]:
-        if name in recomputed:
-            return "recompute", int(activations.bytes[name][choice[name]]), 0.0
-        if name in offloaded:
-            size = activations.bytes[name][choice[name]]
-            return "offload", int(size), 2 * host.copy_s(size)
-        if name in needed:
-            return "keep", kept_bytes(activations, name, choice, recomputed), 0.0
-        return "", 0, 0.0
-
-    nodes = tuple(
-        NodePlan(
-            n.name,
-            n.target,
-            modules.get(n.name, ""),
-            n.phase,
-            tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
-            tuple(format_placements(p) for p in chosen[n.name].inputs),
-            compute[n.name][choice[n.name]],
-            *activation(n.name),
-            math_format(costs.graph_nodes[n.name]) or "",
-            rank_flops(costs.graph_nodes[n.name], chosen[n.name], mesh),
-        )
-        for n in space.nodes
-        if n.kind == "op"
-    )
+    nodes = _node_plans(captured, space, solution, chosen, costs, compute, activations, host)
     gathers = parameter_gathers(
         captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes
     )
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers))
     in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
-    placements = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")}
-    inputs = {n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind == "input"}
     return ShardingPlan(
         mesh=mesh,
         hardware=hardware_name,
         links=costs.links,
         graph_hash=captured.graph_hash,
         graph_lines=captured.graph_lines,
-        placements=placements,
-        inputs=inputs,
+        placements={n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")},
+        inputs={n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind == "input"},
         pinned=pinned,
         nodes=nodes,
         collectives=collectives,
         bucket_bytes=costs.bucket_bytes,
         compute_s=sum(n.compute_s for n in nodes),
         communication_s=sum(c.time_s for c in collectives),
-        memory=dataclasses.replace(
-            memory.estimate(
-                choice,
-                (frozenset(activations.nodes), kept_total, recomputed_total, offloaded_total),
-                solution.host_optimizer,
-                solution.host_params,
-            ),
-            bucket_bytes=in_flight,
-            host_capacity_bytes=_host_capacity(host),
-            moment_bytes=moment_bytes(
-                memory,
-                activations,
-                choice,
-                recomputed,
-                offloaded,
-                solution.prefetched,
-                solution.host_optimizer,
-                solution.host_params,
-                in_flight,
-            ),
-        ),
+        memory=_plan_memory(memory, activations, solution, host, in_flight),
         memory_budget_bytes=memory_budget_bytes,
         solver=solution.info,
         stage_s=stage_s,
@@ -161,6 +107,80 @@ def build_plan(
         host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),
         host_params=tuple(by_name[name].target for name in sorted(solution.host_params)),
         prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
+    )
+
+
+def _node_plans(
+    captured: Captured,
+    space: StrategySpace,
+    solution: Solution,
+    chosen: dict[str, Strategy],
+    costs: CostModel,
+    compute: dict[str, list[float]],
+    activations: ActivationSpace,
+    host: Host | None,
+) -> tuple[NodePlan, ...]:
+    """The plan of every op of ``space``, with how the step holds its outputs for the backward."""
+    choice, recomputed, offloaded = solution.choice, solution.recomputed, solution.offloaded
+    modules = module_paths(captured)
+    needed = kept_ops(activations, recomputed, offloaded)
+
+    def activation(name: str) -> tuple[str, int, float]:
+        if name in recomputed:
+            return "recompute", int(activations.bytes[name][choice[name]]), 0.0
+        if name in offloaded:
+            size = activations.bytes[name][choice[name]]
+            return "offload", int(size), 2 * host.copy_s(size)
+        if name in needed:
+            return "keep", kept_bytes(activations, name, choice, recomputed), 0.0
+        return "", 0, 0.0
+
+    return tuple(
+        NodePlan(
+            n.name,
+            n.target,
+            modules.get(n.name, ""),
+            n.phase,
+            tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
+            tuple(format_placements(p) for p in chosen[n.name].inputs),
+            compute[n.name][choice[n.name]],
+            *activation(n.name),
+            math_format(costs.graph_nodes[n.name]) or "",
+            rank_flops(costs.graph_nodes[n.name], chosen[n.name], costs.mesh),
+        )
+        for n in space.nodes
+        if n.kind == "op"
+    )
+
+
+def _plan_memory(
+    memory: MemoryTerms, activations: ActivationSpace, solution: Solution, host: Host | None, in_flight: int
+) -> MemoryEstimate:
+    """The memory estimate of ``solution``, with the ``in_flight`` bytes of gradient buckets."""
+    choice, recomputed, offloaded = solution.choice, solution.recomputed, solution.offloaded
+    kept_total, recomputed_total, offloaded_total = activation_bytes(
+        activations, choice, recomputed, offloaded, solution.prefetched
+    )
+    return dataclasses.replace(
+        memory.estimate(
+            choice,
+            (frozenset(activations.nodes), kept_total, recomputed_total, offloaded_total),
+            solution.host_optimizer,
+            solution.host_params,
+        ),
+        bucket_bytes=in_flight,
+        host_capacity_bytes=_host_capacity(host),
+        moment_bytes=moment_bytes(
+            memory,
+            activations,
+            choice,
+            recomputed,
+            offloaded,
+            solution.prefetched,
+            solution.host_optimizer,
+            solution.host_params,
+            in_flight,
+        ),
     )
 
 
@@ -186,6 +206,44 @@ def moment_bytes(
     optimizer step, what the backward's end holds with two of the largest parameter; or in the
     forward, while one of its ops runs, the activations kept by then and the values alive
     beside them."""
+    kept = {
+        name: kept_bytes(acts, name, choice, recomputed) for name in kept_ops(acts, recomputed, offloaded) - recomputed
+    }
+    held = _held_bytes(memory, acts, choice, kept, host_optimizer, host_params)
+    during = defaultdict(float, refilled_bytes(acts, choice, recomputed, offloaded, prefetched))
+    for segment, size in _backward_peaks(memory, acts, choice, kept).items():
+        during[segment] += size
+    elsewhere = sum(size for segment, size in during.items() if segment not in acts.backward_order)
+    # each segment's backward starting, then the last one's ending
+    at = (*acts.backward_order, *acts.backward_order[-1:])
+    moments = [held[k] + elsewhere + during[segment] + (bucket if k else 0) for k, segment in enumerate(at)]
+    stepped = 2 * max(
+        (
+            sizes[choice[name]]
+            for name, sizes in memory.params.items()
+            if name in memory.optimizer and name not in host_optimizer
+        ),
+        default=0,
+    )
+    return int(
+        max(
+            *(moments or [held[0] + elsewhere + bucket]),
+            held[0] + elsewhere + _forward_peak(memory, acts, choice, kept),
+            held[-1] + elsewhere + stepped,
+        )
+    )
+
+
+def _held_bytes(
+    memory: MemoryTerms,
+    acts: ActivationSpace,
+    choice: dict[str, int],
+    kept: dict[str, int],
+    host_optimizer: frozenset[str],
+    host_params: frozenset[str],
+) -> list[float]:
+    """Per moment, the bytes of the parameters, optimizer state, gradients and activations held
+    at it (``kept`` are the bytes each kept op holds)."""
     last = acts.moments - 1
     held = [0.0] * acts.moments
 
@@ -205,13 +263,17 @@ def moment_bytes(
     for name, sizes in memory.activations.items():
         if name not in acts.segment:
             add(0, acts.released.get(name, last), sizes[choice[name]])
-    kept = {
-        name: kept_bytes(acts, name, choice, recomputed) for name in kept_ops(acts, recomputed, offloaded) - recomputed
-    }
     for name, size in kept.items():
         add(0, acts.released.get(name, last), size)
-    during = defaultdict(float, refilled_bytes(acts, choice, recomputed, offloaded, prefetched))
-    largest: dict = defaultdict(float)  # per segment, the most its backward holds beyond what it was given
+    return held
+
+
+def _backward_peaks(
+    memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, int], kept: dict[str, int]
+) -> dict[str | None, float]:
+    """Per segment, the most its backward holds beyond what it was given while one of its ops
+    runs (``None`` for backward ops of no segment of :attr:`ActivationSpace.backward_order`)."""
+    largest: dict = defaultdict(float)
     for name, sizes in memory.temporaries.items():
         if name not in acts.segment:
             segment = acts.backward_segment.get(name)
@@ -221,34 +283,18 @@ def moment_bytes(
                 for u in acts.freed.get(name, ())
             )
             largest[segment] = max(largest[segment], made + memory.moved_bytes(name, choice))
-    forward = later = 0.0  # beyond what the forward keeps, less what the ops after the one running keep
+    return largest
+
+
+def _forward_peak(memory: MemoryTerms, acts: ActivationSpace, choice: dict[str, int], kept: dict[str, int]) -> float:
+    """The most the forward holds while one of its ops runs beyond what it keeps, less what the
+    ops after the one running keep."""
+    forward = later = 0.0
     for name in reversed(acts.nodes):
         alive = sum(acts.made[u][choice[u]] - kept.get(u, 0) for u in acts.alive[name])
         forward = max(forward, alive + memory.moved_bytes(name, choice) - later)
         later += kept.get(name, 0)
-    for segment, size in largest.items():
-        during[segment] += size
-    elsewhere = sum(size for segment, size in during.items() if segment not in acts.backward_order)
-    at = (
-        *acts.backward_order,
-        *acts.backward_order[-1:],
-    )  # each segment's backward starting, then the last one's ending
-    moments = [held[k] + elsewhere + during[segment] + (bucket if k else 0) for k, segment in enumerate(at)]
-    stepped = 2 * max(
-        (
-            sizes[choice[name]]
-            for name, sizes in memory.params.items()
-            if name in memory.optimizer and name not in host_optimizer
-        ),
-        default=0,
-    )
-    return int(
-        max(
-            *(moments or [held[0] + elsewhere + bucket]),
-            held[0] + elsewhere + forward,
-            held[last] + elsewhere + stepped,
-        )
-    )
+    return forward
 
 
 def offload_s(
@@ -310,6 +356,23 @@ def _collectives(
     gathered together (``gathers``), as the rewriter runs them, each with the local ops the
     rewriter runs around it."""
     gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order
+    yield from _move_collectives(space, chosen, recomputed, costs, mesh, gathers, gradients)
+    yield from _split_collectives(space, chosen, recomputed, costs, mesh)
+    yield from _gradient_bucket_collectives(gradients, costs, mesh)
+    yield from _gather_collectives(gathers, chosen, costs, mesh)
+
+
+def _move_collectives(
+    space: StrategySpace,
+    chosen,
+    recomputed: frozenset[str],
+    costs: CostModel,
+    mesh: Mesh,
+    gathers: list[ParameterGather],
+    gradients: list,
+):
+    """The collectives of the planned moves that are neither gathered with a bucket of
+    parameters nor bucketed; the bucketed gradient moves go to ``gradients``."""
     in_gathers = {key for g in gathers for key in g.keys}
     for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
         if (phase != "forward", ref, dst) in in_gathers:
@@ -332,6 +395,10 @@ def _collectives(
                     src=format_placements(src),
                     dst=format_placements(dst),
                 )
+
+
+def _split_collectives(space: StrategySpace, chosen, recomputed: frozenset[str], costs: CostModel, mesh: Mesh):
+    """The all-reduces ops make themselves, again when recomputed."""
     for n in space.nodes:
         steps = costs.split_steps(n.name, chosen[n.name]) if n.kind == "op" else ()
         layout = format_placements(chosen[n.name].inputs[0]) if steps else ""
@@ -348,6 +415,10 @@ def _collectives(
                     src=layout,
                     dst=layout,
                 )
+
+
+def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh):
+    """One collective per bucket of the bucketed gradient moves ``gradients``."""
     for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
         for k, step in enumerate(bucket.steps):  # the packing and the pieces' copies go with the first
@@ -364,6 +435,10 @@ def _collectives(
                 src=" | ".join(dict.fromkeys(m[2] for m in members)),
                 dst=" | ".join(dict.fromkeys(m[3] for m in members)),
             )
+
+
+def _gather_collectives(gathers: list[ParameterGather], chosen, costs: CostModel, mesh: Mesh):
+    """One all-gather per bucket of parameters gathered together."""
     for g in gathers:
         yield Collective(
             kind="all_gather",

@@ -117,12 +117,62 @@ def activation_space(
     by_name = space.index()
     paths = module_paths(captured)
     forward = [n for n in space.nodes if n.kind == "op" and n.phase == "forward"]
+    backward = [n for n in space.nodes if n.kind == "op" and n.phase == "backward"]
     names = {n.name for n in forward}
     read_back, read_forward = _reads(space, names)
     readers_in = {name: set().union(*by_index.values()) for name, by_index in read_forward.items()}
     segment = {n.name: segment_of(paths.get(n.name, "")) for n in forward}
-    views = {n.name: n.args[0] for n in forward if _is_view(graph_nodes[n.name]) and n.args}
+    views = _views(forward, graph_nodes)
+    backward_views = _views(backward, graph_nodes)
     param_views = _param_views(forward, read_back, views, by_name)
+    recomputable, never_kept = _recompute_choices(forward, graph_nodes, recompute, segment, readers_in, param_views)
+    kept, extra = _kept_sizes(forward, costs, read_back, read_forward, views)
+    offloadable = {
+        n.name
+        for n in forward
+        if offload and recompute != "none" and n.name not in views and n.name not in never_kept and any(kept[n.name])
+    }
+    backward_segment = _backward_segments(backward, paths, set(segment.values()))
+    order = tuple(backward_segment_starts(captured, paths))
+    released, grad_made = _moments(space, forward, segment, backward_segment, views, order)
+    return ActivationSpace(
+        tuple(n.name for n in forward),
+        segment,
+        frozenset(read_back),
+        frozenset(recomputable),
+        {n.name: tuple(dict.fromkeys(a for a, _ in n.args if a in names)) for n in forward},
+        kept,
+        frozenset(never_kept),
+        {v: base for v, (base, _) in views.items() if base in names},
+        extra,
+        frozenset(param_views),
+        frozenset(offloadable),
+        backward_segment,
+        order,
+        released,
+        grad_made,
+        {**_made(forward, views, costs), **_made(backward, backward_views, costs)},
+        {**_alive(forward, readers_in, views), **_alive(backward, _readers(backward), backward_views)},
+        _copied(forward, views, param_views, names, by_name, costs),
+        _freed(backward, backward_segment, views, names),
+    )
+
+
+def _views(ops, graph_nodes: dict[str, torch.fx.Node]) -> dict[str, tuple[str, int]]:
+    """Per view op of ``ops``, the output it views."""
+    return {n.name: n.args[0] for n in ops if _is_view(graph_nodes[n.name]) and n.args}
+
+
+def _recompute_choices(
+    forward,
+    graph_nodes: dict[str, torch.fx.Node],
+    recompute: str,
+    segment: dict[str, str],
+    readers_in: dict[str, set[str]],
+    param_views: set[str],
+) -> tuple[set[str], set[str]]:
+    """:attr:`ActivationSpace.recomputable` and :attr:`ActivationSpace.never_kept`: under
+    ``"layers"``, an op of a layer that no op of another segment reads is never kept."""
     recomputable = {
         n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])
     } | param_views
@@ -132,7 +182,13 @@ def activation_space(
             crossing = any(segment[r] != segment[name] for r in readers_in.get(name, ()))
             if is_layer(segment[name]) and not crossing:
                 never_kept.add(name)
-    operands = {n.name: tuple(dict.fromkeys(a for a, _ in n.args if a in names)) for n in forward}
+    return recomputable, never_kept
+
+
+def _kept_sizes(
+    forward, costs: CostModel, read_back: dict[str, set[int]], read_forward: dict[str, dict[int, set[str]]], views: dict
+) -> tuple[dict[str, list[float]], dict[str, tuple[list[float], tuple[str, ...]]]]:
+    """:attr:`ActivationSpace.bytes` and :attr:`ActivationSpace.extra`."""
     held = _held_outputs(forward, read_back, views)
 
     def sizes(n, outputs) -> list[float]:
@@ -150,43 +206,32 @@ def activation_space(
         else sizes(n, held.get(n.name) or set(read_forward.get(n.name, {})))
         for n in forward
     }
-    offloadable = {
-        n.name
-        for n in forward
-        if offload and recompute != "none" and n.name not in views and n.name not in never_kept and any(kept[n.name])
-    }
-    segments = set(segment.values())
-    backward_segment = {
-        n.name: segment_of(paths[n.name])
-        for n in space.nodes
-        if n.kind == "op" and n.phase == "backward" and n.name in paths
-    }
-    backward_segment = {name: s for name, s in backward_segment.items() if s in segments}
-    order = tuple(backward_segment_starts(captured, paths))
-    released, grad_made = _moments(space, forward, segment, backward_segment, views, order)
-    made = {
+    return kept, extra
+
+
+def _backward_segments(backward, paths: dict[str, str], segments: set[str]) -> dict[str, str]:
+    """:attr:`ActivationSpace.backward_segment`: the ``backward`` ops of one of ``segments``."""
+    backward_segment = {n.name: segment_of(paths[n.name]) for n in backward if n.name in paths}
+    return {name: s for name, s in backward_segment.items() if s in segments}
+
+
+def _made(ops, views: dict, costs: CostModel) -> dict[str, list[float]]:
+    """:attr:`ActivationSpace.made` of ``ops``, whose ``views`` hold nothing."""
+    return {
         n.name: [0.0] * len(n.strategies)
         if n.name in views
         else [
             float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None))
             for s in n.strategies
         ]
-        for n in forward
+        for n in ops
     }
-    backward = [n for n in space.nodes if n.kind == "op" and n.phase == "backward"]
-    backward_views = {n.name: n.args[0] for n in backward if _is_view(graph_nodes[n.name]) and n.args}
-    made.update(
-        {
-            n.name: [0.0] * len(n.strategies)
-            if n.name in backward_views
-            else [
-                float(sum(costs.local_bytes((n.name, i), p) for i, p in enumerate(s.outputs) if p is not None))
-                for s in n.strategies
-            ]
-            for n in backward
-        }
-    )
-    alive = {**_alive(forward, readers_in, views), **_alive(backward, _readers(backward), backward_views)}
+
+
+def _copied(
+    forward, views: dict, param_views: set[str], names: set[str], by_name, costs: CostModel
+) -> dict[str, tuple[list[float], list[float]]]:
+    """:attr:`ActivationSpace.copied`."""
     copied = {}
     for n in forward:
         if n.name in views and n.name not in param_views and views[n.name][0] in names:
@@ -195,27 +240,7 @@ def activation_space(
             made_as = [float(costs.local_bytes((base, index), s.outputs[index])) for s in by_name[base].strategies]
             if max(read) > min(made_as):
                 copied[n.name] = read, made_as
-    return ActivationSpace(
-        tuple(n.name for n in forward),
-        segment,
-        frozenset(read_back),
-        frozenset(recomputable),
-        operands,
-        kept,
-        frozenset(never_kept),
-        {v: base for v, (base, _) in views.items() if base in names},
-        extra,
-        frozenset(param_views),
-        frozenset(offloadable),
-        backward_segment,
-        order,
-        released,
-        grad_made,
-        made,
-        alive,
-        copied,
-        _freed(backward, backward_segment, views, names),
-    )
+    return copied
 
 
 def _moments(
