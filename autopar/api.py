@@ -84,13 +84,38 @@ def compile(
         if mesh is None:
             raise TypeError("autopar.compile needs mesh=..., e.g. @autopar.compile(mesh=Mesh((4,), ('dp',)))")
         return functools.partial(_decorate, mesh=mesh, example_inputs=example_inputs, options=options)
+    return _parallelize(model, mesh, example_inputs, options)
+
+
+def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> ParallelModule:
+    """:func:`compile` of a model: check the arguments, then wrap the model in a module that plans
+    with the checked options (or runs the given plan)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autopar.compile takes a torch.nn.Module, got {type(model).__name__}")
     if mesh is None:
         raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
     check_mesh(mesh)
     config = PlanConfig.of(options)
-    parsed = config.pins_for(mesh)
+    pins = config.pins_for(mesh)
+    plan, backend, timeout = options["plan"], options["backend"], options["timeout"]
+    _check_run_options(plan, backend, timeout)
+    return ParallelModule(
+        model,
+        mesh,
+        example_inputs=example_inputs,
+        plan=plan,
+        backend=backend or default_backend(model),
+        planner=lambda captured, state_pins=None: plan_with(captured, mesh, config.with_pins(state_pins or {})),
+        pins=pins,
+        init_weights=options["init_weights"],
+        timeout_s=timeout,
+        param_dtype=config.param_dtype,
+    )
+
+
+def _check_run_options(plan, backend: str | None, timeout: float | None) -> None:
+    """Check the options that the runtime reads rather than the planner (``PlanConfig`` checks
+    the planner's), so that a wrong one fails at the call, before any tracing."""
     if plan is not None and not isinstance(plan, ShardingPlan):
         raise TypeError(
             f"plan must be a ShardingPlan (ShardingPlan.from_json reads a saved one), got {type(plan).__name__}"
@@ -99,18 +124,6 @@ def compile(
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait, a positive number")
-    return ParallelModule(
-        model,
-        mesh,
-        example_inputs=example_inputs,
-        plan=plan,
-        backend=backend or default_backend(model),
-        planner=lambda captured, state_pins=None: plan_with(captured, mesh, config.with_pins(state_pins or {})),
-        pins=parsed,
-        init_weights=init_weights,
-        timeout_s=timeout,
-        param_dtype=config.param_dtype,
-    )
 
 
 def _decorate(target, *, mesh: Mesh, example_inputs, options):

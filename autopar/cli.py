@@ -89,13 +89,8 @@ def _run(args, rest: list[str]) -> int:
     return torchrun(args.n, rest, launcher_args=launcher)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch training.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log each stage")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("plan", help="print the plan of a model for a mesh")
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``autopar plan``: the model, the mesh and the options of :func:`autopar.plan`."""
     p.add_argument(
         "model",
         help="bert, convnet, gpt, llama, mlp, moe, hf-gpt2, hf-llama (Hugging Face transformers), "
@@ -145,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
     p.add_argument("--graph", action="store_true", help="also print the annotated graph")
 
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``autopar`` parser and its ``run`` subparser, which :func:`main` uses alone so that the
+    script's own arguments pass through. ``demo`` and ``calibrate`` are listed for ``--help`` only:
+    their own ``main`` parses their arguments."""
+    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch training.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each stage")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_plan_arguments(sub.add_parser("plan", help="print the plan of a model for a mesh"))
+
     e = sub.add_parser("explain", help="print a saved plan and its annotated graph")
     e.add_argument("plan", help="a plan written by `autopar plan --json`")
 
@@ -161,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "calibrate", help="measure this machine's compute and gloo collectives into a profile file", add_help=False
     )
+    return parser, r
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``autopar`` command line ``argv`` (default: this process's) and return its exit status.
+    ``demo``, ``calibrate`` and ``run`` hand the rest of the line on; ``plan`` and ``explain`` report
+    a user's error in one line, with the traceback only under ``-v``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, run_parser = _parser()
     if argv[:1] == ["calibrate"]:
         from autopar.calibrate import main as calibrate_main
 
@@ -171,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     if argv[:1] == ["run"]:
-        known, rest = r.parse_known_args(argv[1:])
+        known, rest = run_parser.parse_known_args(argv[1:])
         return _run(known, rest)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s")
