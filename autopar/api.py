@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -61,7 +62,8 @@ def compile(
     ``mixed_precision``: a :class:`~autopar.core.precision.MixedPrecision` policy (compute in
     ``param_dtype`` with float32 master parameters and optimizer state); and
     ``timeout``: seconds after which a collective on the mesh that some rank does not join
-    fails (default: the process group's, 30 minutes for gloo, 10 for NCCL). On gloo the
+    fails (default: ``autopar run --timeout``'s when it started the ranks, else the process
+    group's, 30 minutes for gloo, 10 for NCCL). On gloo the
     program's collectives then raise :class:`~autopar.core.errors.CollectiveError` on every rank that
     waits; on NCCL, torch's watchdog aborts the waiting processes.
     """
@@ -98,6 +100,8 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
     config = PlanConfig.of(options)
     pins = config.pins_for(mesh)
     plan, backend, timeout = options["plan"], options["backend"], options["timeout"]
+    if timeout is None:
+        timeout = _timeout_of_the_launch()
     _check_run_options(plan, backend, timeout)
     return ParallelModule(
         model,
@@ -111,6 +115,23 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
         timeout_s=timeout,
         param_dtype=config.param_dtype,
     )
+
+
+TIMEOUT_VARIABLE = "AUTOPAR_TIMEOUT_S"
+"""The environment variable through which ``autopar run --timeout`` gives every rank its
+default ``timeout``."""
+
+
+def _timeout_of_the_launch() -> float | None:
+    value = os.environ.get(TIMEOUT_VARIABLE)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"{TIMEOUT_VARIABLE}={value!r} is not a number of seconds; set it (or autopar run --timeout) to e.g. 300"
+        ) from None
 
 
 def _check_run_options(plan, backend: str | None, timeout: float | None) -> None:

@@ -335,7 +335,7 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
     takes beyond the model's forward and backward programs."""
     from autopar.passes.analysis.capture import capture
     from autopar.passes.lower.partition import partition
-    from autopar.runtime.module import _Program, _Step
+    from autopar.runtime.program import Program, Step
 
     x = torch.randn(256, 64)
     captured = capture(model, (x,))
@@ -345,7 +345,7 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
         [None if k is None else k.kind == "grad" for k in captured.outputs],
     )
     grads = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
-    program = _Program(
+    program = Program(
         parts,
         "eager",
         [k.kind == "param" and k.name in grads for k in captured.inputs if k.kind != "tangent"],
@@ -357,7 +357,7 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
     def step():
         for p in state.values():
             p.grad = None
-        _Step.apply(program, *flat)[0].backward()
+        Step.apply(program, *flat)[0].backward()
 
     with torch.no_grad():
         results = program.forward(*flat)

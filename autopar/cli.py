@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def _explain(args) -> int:
 
 
 def _run(args, rest: list[str]) -> int:
+    from autopar.api import TIMEOUT_VARIABLE
     from autopar.runtime.launch import torchrun
 
     if not rest:
@@ -86,6 +88,12 @@ def _run(args, rest: list[str]) -> int:
             launcher.append(f"--{flag.replace('_', '-')}={value}")
     if args.nnodes is not None and args.rdzv_endpoint is not None:
         launcher.append("--rdzv-backend=c10d")
+    if args.timeout is not None:
+        if not args.timeout > 0:
+            raise SystemExit(
+                f"autopar run: --timeout {args.timeout:g}: give the seconds a collective may wait, e.g. 300"
+            )
+        os.environ[TIMEOUT_VARIABLE] = repr(args.timeout)  # the ranks inherit it
     return torchrun(args.n, rest, launcher_args=launcher)
 
 
@@ -160,6 +168,14 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     r.add_argument("--node-rank", dest="node_rank", default=None, help="this host's index")
     r.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None, help="host:port of the rendezvous")
     r.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="job id shared by all hosts")
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a collective may wait for a rank that does not join it before every waiting rank fails "
+        "(the default timeout of autopar.compile on each rank)",
+    )
 
     sub.add_parser(
         "demo", help="plan a small GPT for 2x2, train on 4 local ranks, compare with one device", add_help=False

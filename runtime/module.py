@@ -6,22 +6,27 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, capture
-from autopar.passes.analysis.liveness import forward_made
-from autopar.passes.lower.partition import Partitioned, boxed, layer_by_layer, partition
-from autopar.passes.lower.rewrite import check_fits, placeholder_layouts, rewrite, runs_planned_ops
-from autopar.passes.propagation.propagate import whole_on_one_rank
-from autopar.passes.propagation.rank_ops import graph_collectives
+from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import HostOptimizer
-from autopar.runtime.release import GivenRelease, release_collective_buffers
+from autopar.runtime.program import (
+    BACKENDS,
+    Lowered,
+    Step,
+    check_plan,
+    check_tensors,
+    lower,
+    named_timeouts,
+    refuse_autocast,
+)
 from autopar.runtime.state import (
-    as_dtensor,
+    ParameterCounts,
+    as_planned,
     distribute,
     distribute_state,
     local_of,
@@ -29,123 +34,16 @@ from autopar.runtime.state import (
     materialise,
     release,
     whole_fake_state,
+    whole_of,
 )
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_unflatten
 
-from autopar.core.errors import CollectiveError, InputError, StalePlanError
+from autopar.core.errors import InputError
 from autopar.core.mesh import Mesh
-from autopar.core.offload_ops import OFFLOAD_OPS, host_copies_done
-from autopar.core.placement import Placements, Shard, format_placement
+from autopar.core.placement import Placements, Shard
 from autopar.core.plan import ShardingPlan
 
 log = logging.getLogger("autopar")
-
-BACKENDS = ("eager", "inductor")
-
-
-class _Program:
-    """One rank's compiled forward and backward graphs and how to feed them."""
-
-    def __init__(
-        self,
-        parts: Partitioned,
-        backend: str,
-        grad_slots: list[bool],
-        updated_buffers: list[str | None],
-        timeout_s: float | None = None,
-    ):
-        self.num_outputs = parts.num_outputs
-        self.timeout_s = timeout_s
-        self.grad_slots = grad_slots
-        self.updated_buffers = updated_buffers
-        """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
-        self.grads_to_host = any(n.target in OFFLOAD_OPS for n in parts.backward.graph.nodes)
-        self.given = GivenRelease()
-        """Frees saved tensors that collectives read in the backward, once the backward owns them."""
-        if backend == "inductor":
-            self.forward = _inductor(parts.forward)
-            layers = layer_by_layer(parts.backward)
-            if layers is None:
-                whole = _inductor(parts.backward)
-                self.backward = lambda args: whole(*args)
-            else:
-                for name, layer in list(layers.named_children()):
-                    setattr(layers, name, _inductor(layer))
-                self.backward = boxed(layers)
-        else:
-            self.forward = release_collective_buffers(parts.forward)
-            self.backward = boxed(release_collective_buffers(parts.backward, (forward_made(parts.forward), self.given)))
-
-
-def _inductor(graph: torch.fx.GraphModule):
-    return torch.compile(graph, backend="inductor", fullgraph=True, dynamic=False, options=_offload_safe(graph))
-
-
-def _offload_safe(graph: torch.fx.GraphModule) -> dict:
-    """Inductor options for a graph: where it copies values to the host (activations in the
-    forward, gradients of parameters kept on the host in the backward), Inductor must not write
-    a later kernel's output into a copied value's buffer (its buffer reuse and in-place kernels
-    bypass the caching allocator), since on CUDA the copy may still be reading it on the side
-    stream. Freed buffers then go back to the caching allocator, which reuses them only once
-    the copy is done. Nor may Inductor reorder the graph's ops (for peak memory or locality): it
-    would move the copies out of the forward behind its compute, so that the activations being
-    copied are all held on the device at once, above the plan's peak, and the copies run after
-    the forward instead of beside it."""
-    if any(n.target in OFFLOAD_OPS for n in graph.graph.nodes):
-        return {
-            "allow_buffer_reuse": False,
-            "inplace_buffers": False,
-            "reorder_for_peak_memory": False,
-            "reorder_for_locality": False,
-        }
-    return {}
-
-
-class _Step(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, program: _Program, *flat):
-        with _named_timeouts(program, "forward"):
-            results = program.forward(*flat)
-        ctx.program = program
-        ctx.save_for_backward(*results[program.num_outputs :])
-        outputs = tuple(results[: program.num_outputs])
-        ctx.mark_non_differentiable(*(o for o, name in zip(outputs, program.updated_buffers) if name is not None))
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *tangents):
-        program = ctx.program
-        tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
-        args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
-        ctx.maybe_clear_saved_tensors()  # unless retain_graph: the backward frees each after its last read
-        program.given.owned = not torch._C._autograd._get_current_graph_task_keep_graph()
-        with _named_timeouts(program, "backward"):
-            grads = program.backward(args)
-        if program.grads_to_host:
-            host_copies_done()
-        grads = iter(grads)
-        return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
-
-
-_PEER_FAILURES = ("timed out", "timeout", "closed by peer", "connection reset")
-"""What gloo and NCCL say when a collective's peer stalls past the timeout or leaves the job."""
-
-
-@contextlib.contextmanager
-def _named_timeouts(program: _Program, phase: str):
-    """Turn a collective's failure for want of a peer inside the program into a
-    :class:`CollectiveError` saying what waited and why."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if program.timeout_s is None or not any(s in str(exc).lower() for s in _PEER_FAILURES):
-            raise
-        raise CollectiveError(
-            f"rank {dist.get_rank()}: a collective of the {phase} failed because another rank of the mesh did not "
-            f"join it within the timeout of {program.timeout_s:g} s (it stalled) or left the job (it died). The "
-            f"collective's own error: {str(exc).strip().splitlines()[0]}"
-        ) from exc
 
 
 def _lean_step(optimizer_class: type[torch.optim.Optimizer], options: dict, params: list[torch.Tensor]) -> dict:
@@ -246,7 +144,7 @@ class ParallelModule(torch.nn.Module):
         return [name for name in self.plan.host_optimizer if name not in self.plan.host_params]
 
     def forward(self, *inputs):
-        _refuse_autocast()
+        refuse_autocast()
         if not self._built:
             self._build(inputs)
         else:
@@ -261,7 +159,7 @@ class ParallelModule(torch.nn.Module):
                     )
                 self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
-        results = _Step.apply(self._program, *flat)
+        results = Step.apply(self._program, *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
 
     def _write_back(self, results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -287,10 +185,11 @@ class ParallelModule(torch.nn.Module):
             keep_freed_memory()
         timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
         self._device_mesh = device_mesh(self._mesh, device_type, timeout)
+        self._world = None if timeout is None else dist.new_group(timeout=timeout)  # for the inputs' size check
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         )
-        _check_tensors(inputs)
+        check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
             captured = capture(self.module, inputs, self._param_dtype)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
@@ -298,13 +197,12 @@ class ParallelModule(torch.nn.Module):
         self._plan = plan
         self._coordinate = tuple(int(c) for c in self._device_mesh.get_coordinate())
         self._groups = [self._device_mesh.get_group(axis).group_name for axis in range(self._mesh.ndim)]
-        self._layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
         self._inputs = [
             (n.meta["val"], k.name) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
         ]
         """The planned value and name of each input, in call order (dtype, device and dims hold at
         every size)."""
-        self._lowered: dict[tuple, _Lowered] = {}
+        self._lowered: dict[tuple, Lowered] = {}
         self._lower(captured, plan)
         self._shard_state(captured)
         self._built = True
@@ -318,28 +216,15 @@ class ParallelModule(torch.nn.Module):
 
     def _lower(self, captured: Captured, plan: ShardingPlan) -> None:
         """Make and cache the per-rank program of ``plan`` for ``captured``, and run it from now."""
-        joint = rewrite(captured, plan, coordinate=self._coordinate, group_names=self._groups)
-        collectives = [
-            (kind, self._mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, self._groups)
-        ]
-        is_tangent = [k.kind == "tangent" for k in captured.inputs]
-        output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
-        grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
-        grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
-        updated_buffers = [
-            k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"
-        ]
-        program = _Program(
-            partition(joint, is_tangent, output_is_grad), self._backend, grad_slots, updated_buffers, self._timeout_s
-        )
-        layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
         key = (
             tuple(
                 tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
             ),
             _modes(self.module),
         )
-        self._lowered[key] = _Lowered(captured, program, joint, collectives, layouts)
+        self._lowered[key] = lower(
+            captured, plan, self._mesh, self._coordinate, self._groups, self._backend, self._timeout_s
+        )
         self._run_for(key)
 
     def _run_for(self, key: tuple) -> None:
@@ -401,7 +286,7 @@ class ParallelModule(torch.nn.Module):
         part; every rank's part must make the same whole), once the inputs are checked against
         the planned ones, and the training flags of the modules (eval mode captures another
         graph where dropout or batch norm differ)."""
-        _check_tensors(inputs)
+        check_tensors(inputs)
         planned = self._inputs
         if len(inputs) != len(planned):
             raise TypeError(
@@ -431,7 +316,8 @@ class ParallelModule(torch.nn.Module):
         smaller last part on some ranks only): the ranks would run programs of other sizes."""
         sizes = torch.tensor([n for shape in key for n in shape], device=self._device)
         bounds = torch.cat([sizes, -sizes])  # one all-reduce of the largest sizes and of the smallest
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        with named_timeouts(self._timeout_s, "check of the inputs' sizes"):
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._world)
         if not torch.equal(bounds[: len(sizes)], -bounds[len(sizes) :]):
             raise InputError(
                 f"the ranks passed parts of per-rank inputs of different sizes (this rank's make the whole shapes "
@@ -530,7 +416,7 @@ class ParallelModule(torch.nn.Module):
         keep = not rank0_only or dist.get_rank() == 0
         state = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
-            whole = _whole(t)  # every rank gathers; only the keeping ranks hold the whole tensors
+            whole = whole_of(t)  # every rank gathers; only the keeping ranks hold the whole tensors
             if keep:
                 state[name] = whole
         return state
@@ -544,23 +430,13 @@ class ParallelModule(torch.nn.Module):
         if state_dict and all(k.startswith(prefix) for k in state_dict):
             state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
         current = self.module.state_dict(keep_vars=True)
-        planned = {k: self._planned_value(k, current[k], v) if k in current else v for k, v in state_dict.items()}
+        planned = {
+            k: as_planned(k, current[k], v, self._coordinate, self._mesh.shape) if k in current else v
+            for k, v in state_dict.items()
+        }
         return self.module.load_state_dict(planned, strict=strict, assign=assign)
 
-    def _planned_value(self, key: str, current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if not isinstance(current, DTensor) or not isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, DTensor):
-            return value.redistribute(current.device_mesh, current.placements)
-        if tuple(value.shape) != tuple(current.shape):
-            raise ValueError(
-                f"state dict entry {key!r} has shape {tuple(value.shape)}, but the model's is "
-                f"{tuple(current.shape)}. Fix: load a state dict of this model"
-            )
-        piece = local_piece(value.to(current.dtype), current.placements, self._coordinate, self._mesh.shape)
-        return as_dtensor(piece.to(current.to_local().device), current)
-
-    def parameter_counts(self) -> "ParameterCounts":
+    def parameter_counts(self) -> ParameterCounts:
         """How many parameter values the model has, whole and on this rank (tied ones once)."""
         params = list(self.module.parameters())
         return ParameterCounts(whole=sum(p.numel() for p in params), this_rank=sum(local_of(p).numel() for p in params))
@@ -586,87 +462,3 @@ def _modes(model: torch.nn.Module) -> tuple[bool, ...]:
     """The training flag of every module: eval mode of some modules (frozen batch norm) changes
     the graph as eval mode of the whole model does."""
     return tuple(m.training for m in model.modules())
-
-
-class _Lowered(NamedTuple):
-    """The program of one input size and mode."""
-
-    captured: Captured
-    program: _Program
-    per_rank_graph: torch.fx.GraphModule
-    collectives: list
-    layouts: dict[str, Placements]
-
-
-class ParameterCounts(NamedTuple):
-    whole: int
-    """Values of the model's parameters."""
-    this_rank: int
-    """Values this rank holds (replicated ones counted on every rank that holds them)."""
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A whole copy of a parameter or buffer (a collective for a DTensor: every rank calls it)."""
-    if not isinstance(tensor, DTensor):
-        return tensor.detach().clone()
-    local = tensor.to_local().detach()
-    if local.device.type != tensor.device_mesh.device_type:  # a parameter kept in host memory
-        local = local.to(tensor.device_mesh.device_type)
-        tensor = as_dtensor(local, tensor)
-    return tensor.detach().full_tensor()
-
-
-def _refuse_autocast() -> None:
-    """The per-rank program is captured without ``torch.autocast``; run under it, its matmuls
-    alone would change dtype. Casting inside the model's forward is captured and planned."""
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        raise RuntimeError(
-            "the compiled model is called under torch.autocast, which its per-rank program cannot follow: it was "
-            "captured and planned without it. Fix: enter autocast inside the model's forward (wrap the model in a "
-            "module whose forward runs it under torch.autocast) before autopar.compile; autopar captures the casts "
-            "and prices the matmuls at the lower precision"
-        )
-
-
-def _check_tensors(inputs: tuple) -> None:
-    bad = [f"argument {i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
-    if bad:
-        raise InputError(
-            f"the compiled model takes tensors: {'; '.join(bad)}. Fix: pass each input as a tensor "
-            "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
-            "or module attributes before autopar.compile"
-        )
-
-
-def check_plan(
-    plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None
-) -> None:
-    """Refuse a plan made for another mesh, another graph (any op, argument, shape or dtype),
-    or with other placements than ``pins`` asks for, naming the difference."""
-    if plan.mesh != mesh:
-        raise StalePlanError(
-            f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}"
-        )
-    for name, placements in (pins or {}).items():
-        planned = plan.placements.get(name, plan.inputs.get(name))
-        asked = tuple(format_placement(p) for p in whole_on_one_rank(placements, mesh))  # as planning reads a pin
-        if planned is not None and tuple(planned) != asked:
-            raise StalePlanError(
-                f"the plan places {name!r} as ({', '.join(planned)}) but pins ask for ({', '.join(asked)}). "
-                "Fix: plan again with these pins, or drop the pins to run the plan as it is"
-            )
-    if plan.graph_hash != captured.graph_hash:
-        raise StalePlanError(
-            f"the plan was made for another graph (plan {plan.graph_hash}, this model {captured.graph_hash})"
-            + _first_difference(plan.graph_lines, captured.graph_lines)
-            + ": the model, its input shapes or dtypes, or autopar changed since planning. Fix: plan this model again"
-        )
-
-
-def _first_difference(planned: Sequence[str], captured: Sequence[str]) -> str:
-    for k, (a, b) in enumerate(zip(planned, captured)):
-        if a != b:
-            return f"; node {k} differs, planned as `{a}`, now `{b}`"
-    if len(planned) != len(captured):
-        return f"; the plan's graph has {len(planned)} nodes, this model's {len(captured)}"
-    return ""

@@ -3,7 +3,8 @@
 :func:`local_piece` cuts a rank's piece out of a whole tensor (every rank holds the whole one, so
 no communication is needed); :func:`distribute_state` swaps each planned parameter and buffer of
 a module for a :class:`~torch.distributed.tensor.DTensor` over the plan's placements. Whole
-values, gathering, norms and checkpoints are then DTensor's.
+values, gathering, norms and checkpoints are then DTensor's; :func:`whole_of` and
+:func:`as_planned` take state dict entries out of the module and back in.
 
 An optimizer built over the old parameters (before the first call, when the plan is made then)
 is pointed at the new ones as they replace the old (:func:`_repoint_optimizers`).
@@ -12,6 +13,7 @@ is pointed at the new ones as they replace the old (:func:`_repoint_optimizers`)
 import contextlib
 import gc
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,45 @@ def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``tensor`` (the tensor itself when it is no DTensor)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole copy of a parameter or buffer (a collective for a DTensor: every rank calls it)."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().clone()
+    local = tensor.to_local().detach()
+    if local.device.type != tensor.device_mesh.device_type:  # a parameter kept in host memory
+        local = local.to(tensor.device_mesh.device_type)
+        tensor = as_dtensor(local, tensor)
+    return tensor.detach().full_tensor()
+
+
+def as_planned(
+    key: str, current: torch.Tensor, value: torch.Tensor, coordinate: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> torch.Tensor:
+    """State dict entry ``key``'s ``value`` laid out as the module's ``current`` tensor: a DTensor
+    redistributed, a whole tensor cut to the piece of the rank at ``coordinate``; anything
+    loaded into a tensor that is no DTensor is left as it is."""
+    if not isinstance(current, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, DTensor):
+        return value.redistribute(current.device_mesh, current.placements)
+    if tuple(value.shape) != tuple(current.shape):
+        raise ValueError(
+            f"state dict entry {key!r} has shape {tuple(value.shape)}, but the model's is "
+            f"{tuple(current.shape)}. Fix: load a state dict of this model"
+        )
+    piece = local_piece(value.to(current.dtype), current.placements, coordinate, mesh_shape)
+    return as_dtensor(piece.to(current.to_local().device), current)
+
+
+class ParameterCounts(NamedTuple):
+    """How many parameter values a model has, whole and on this rank."""
+
+    whole: int
+    """Values of the model's parameters."""
+    this_rank: int
+    """Values this rank holds (replicated ones counted on every rank that holds them)."""
 
 
 def distribute(whole: torch.Tensor, piece: torch.Tensor, device_mesh: DeviceMesh, placements: Placements) -> DTensor:

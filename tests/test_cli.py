@@ -121,6 +121,36 @@ def test_run_launches_ranks_that_compile_and_train(tmp_path):
 
 
 @pytest.mark.slow
+def test_run_timeout_fails_the_ranks_that_wait_for_one_that_hangs(tmp_path):
+    (tmp_path / "hang.py").write_text(
+        textwrap.dedent("""
+        import time
+        import torch, torch.distributed as dist
+        import autopar
+        from autopar.examples.mlp import MLP
+
+        mesh = autopar.Mesh((2,), ("dp",))
+        pins = {"x": "S(0)", "target": "S(0)"}  # data parallel: the gradients are reduced
+        model = autopar.compile(MLP(8, 16), mesh, hardware="cpu", pins=pins)
+        x, y = torch.randn(2, 8), torch.randn(2, 8)  # each rank passes its own part of a pinned split
+        for step in range(3):
+            if step == 1 and dist.get_rank() == 1:
+                time.sleep(30)
+            model(x, y).backward()
+        print("no error")
+    """)
+    )
+    done = _autopar("run", "-n", "2", "--timeout", "5", str(tmp_path / "hang.py"), cwd=tmp_path)
+    assert done.returncode == 1 and "no error" not in done.stdout, done.stdout[-3000:]
+    assert "did not join it within the timeout of 5 s" in done.stderr, done.stderr[-3000:]
+
+
+def test_run_refuses_a_timeout_that_is_not_positive(tmp_path):
+    done = _autopar("run", "-n", "2", "--timeout", "0", "train.py", cwd=tmp_path)
+    assert done.returncode != 0 and "--timeout 0: give the seconds a collective may wait" in done.stderr
+
+
+@pytest.mark.slow
 def test_demo_trains_on_four_ranks_and_matches_one_device():
     done = _autopar("demo")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

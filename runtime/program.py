@@ -1,0 +1,227 @@
+"""One rank's program: a plan lowered for a captured graph, and the autograd function that runs it.
+
+:func:`lower` rewrites the captured joint graph for this rank (its pieces and collectives) and
+splits it into a forward and a backward :class:`Program`; :class:`Step` runs a program as one
+autograd function, so that ``backward()`` on the model's outputs runs the program's backward.
+:func:`check_plan` refuses a plan made for another mesh or graph before it is lowered.
+"""
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from autopar.passes.analysis.capture import Captured
+from autopar.passes.analysis.liveness import forward_made
+from autopar.passes.lower.partition import Partitioned, boxed, layer_by_layer, partition
+from autopar.passes.lower.rewrite import placeholder_layouts, rewrite
+from autopar.passes.propagation.propagate import whole_on_one_rank
+from autopar.passes.propagation.rank_ops import graph_collectives
+from autopar.runtime.release import GivenRelease, release_collective_buffers
+
+from autopar.core.errors import CollectiveError, InputError, StalePlanError
+from autopar.core.mesh import Mesh
+from autopar.core.offload_ops import OFFLOAD_OPS, host_copies_done
+from autopar.core.placement import Placements, format_placement
+from autopar.core.plan import ShardingPlan
+
+BACKENDS = ("eager", "inductor")
+
+
+class Program:
+    """One rank's compiled forward and backward graphs and how to feed them."""
+
+    def __init__(
+        self,
+        parts: Partitioned,
+        backend: str,
+        grad_slots: list[bool],
+        updated_buffers: list[str | None],
+        timeout_s: float | None = None,
+    ):
+        self.num_outputs = parts.num_outputs
+        self.timeout_s = timeout_s
+        self.grad_slots = grad_slots
+        self.updated_buffers = updated_buffers
+        """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
+        self.grads_to_host = any(n.target in OFFLOAD_OPS for n in parts.backward.graph.nodes)
+        self.given = GivenRelease()
+        """Frees saved tensors that collectives read in the backward, once the backward owns them."""
+        if backend == "inductor":
+            self.forward = _inductor(parts.forward)
+            layers = layer_by_layer(parts.backward)
+            if layers is None:
+                whole = _inductor(parts.backward)
+                self.backward = lambda args: whole(*args)
+            else:
+                for name, layer in list(layers.named_children()):
+                    setattr(layers, name, _inductor(layer))
+                self.backward = boxed(layers)
+        else:
+            self.forward = release_collective_buffers(parts.forward)
+            self.backward = boxed(release_collective_buffers(parts.backward, (forward_made(parts.forward), self.given)))
+
+
+def _inductor(graph: torch.fx.GraphModule):
+    return torch.compile(graph, backend="inductor", fullgraph=True, dynamic=False, options=_offload_safe(graph))
+
+
+def _offload_safe(graph: torch.fx.GraphModule) -> dict:
+    """Inductor options for a graph: where it copies values to the host (activations in the
+    forward, gradients of parameters kept on the host in the backward), Inductor must not write
+    a later kernel's output into a copied value's buffer (its buffer reuse and in-place kernels
+    bypass the caching allocator), since on CUDA the copy may still be reading it on the side
+    stream. Freed buffers then go back to the caching allocator, which reuses them only once
+    the copy is done. Nor may Inductor reorder the graph's ops (for peak memory or locality): it
+    would move the copies out of the forward behind its compute, so that the activations being
+    copied are all held on the device at once, above the plan's peak, and the copies run after
+    the forward instead of beside it."""
+    if any(n.target in OFFLOAD_OPS for n in graph.graph.nodes):
+        return {
+            "allow_buffer_reuse": False,
+            "inplace_buffers": False,
+            "reorder_for_peak_memory": False,
+            "reorder_for_locality": False,
+        }
+    return {}
+
+
+class Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program: Program, *flat):
+        with named_timeouts(program.timeout_s, "forward"):
+            results = program.forward(*flat)
+        ctx.program = program
+        ctx.save_for_backward(*results[program.num_outputs :])
+        outputs = tuple(results[: program.num_outputs])
+        ctx.mark_non_differentiable(*(o for o, name in zip(outputs, program.updated_buffers) if name is not None))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *tangents):
+        program = ctx.program
+        tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
+        args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
+        ctx.maybe_clear_saved_tensors()  # unless retain_graph: the backward frees each after its last read
+        program.given.owned = not torch._C._autograd._get_current_graph_task_keep_graph()
+        with named_timeouts(program.timeout_s, "backward"):
+            grads = program.backward(args)
+        if program.grads_to_host:
+            host_copies_done()
+        grads = iter(grads)
+        return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
+
+
+_PEER_FAILURES = ("timed out", "timeout", "closed by peer", "connection reset")
+"""What gloo and NCCL say when a collective's peer stalls past the timeout or leaves the job."""
+
+
+@contextlib.contextmanager
+def named_timeouts(timeout_s: float | None, phase: str):
+    """Turn a collective's failure for want of a peer (in the program, or in the per-call check
+    of the inputs' sizes) into a :class:`CollectiveError` saying what waited and why."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if timeout_s is None or not any(s in str(exc).lower() for s in _PEER_FAILURES):
+            raise
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: a collective of the {phase} failed because another rank of the mesh did not "
+            f"join it within the timeout of {timeout_s:g} s (it stalled) or left the job (it died). The "
+            f"collective's own error: {str(exc).strip().splitlines()[0]}"
+        ) from exc
+
+
+class Lowered(NamedTuple):
+    """The program of one input size and mode."""
+
+    captured: Captured
+    program: Program
+    per_rank_graph: torch.fx.GraphModule
+    collectives: list
+    layouts: dict[str, Placements]
+
+
+def lower(
+    captured: Captured,
+    plan: ShardingPlan,
+    mesh: Mesh,
+    coordinate: tuple[int, ...],
+    group_names: list[str],
+    backend: str,
+    timeout_s: float | None,
+) -> Lowered:
+    """The program of ``plan`` for ``captured`` on the rank at ``coordinate``, whose collectives
+    run on the process groups ``group_names`` (one per mesh axis)."""
+    joint = rewrite(captured, plan, coordinate=coordinate, group_names=group_names)
+    collectives = [
+        (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, group_names)
+    ]
+    is_tangent = [k.kind == "tangent" for k in captured.inputs]
+    output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
+    grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
+    updated_buffers = [
+        k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"
+    ]
+    program = Program(partition(joint, is_tangent, output_is_grad), backend, grad_slots, updated_buffers, timeout_s)
+    layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
+    return Lowered(captured, program, joint, collectives, layouts)
+
+
+def check_plan(
+    plan: ShardingPlan, captured: Captured, mesh: Mesh, pins: Mapping[str, Placements] | None = None
+) -> None:
+    """Refuse a plan made for another mesh, another graph (any op, argument, shape or dtype),
+    or with other placements than ``pins`` asks for, naming the difference."""
+    if plan.mesh != mesh:
+        raise StalePlanError(
+            f"the plan was made for {plan.mesh} but the model is compiled for {mesh}. Fix: plan again for {mesh}"
+        )
+    for name, placements in (pins or {}).items():
+        planned = plan.placements.get(name, plan.inputs.get(name))
+        asked = tuple(format_placement(p) for p in whole_on_one_rank(placements, mesh))  # as planning reads a pin
+        if planned is not None and tuple(planned) != asked:
+            raise StalePlanError(
+                f"the plan places {name!r} as ({', '.join(planned)}) but pins ask for ({', '.join(asked)}). "
+                "Fix: plan again with these pins, or drop the pins to run the plan as it is"
+            )
+    if plan.graph_hash != captured.graph_hash:
+        raise StalePlanError(
+            f"the plan was made for another graph (plan {plan.graph_hash}, this model {captured.graph_hash})"
+            + _first_difference(plan.graph_lines, captured.graph_lines)
+            + ": the model, its input shapes or dtypes, or autopar changed since planning. Fix: plan this model again"
+        )
+
+
+def _first_difference(planned: Sequence[str], captured: Sequence[str]) -> str:
+    for k, (a, b) in enumerate(zip(planned, captured)):
+        if a != b:
+            return f"; node {k} differs, planned as `{a}`, now `{b}`"
+    if len(planned) != len(captured):
+        return f"; the plan's graph has {len(planned)} nodes, this model's {len(captured)}"
+    return ""
+
+
+def refuse_autocast() -> None:
+    """The per-rank program is captured without ``torch.autocast``; run under it, its matmuls
+    alone would change dtype. Casting inside the model's forward is captured and planned."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        raise RuntimeError(
+            "the compiled model is called under torch.autocast, which its per-rank program cannot follow: it was "
+            "captured and planned without it. Fix: enter autocast inside the model's forward (wrap the model in a "
+            "module whose forward runs it under torch.autocast) before autopar.compile; autopar captures the casts "
+            "and prices the matmuls at the lower precision"
+        )
+
+
+def check_tensors(inputs: tuple) -> None:
+    """Refuse inputs other than tensors: the program takes tensors only."""
+    bad = [f"argument {i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise InputError(
+            f"the compiled model takes tensors: {'; '.join(bad)}. Fix: pass each input as a tensor "
+            "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
+            "or module attributes before autopar.compile"
+        )
