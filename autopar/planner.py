@@ -20,7 +20,7 @@ from autopar.core.precision import MixedPrecision
 from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
 from autopar.cost_model.hardware import Profile
-from autopar.passes.analysis.capture import Captured, capture, module_paths
+from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, module_paths
 from autopar.passes.analysis.liveness import Liveness
 from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
@@ -63,6 +63,11 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
         raise InfeasiblePlanError(problem.over_budget()) from None
     if result.solver.status == "FEASIBLE":
         result, live = problem.no_slower_than_a_layout(result, live)
+    if math.isinf(result.predicted_step_s):
+        raise InfeasiblePlanError(
+            "no plan reduces every gradient in the parameters' dtype (MixedPrecision.reduce_dtype): an op between "
+            "a gradient's making and its cast cannot run on partial sums. Fix: reduce_dtype=None"
+        )
     classes = problem.classes
     result = dataclasses.replace(
         result,
@@ -133,7 +138,8 @@ class _Problem:
         t0 = time.perf_counter()
         space = propagate(captured, mesh, pins=pins, fallback=config.fallback)
         t1 = time.perf_counter()
-        costs = CostModel(captured, mesh, profile, bucket_bytes=config.bucket_bytes)
+        unreduced = _reduced_after_cast(captured, config.mixed_precision)
+        costs = CostModel(captured, mesh, profile, bucket_bytes=config.bucket_bytes, unreduced=unreduced)
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
         t2 = time.perf_counter()
@@ -372,6 +378,22 @@ class _Problem:
                 memory, activations, least.choice, *chosen, least.host_optimizer, least.host_params
             ),
         )
+
+
+def _reduced_after_cast(captured: Captured, policy: MixedPrecision | None) -> frozenset[str]:
+    """The values that must not be reduced across ranks under ``policy``: with a ``reduce_dtype``,
+    every gradient before the backward casts it to its parameter's dtype."""
+    if policy is None or policy.reduce_dtype is None:
+        return frozenset()
+    before = gradients_before_cast(captured)
+    for dtype in set(before.values()):
+        if dtype != policy.reduce_dtype:
+            raise ValueError(
+                f"MixedPrecision(reduce_dtype={policy.reduce_dtype}): the gradients are stepped in {dtype}, the "
+                f"parameters' dtype, and are reduced in it or in param_dtype. Fix: reduce_dtype={dtype}, or None "
+                "to let the plan choose"
+            )
+    return frozenset(before)
 
 
 def _sharded_parameters(space, memory) -> dict[str, int]:

@@ -19,12 +19,28 @@ from autopar.core.plan import MemoryEstimate
 from autopar.core.strategy import Strategy, StrategySpace, ValueRef
 
 
+def _reduces(src: Placements, dst: Placements) -> bool:
+    return any(p.is_partial() and not q.is_partial() for p, q in zip(src, dst))
+
+
 class CostModel:
     """Costs of one captured graph on one mesh and hardware profile, with gradients reduced in
-    buckets of ``bucket_bytes`` (:mod:`autopar.passes.propagation.buckets`)."""
+    buckets of ``bucket_bytes`` (:mod:`autopar.passes.propagation.buckets`). The values named in
+    ``unreduced`` are never reduced across ranks (their moves off a partial sum cost infinite
+    seconds, which the solver never pays): a gradient before its cast to the parameter's dtype,
+    where the policy reduces in that dtype."""
 
-    def __init__(self, captured: Captured, mesh: Mesh, hardware: Profile, *, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(
+        self,
+        captured: Captured,
+        mesh: Mesh,
+        hardware: Profile,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+        unreduced: frozenset[str] = frozenset(),
+    ):
         self.mesh = mesh
+        self.unreduced = unreduced
         self.hardware = hardware
         self.links = mesh_links(hardware, mesh)
         self.bucket_bytes = bucket_bytes
@@ -131,6 +147,8 @@ class CostModel:
         return step_s(step, self.mesh, self.links)
 
     def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
+        if ref[0] in self.unreduced and _reduces(src, dst):
+            return math.inf
         value = self.value(ref)
         key = (tuple(value.shape), value.dtype, src, dst)
         if key not in self._transitions:
@@ -181,9 +199,12 @@ class CostModel:
     def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
         """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""
         value = self.value(ref)
-        return one_step_moves(
+        moves = one_step_moves(
             tuple(value.shape), value.element_size(), value.dtype.is_floating_point, self.mesh, self.links
         )
+        if ref[0] in self.unreduced:
+            return tuple(move for move in moves if not _reduces(move[0], move[1]))
+        return moves
 
     def local_bytes(self, ref: ValueRef, placements: Placements) -> int:
         found = self._bytes_of.get((ref, placements))

@@ -339,6 +339,33 @@ def captured_backward(captured: Captured) -> set[fx.Node]:
     )
 
 
+def gradients_before_cast(captured: Captured) -> dict[str, torch.dtype]:
+    """The values each parameter's gradient is in before the backward casts it to the
+    parameter's dtype (under a mixed-precision policy), by node name, with that dtype: from the
+    cast's operand back through the one-operand ops (transposes, views, a bias's sum) to the op
+    that makes it, as long as nothing else reads them (an activation's gradient that other ops
+    read is not this gradient's alone). Reducing one of them across ranks reduces the gradient
+    in the compute dtype."""
+    graph = captured.graph.graph
+    found: dict[str, torch.dtype] = {}
+    for kind, value in zip(captured.outputs, graph.output_node().args[0]):
+        if kind is None or kind.kind != "grad" or not isinstance(value, fx.Node) or not value.all_input_nodes:
+            continue
+        wanted = value.meta["val"].dtype
+        node = value.all_input_nodes[0]
+        while (
+            node.op == "call_function"
+            and isinstance(node.meta.get("val"), torch.Tensor)
+            and node.meta["val"].dtype != wanted
+            and len(node.users) == 1
+        ):
+            found[node.name] = wanted
+            if len(node.all_input_nodes) != 1:
+                break
+            node = node.all_input_nodes[0]
+    return found
+
+
 def module_paths(captured: Captured) -> dict[str, str]:
     """The qualified name of the module each op node comes from; backward ops take the module
     of the forward op they differentiate (same autograd sequence number). Gradient additions

@@ -29,6 +29,7 @@ readers' layer; a parameter standing for ``c`` copies of a repeated layer joins 
 (each copy gathers on its own), and such moves use transports, not flows.
 """
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -95,7 +96,8 @@ def layout_available(
     reader_moves: dict,
     joined: Callable | None = None,
 ) -> None:
-    """Tie every reader's needed layout to the producer's, and price each move ``count`` times.
+    """Tie every reader's needed layout to the producer's, and price each move ``count`` times
+    (a move priced infinite is never made).
     ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
     ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to.
     ``joined(p, q, made)``, when given, is told of every move and the variable (or 1) saying
@@ -112,6 +114,9 @@ def layout_available(
         if len(src) == 1 and len(dst) == 1:
             (p,), (q,) = src, dst
             seconds = transition_s(ref, p, q) if p != q else 0.0
+            if math.isinf(seconds):
+                solver.Constraint(1.0, 1.0)  # the one move there is is forbidden: no plan
+                continue
             reader_moves.setdefault((name, j), ([(None, seconds)] if p != q else [], seconds))
             if p != q:
                 _move(solver, costs, moves, ref, p, q, count, transition_s, None, joined)
@@ -124,6 +129,9 @@ def layout_available(
                 continue
         t = _transport(solver, src, dst)
         priced = {(p, q): transition_s(ref, p, q) for p, q in t if p != q}
+        for pq in [pq for pq, seconds in priced.items() if math.isinf(seconds)]:
+            t.pop(pq).SetUb(0.0)  # a move the cost model forbids (it prices it infinite) is never made
+            del priced[pq]
         reader_moves.setdefault(
             (name, j), ([(var, priced[pq]) for pq, var in t.items() if pq in priced], max(priced.values(), default=0.0))
         )  # one pair of layouts is used

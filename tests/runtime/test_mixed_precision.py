@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.passes.analysis.capture import capture
+from autopar.examples.mlp import MLP
+from autopar.passes.analysis.capture import capture, gradients_before_cast
 
 import autopar
 from tests.conftest import FLOP_EQ_BYTE
@@ -100,7 +101,7 @@ class _OneDeviceUnderPolicy(torch.nn.Module):
         return torch.func.functional_call(self.model, casts, args)
 
 
-def train_under_policy() -> dict:
+def train_under_policy(reduce_dtype: torch.dtype | None = None) -> dict:
     from tests.cases import _rank_inputs, pins_for
 
     torch.manual_seed(0)
@@ -110,7 +111,7 @@ def train_under_policy() -> dict:
     ref_losses, ref_grads = _train(
         reference, batches, lambda: {k.removeprefix("model."): p.grad.clone() for k, p in reference.named_parameters()}
     )
-    policy = autopar.MixedPrecision(param_dtype=torch.bfloat16)
+    policy = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     pmodel = autopar.compile(
         model,
         autopar.Mesh((2, 2), ("dp", "tp")),
@@ -134,8 +135,9 @@ def train_under_policy() -> dict:
 
 
 @pytest.mark.slow
-def test_the_mixed_precision_policy_trains_on_a_split_plan_as_one_device_under_it():
-    for r in run_ranks(4, train_under_policy):
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_the_mixed_precision_policy_trains_on_a_split_plan_as_one_device_under_it(reduce_dtype):
+    for r in run_ranks(4, train_under_policy, reduce_dtype):
         assert r["param_dtypes"] == r["grad_dtypes"] == {"torch.float32"}
         assert r["matmul_formats"] == {"bfloat16"}
         # bfloat16 products summed in another order, and in pieces, on the ranks: every gradient
@@ -147,3 +149,68 @@ def test_the_mixed_precision_policy_trains_on_a_split_plan_as_one_device_under_i
 def test_a_policy_of_a_dtype_that_is_no_floating_point_one_is_refused():
     with pytest.raises(ValueError, match="floating-point"):
         autopar.MixedPrecision(param_dtype=torch.int8)
+
+
+def _gradient_reductions(reduce_dtype: torch.dtype | None) -> tuple[set[str], set[str]]:
+    """The values a data-parallel MLP's plan reduces across ranks in the backward, and the
+    gradients' values before their cast to float32."""
+    batch = (torch.randn(16384, 1024), torch.randn(16384, 1024))
+    pins = {"x": "S(0)", "target": "S(0)", **{f"layers.{i}.{k}": "R" for i in (0, 1) for k in ("weight", "bias")}}
+    policy = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    plan = autopar.plan(MLP(1024, 4096), autopar.Mesh((4,), ("dp",)), batch, pins=pins, mixed_precision=policy)
+    reduced = {
+        c.tensor for c in plan.collectives if c.phase == "backward" and c.kind in ("all_reduce", "reduce_scatter")
+    }
+    return reduced, set(gradients_before_cast(capture(MLP(1024, 4096), batch, torch.bfloat16)))
+
+
+def test_reduce_dtype_float32_reduces_every_gradient_after_its_cast():
+    reduced, before_cast = _gradient_reductions(None)
+    assert reduced & before_cast  # priced cheaper, the weights' gradients are reduced in bfloat16
+    reduced, before_cast = _gradient_reductions(torch.float32)
+    assert reduced and not reduced & before_cast, reduced
+
+
+def test_a_reduce_dtype_other_than_the_parameters_is_refused():
+    policy = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"gradients are stepped in torch.float32.*Fix: reduce_dtype=torch.float32"):
+        autopar.plan(
+            MLP(8, 16), autopar.Mesh((2,), ("dp",)), (torch.randn(4, 8), torch.randn(4, 8)), mixed_precision=policy
+        )
+    with pytest.raises(ValueError, match="reduce_dtype=torch.int8"):
+        autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.int8)
+
+
+def train_data_parallel_reducing_in_float32() -> dict:
+    torch.manual_seed(0)
+    model = MLP(64, 256)
+    batches = [(torch.randn(256, 64), torch.randn(256, 64)) for _ in range(3)]
+    reference = _OneDeviceUnderPolicy(copy.deepcopy(model))
+    ref_losses, ref_grads = _train(
+        reference,
+        [tuple(t.to(torch.bfloat16) for t in b) for b in batches],  # the policy casts floating-point inputs too
+        lambda: {k.removeprefix("model."): p.grad.clone() for k, p in reference.named_parameters()},
+    )
+    pins = {"x": "S(0)", "target": "S(0)", **{f"layers.{i}.{k}": "R" for i in (0, 1) for k in ("weight", "bias")}}
+    policy = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = autopar.Mesh((4,), ("dp",))
+    pmodel = autopar.compile(model, mesh, batches[0], pins=pins, mixed_precision=policy)  # plain data parallel
+    rank = torch.distributed.get_rank()
+    local = [tuple(t.chunk(4)[rank] for t in b) for b in batches]
+    losses, grads = _train(
+        pmodel, local, lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()}
+    )
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "grad_rel": max(float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items()),
+        "reduced": sorted(
+            c.tensor for c in pmodel.plan.collectives if c.kind == "all_reduce" and c.phase == "backward"
+        ),
+    }
+
+
+@pytest.mark.slow
+def test_gradients_reduced_in_float32_train_as_one_device_under_the_policy():
+    for r in run_ranks(4, train_data_parallel_reducing_in_float32):
+        assert r["reduced"], r  # the gradients are reduced, after their cast
+        assert r["loss_rel"] < 1e-3 and r["grad_rel"] < 2e-2, r
