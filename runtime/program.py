@@ -7,6 +7,7 @@ autograd function, so that ``backward()`` on the model's outputs runs the progra
 """
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -126,11 +127,43 @@ def named_timeouts(timeout_s: float | None, phase: str):
     except RuntimeError as exc:
         if timeout_s is None or not any(s in str(exc).lower() for s in _PEER_FAILURES):
             raise
+        silent = _silent_ranks(min(timeout_s, ROLL_CALL_S))
+        who = (
+            f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of the mesh did not"
+            if silent
+            else "another rank of the mesh did not"
+        )
         raise CollectiveError(
-            f"rank {dist.get_rank()}: a collective of the {phase} failed because another rank of the mesh did not "
-            f"join it within the timeout of {timeout_s:g} s (it stalled) or left the job (it died). The "
-            f"collective's own error: {str(exc).strip().splitlines()[0]}"
+            f"rank {dist.get_rank()}: a collective of the {phase} failed because {who} join it within the timeout of "
+            f"{timeout_s:g} s (it stalled) or left the job (it died). The collective's own error: "
+            f"{str(exc).strip().splitlines()[0]}"
         ) from exc
+
+
+ROLL_CALL_S = 3.0
+"""Seconds a rank whose collective failed waits for the other ranks to say theirs failed too."""
+
+
+def _silent_ranks(wait_s: float) -> list[int]:
+    """The ranks that do not report a failed collective within ``wait_s`` of this rank's own
+    report, through the process group's store: every rank that waited in a collective fails at
+    its timeout and reports, so those that stay silent are the ones that stalled or died. Empty
+    when the job has no store to ask, or no longer has one."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return []
+    key = "autopar/failed/{}".format
+    deadline = time.monotonic() + wait_s
+    silent = list(range(dist.get_world_size()))
+    try:
+        store.set(key(dist.get_rank()), "1")
+        while silent and time.monotonic() < deadline:
+            silent = [rank for rank in silent if not store.check([key(rank)])]
+            time.sleep(0.1)
+    except RuntimeError:  # the store's host (rank 0) has left the job already
+        return []
+    return silent
 
 
 class Lowered(NamedTuple):
