@@ -53,8 +53,12 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
-    if problem.budget is not None and problem.budget < problem.least_memory_bound:
-        raise InfeasiblePlanError(problem.over_budget())
+    bounded = {}
+    if problem.budget is not None:
+        started = time.perf_counter()
+        if problem.budget < problem.least_memory_bound:
+            raise InfeasiblePlanError(problem.over_budget())
+        bounded["bound"] = time.perf_counter() - started
     try:
         result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
@@ -75,7 +79,7 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
         solver=dataclasses.replace(
             result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
         ),
-        stage_s={**problem.stages, **times},
+        stage_s={**problem.stages, **bounded, **times},
     )
     _report(result, problem)
     return result
