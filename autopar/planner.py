@@ -53,12 +53,6 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
-    bounded = {}
-    if problem.budget is not None:
-        started = time.perf_counter()
-        if problem.budget < problem.least_memory_bound:
-            raise InfeasiblePlanError(problem.over_budget())
-        bounded["bound"] = time.perf_counter() - started
     try:
         result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
@@ -79,7 +73,7 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
         solver=dataclasses.replace(
             result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
         ),
-        stage_s={**problem.stages, **bounded, **times},
+        stage_s={**problem.stages, **times},
     )
     _report(result, problem)
     return result
@@ -239,10 +233,6 @@ class _Problem:
         """The fastest plan the solver finds within ``solver_budget`` (a start under a budget:
         ``start``, else every parameter split as far as it goes), as ``(plan, its program's
         liveness, stage times, solution)``; :class:`SolverTimeoutError` when it finds none in time."""
-        if solver_budget is not None and solver_budget < self.least_memory_bound:
-            raise InfeasiblePlanError(
-                f"no plan is under {format_bytes(solver_budget)}: any needs {format_bytes(self.least_memory_bound)}"
-            )
         if start is None and self.budget is not None:
             start = _sharded_parameters(self.space, self.memory)
         started = time.perf_counter()
@@ -290,9 +280,7 @@ class _Problem:
         live = plan_liveness(self.captured, layout) if layout is not None and self.chooses else None
         if layout is None or (live is not None and self.budget is not None and live.peak_bytes > self.budget):
             if self.budget is not None:
-                least = self.least_memory()
-                if least is not None and least.info.status == "OPTIMAL" and least.info.objective_s > self.budget:
-                    raise InfeasiblePlanError(self.over_budget(least)) from None
+                self.decide_budget()
             raise exc
         log.warning("the solver found no plan within its time limit; returning the %s layout", layout.solver.layout)
         return layout, live, {"solve": exc.solve_s}
@@ -314,6 +302,16 @@ class _Problem:
             layout.solver.layout,
         )
         return layout, layout_live
+
+    def decide_budget(self) -> None:
+        """Raise :class:`InfeasiblePlanError` when no plan fits the budget, as the relaxation's
+        bound on the least memory shows (whatever the time limit), or the least-memory search
+        proves; return when neither does."""
+        if self.budget < self.least_memory_bound:
+            raise InfeasiblePlanError(self.over_budget()) from None
+        least = self.least_memory()
+        if least is not None and least.info.status == "OPTIMAL" and least.info.objective_s > self.budget:
+            raise InfeasiblePlanError(self.over_budget(least)) from None
 
     def least_memory(self) -> Solution | None:
         """The plan with the least memory the search finds in its time limit, offloading all it

@@ -198,8 +198,9 @@ def test_infeasible_memory_budget_says_what_is_over_and_what_would_fit():
 
 
 def test_an_infeasible_budget_is_refused_alike_under_any_time_limit():
-    """Whether any plan fits is decided by the program's relaxation before the timed search, so
-    a limit too short for any search still gives the infeasible verdict, not a timeout."""
+    """When the timed search finds no plan, whether any fits is decided by the program's
+    relaxation, so a limit too short for any search still gives the infeasible verdict, not a
+    timeout."""
     for limit in (0.01, 120.0):
         with pytest.raises(autopar.InfeasiblePlanError) as caught:
             autopar.plan(MLP(16, 32), Mesh((4,), ("dp",)), _inputs(), memory_budget="1KB", solver_time_limit_s=limit)

@@ -176,8 +176,8 @@ class ShardingPlan:
     """The per-device budget the plan was made under, if any."""
     solver: SolverInfo
     stage_s: Mapping[str, float]
-    """Wall time of each planning stage: capture, propagate, cost, (under a memory budget) the
-    bound on the least memory any plan needs, solve, plan, and the program's liveness."""
+    """Wall time of each planning stage: capture, propagate, cost, solve, plan, and (for plans
+    that recompute) the program's liveness."""
     recompute_s: float = 0.0
     """Compute time of the ops the backward runs again (their collectives are in
     ``communication_s``)."""
