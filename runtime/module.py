@@ -146,7 +146,7 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *inputs):
         refuse_autocast()
         if not self._built:
-            self._build(inputs)
+            self._build(inputs, first_call=True)
         else:
             self._switch(inputs)
             if not self._optimizer_checked:
@@ -176,7 +176,10 @@ class ParallelModule(torch.nn.Module):
 
     # building ----------------------------------------------------------------------------
 
-    def _build(self, inputs: tuple) -> None:
+    def _build(self, inputs: tuple, first_call: bool = False) -> None:
+        """Plan (or check the given plan) and lower it for ``inputs``: the global batch of
+        ``example_inputs``, or the ``first_call``'s inputs, which pass a pinned split as this
+        rank's part and so cannot give the whole batch's shapes."""
         device_type = device_type_of(self.module)
         on_meta = device_type == "meta"
         if on_meta:  # built on the meta device: each rank materialises its pieces where it computes
@@ -192,6 +195,8 @@ class ParallelModule(torch.nn.Module):
         check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
             captured = capture(self.module, inputs, self._param_dtype)
+        if first_call:
+            _refuse_split_pins_of_parts(captured, self._pins)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
         check_plan(plan, captured, self._mesh, self._pins)
         self._plan = plan
@@ -455,6 +460,16 @@ class ParallelModule(torch.nn.Module):
             "a ParallelModule holds process groups and per-rank programs, which cannot be pickled or copied. "
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
             "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it"
+        )
+
+
+def _refuse_split_pins_of_parts(captured: Captured, pins: Mapping[str, Placements]) -> None:
+    split = [k.name for k in captured.inputs if k.kind == "input" and any(p.is_shard() for p in pins.get(k.name, ()))]
+    if split:
+        raise InputError(
+            f"input {', '.join(repr(name) for name in split)} is pinned to a split, so every call passes this rank's "
+            "part of it, and the first call's part does not say how large the whole batch is. Fix: pass "
+            "example_inputs=(the global batch) to autopar.compile"
         )
 
 

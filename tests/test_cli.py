@@ -131,8 +131,9 @@ def test_run_timeout_fails_the_ranks_that_wait_for_one_that_hangs(tmp_path):
 
         mesh = autopar.Mesh((2,), ("dp",))
         pins = {"x": "S(0)", "target": "S(0)"}  # data parallel: the gradients are reduced
-        model = autopar.compile(MLP(8, 16), mesh, hardware="cpu", pins=pins)
-        x, y = torch.randn(2, 8), torch.randn(2, 8)  # each rank passes its own part of a pinned split
+        batch = (torch.randn(4, 8), torch.randn(4, 8))
+        model = autopar.compile(MLP(8, 16), mesh, batch, hardware="cpu", pins=pins)
+        x, y = (model.rank_part(name, t) for name, t in zip(("x", "target"), batch))  # each rank passes its part
         for step in range(3):
             if step == 1 and dist.get_rank() == 1:
                 time.sleep(30)

@@ -212,6 +212,13 @@ def test_an_infeasible_budget_is_refused_alike_under_any_time_limit():
         ), caught.value
 
 
+def test_a_split_pinned_input_without_example_inputs_is_refused_on_the_first_call(fake_world):
+    fake_world(2)
+    pmodel = autopar.compile(MLP(16, 32), Mesh((2,), ("dp",)), pins={"x": "S(0)"})
+    with pytest.raises(autopar.InputError, match=r"input 'x' is pinned to a split.*Fix: pass example_inputs="):
+        pmodel(*_inputs(batch=4))
+
+
 def test_pins_are_compared_with_a_plan_as_planning_reads_them(fake_world):
     fake_world(2)
     mesh = Mesh((2, 1), ("dp", "tp"))
