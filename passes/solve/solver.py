@@ -331,7 +331,7 @@ def solve(
         )
     hint = _hint(start, built)
     outcome = _search(built, relative_gap, time_limit_s, started, hint)
-    status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    status = _status(outcome)
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
     elapsed = time.perf_counter() - started
     if status not in answered and (whole := _complete_start(start, ind)) is not None:
@@ -390,20 +390,24 @@ def _search(built: Program, relative_gap: float, time_limit_s: float, started: f
         heuristic_effort=effort,
         dive=strategy_vars,
     )
-    status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+    status = _status(outcome)
     left = started + time_limit_s - time.perf_counter()
     answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
     if priced and status not in answered and hint and left > 1.0:
         log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
         outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=effort)
-        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
+        status = _status(outcome)
     if priced and status not in answered:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
         outcome = priced_memory(
             solver, params, built.peak, built.budget_row, built.priced_budget, started + time_limit_s, hint
         )
-        status = outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
     return outcome
+
+
+def _status(outcome: tuple | None) -> int:
+    """The status of a search's outcome, ``NOT_SOLVED`` when the deadline passed without one."""
+    return outcome[0] if outcome is not None else pywraplp.Solver.NOT_SOLVED
 
 
 def _read(built: Program, outcome: tuple, elapsed: float) -> Solution:
@@ -466,9 +470,10 @@ def least_memory_bound(space: StrategySpace, node_costs: dict[str, list[float]],
     ``RELAXATION_LIMIT_S``."""
     built = build_program(space, node_costs, transition_s, minimise="memory", **program)
     outcome = solve_before_deadline(built.solver, pywraplp.MPSolverParameters(), RELAXATION_LIMIT_S, relax=True)
-    if outcome is None or outcome[0] == pywraplp.Solver.NOT_SOLVED:
+    status = _status(outcome)
+    if status == pywraplp.Solver.NOT_SOLVED:
         log.warning("the relaxation bounding the least memory did not finish; no budget is refused by it")
-    if outcome is None or outcome[0] != pywraplp.Solver.OPTIMAL:
+    if status != pywraplp.Solver.OPTIMAL:
         return 0.0  # an infeasible program (pins that conflict) is reported by the search
     return outcome[2] / MEMORY_SCALE
 
