@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.core.placement import Placements, Shard
 
@@ -40,10 +41,18 @@ def local_piece(
 
 
 def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-    """``local`` as the piece of a DTensor laid out as ``like``."""
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
+    """``local`` as the piece of a DTensor laid out as ``like``, on ``local``'s device."""
+    return _on_its_device(local, like.device_mesh, like.placements, like.shape, like.stride())
+
+
+def _on_its_device(
+    piece: torch.Tensor, device_mesh: DeviceMesh, placements, shape: torch.Size, stride: tuple[int, ...]
+) -> DTensor:
+    """A DTensor holding ``piece`` where it is. ``DTensor.from_local`` would move a piece in
+    host memory (a parameter the plan keeps there) to the mesh's device; FSDP2 builds the
+    DTensors of its CPU-offloaded parameters this way too."""
+    spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, piece.dtype))
+    return DTensor(piece, spec, requires_grad=piece.requires_grad)
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,9 +100,8 @@ class ParameterCounts(NamedTuple):
 
 
 def distribute(whole: torch.Tensor, piece: torch.Tensor, device_mesh: DeviceMesh, placements: Placements) -> DTensor:
-    """A DTensor of ``whole``'s global shape holding ``piece`` on this rank."""
-    stride = torch.empty(whole.shape, device="meta").stride()
-    return DTensor.from_local(piece, device_mesh, placements, run_check=False, shape=whole.shape, stride=stride)
+    """A DTensor of ``whole``'s global shape holding ``piece`` on this rank, on ``piece``'s device."""
+    return _on_its_device(piece, device_mesh, placements, whole.shape, torch.empty(whole.shape, device="meta").stride())
 
 
 def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> None:

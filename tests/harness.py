@@ -1,4 +1,4 @@
-"""Run a function on N local gloo ranks (one process each) and collect what each returns."""
+"""Run a function on N local ranks (one process each; gloo, or NCCL on CUDA) and collect what each returns."""
 
 import os
 import queue as queue_module
@@ -16,7 +16,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, queue, backend: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -26,7 +26,11 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
         OMP_NUM_THREADS="1",
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -35,14 +39,14 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout_s: float = 600.0) -> list:
+def run_ranks(world: int, fn, *args, timeout_s: float = 600.0, backend: str = "gloo") -> list:
     """``fn(*args)`` on ``world`` ranks; returns the per-rank results in rank order and raises
     with the first failing rank's traceback, as soon as a rank dies without one (a crash in
     native code), or when ``timeout_s`` passes without every answer."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []

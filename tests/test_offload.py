@@ -370,3 +370,53 @@ def test_the_host_optimizer_refuses_a_grad_scaler_instead_of_stepping_scaled_gra
     scaler.scale(model(torch.randn(2, 4)).sum()).backward()
     with pytest.raises(RuntimeError, match="GradScaler cannot step an optimizer whose state"):
         scaler.step(host)
+
+
+def clipped_with_parameters_in_host_memory(backend: str) -> dict:
+    """On one CUDA rank (NCCL), a GPT planned to keep parameters in host memory, trained with
+    global-norm clipping against the same model trained eagerly on the GPU."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    model, batches = _small_gpt(num_layers=4)
+    model = model.to(device)
+    batches = [tuple(t.to(device) for t in batch) for batch in batches]
+    unbudgeted = autopar.plan(model, ONE_DEVICE, batches[0], hardware=WITH_HOST).peak_memory_bytes
+    reference = copy.deepcopy(model)
+    pmodel = autopar.compile(
+        model, ONE_DEVICE, batches[0], hardware=WITH_HOST, memory_budget=int(unbudgeted * 0.4), backend=backend
+    )
+    runs = []
+    for m, opt in (
+        (pmodel, pmodel.optimizer(torch.optim.AdamW, lr=1e-2)),
+        (reference, torch.optim.AdamW(reference.parameters(), lr=1e-2)),
+    ):
+        losses, norms = [], []
+        for batch in batches:
+            opt.zero_grad()
+            loss = m(*batch)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            opt.step()
+            losses.append(float(loss))
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        runs.append((losses, norms))
+    whole, expected = pmodel.full_state_dict(), reference.state_dict()
+    return {
+        "host_params": [str(pmodel.module.get_parameter(n).to_local().device) for n in pmodel.plan.host_params],
+        "runs": runs,
+        "difference": max(float((whole[k] - expected[k]).abs().max()) for k in expected),
+        "devices": {str(v.device) for v in whole.values()},
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parameters in host memory differ from the device on CUDA")
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_parameters_in_host_memory_clip_and_gather_on_cuda(backend):
+    """Their pieces stay in host memory (DTensor's from_local would move them to the mesh's
+    device, and the program's copy in then failed); clipping and the whole state dict read them
+    with the device's."""
+    (r,) = run_ranks(1, clipped_with_parameters_in_host_memory, backend, backend="nccl")
+    assert r["host_params"] and set(r["host_params"]) == {"cpu"}
+    (losses, norms), (ref_losses, ref_norms) = r["runs"]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) < 1e-5
+    assert r["difference"] < 1e-4 and r["devices"] == {"cuda:0"}
