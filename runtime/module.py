@@ -5,19 +5,22 @@ import datetime
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, capture
-from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
+from autopar.passes.lower.rewrite import check_fits, runs_planned_ops, unreduced_gradients
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.program import (
     BACKENDS,
     Lowered,
+    Program,
     Step,
+    Unsynced,
     check_plan,
     check_tensors,
     lower,
@@ -36,6 +39,7 @@ from autopar.runtime.state import (
     whole_fake_state,
     whole_of,
 )
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_unflatten
 
 from autopar.core.errors import InputError
@@ -99,6 +103,8 @@ class ParallelModule(torch.nn.Module):
         self._param_dtype = param_dtype
         self._built = False
         self._optimizer_checked = False
+        self._sync = True
+        self._unsynced = Unsynced()
         if example_inputs is not None:
             self._build(tuple(example_inputs))
 
@@ -159,8 +165,60 @@ class ParallelModule(torch.nn.Module):
                     )
                 self._optimizer_checked = True
         flat = [*self._state(), *self._local_inputs(inputs)]
-        results = Step.apply(self._program, *flat)
+        results = Step.apply(self._program_for_gradients(), *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without the gradients' collectives, as DDP's ``no_sync``: the
+        backward of a call made inside keeps each gradient as it makes it, before any
+        collective (a parameter split by the plan then holds its whole gradient), and adds it
+        to the sum of the micro-batches before; the backward of the next call made outside adds
+        the sum before its collectives, which then run once for all the micro-batches. The
+        parameters' ``.grad`` change only then. Run each micro-batch's forward and backward
+        inside, and the last one's outside."""
+        _refuse_unsynced_steps(self)
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _program_for_gradients(self) -> Program:
+        """The program for this call: inside :meth:`no_sync`, the one that keeps its gradients
+        unreduced; outside, after micro-batches inside, the one that adds their sums; else the
+        plan's."""
+        if self._sync and self._unsynced.grads is None:
+            return self._program
+        if self.plan.host_params or self.plan.host_optimizer:
+            raise InputError(
+                "no_sync() keeps every gradient on the device until the micro-batch that synchronises, and the plan "
+                "keeps parameters or optimizer state in host memory. Fix: accumulate without no_sync() (each "
+                "micro-batch then reduces its gradients), or compile with a larger memory_budget"
+            )
+        gradients = "unreduced" if not self._sync else "accumulated"
+        layouts = tuple(p for _, _, p in unreduced_gradients(self._captured, self._lowered[self._key].plan))
+        if self._unsynced.layouts is not None and self._unsynced.layouts != layouts:
+            raise InputError(
+                "the micro-batches under no_sync ran a plan that makes their gradients in other placements than this "
+                "call's (their sizes or the model's mode made autopar plan their ops again). Fix: accumulate "
+                "micro-batches of one size and mode, or without no_sync()"
+            )
+        self._unsynced.layouts = layouts
+        if (self._key, gradients) not in self._variants:
+            lowered = self._lowered[self._key]
+            self._variants[self._key, gradients] = lower(
+                lowered.captured,
+                lowered.plan,
+                self._mesh,
+                self._coordinate,
+                self._groups,
+                self._backend,
+                self._timeout_s,
+                gradients,
+                self._unsynced,
+            )
+        return self._variants[self._key, gradients].program
 
     def _write_back(self, results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copy the new values of updated buffers into the module's buffers; return the model's
@@ -208,6 +266,9 @@ class ParallelModule(torch.nn.Module):
         """The planned value and name of each input, in call order (dtype, device and dims hold at
         every size)."""
         self._lowered: dict[tuple, Lowered] = {}
+        self._variants: dict[tuple, Lowered] = {}
+        """Programs for gradient accumulation (:meth:`no_sync`), by input sizes and modes and what they do with
+        the gradients."""
         self._lower(captured, plan)
         self._shard_state(captured)
         self._built = True
@@ -461,6 +522,32 @@ class ParallelModule(torch.nn.Module):
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
             "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it"
         )
+
+
+_ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
+"""Modules that ran micro-batches under ``no_sync``, which every optimizer step checks."""
+_step_hook = None
+
+
+def _refuse_unsynced_steps(module: ParallelModule) -> None:
+    """Make every optimizer refuse to step ``module``'s parameters while it holds gradients of
+    micro-batches under ``no_sync`` that no backward has synchronised yet: their ``.grad`` would
+    miss them."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_refuse_unsynced_step)
+    _ACCUMULATING.add(module)
+
+
+def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in list(_ACCUMULATING):
+        if module._unsynced.grads is not None and any(id(p) in stepped for p in module.parameters()):
+            raise RuntimeError(
+                "the optimizer steps parameters whose gradients of micro-batches under pmodel.no_sync() were never "
+                "synchronised: only the backward of a call outside no_sync() adds them to .grad. Fix: run the last "
+                "micro-batch's forward and backward outside no_sync(), after the others' backward"
+            )
 
 
 def _refuse_split_pins_of_parts(captured: Captured, pins: Mapping[str, Placements]) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.liveness import forward_made
 from autopar.passes.lower.partition import Partitioned, boxed, layer_by_layer, partition
-from autopar.passes.lower.rewrite import placeholder_layouts, rewrite
+from autopar.passes.lower.rewrite import Gradients, placeholder_layouts, rewrite, unreduced_gradients
 from autopar.passes.propagation.propagate import whole_on_one_rank
 from autopar.passes.propagation.rank_ops import graph_collectives
 from autopar.runtime.release import GivenRelease, release_collective_buffers
@@ -40,9 +40,15 @@ class Program:
         grad_slots: list[bool],
         updated_buffers: list[str | None],
         timeout_s: float | None = None,
+        gradients: Gradients = "reduced",
+        unsynced: "Unsynced | None" = None,
     ):
         self.num_outputs = parts.num_outputs
         self.timeout_s = timeout_s
+        self.gradients = gradients
+        self.unsynced = unsynced
+        """Where an ``"unreduced"`` program's backward adds its gradients, and an ``"accumulated"``
+        one's takes them from."""
         self.grad_slots = grad_slots
         self.updated_buffers = updated_buffers
         """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
@@ -104,14 +110,42 @@ class Step(torch.autograd.Function):
         program = ctx.program
         tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
         args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
+        if program.gradients == "accumulated":
+            args += program.unsynced.take()
         ctx.maybe_clear_saved_tensors()  # unless retain_graph: the backward frees each after its last read
         program.given.owned = not torch._C._autograd._get_current_graph_task_keep_graph()
         with named_timeouts(program.timeout_s, "backward"):
             grads = program.backward(args)
         if program.grads_to_host:
             host_copies_done()
+        if program.gradients == "unreduced":
+            program.unsynced.add(grads)
+            return (None,) * (1 + len(program.grad_slots))
         grads = iter(grads)
         return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
+
+
+class Unsynced:
+    """The gradients of the micro-batches run under ``no_sync``, each summed as the backward
+    makes it (before its collectives; the placements of :func:`unreduced_gradients`), until the
+    backward of the micro-batch that synchronises adds them before its collectives."""
+
+    def __init__(self):
+        self.grads: list[torch.Tensor] | None = None
+        self.layouts: tuple | None = None
+        """The placements the sums are in, which the synchronising program must make its gradients in."""
+
+    def add(self, grads: Sequence[torch.Tensor | None]) -> None:
+        made = [g for g in grads if g is not None]
+        if self.grads is None:
+            self.grads = made
+        else:
+            for total, g in zip(self.grads, made):
+                total.add_(g)
+
+    def take(self) -> list[torch.Tensor]:
+        grads, self.grads, self.layouts = self.grads or [], None, None
+        return grads
 
 
 _PEER_FAILURES = ("timed out", "timeout", "closed by peer", "connection reset")
@@ -174,6 +208,7 @@ class Lowered(NamedTuple):
     per_rank_graph: torch.fx.GraphModule
     collectives: list
     layouts: dict[str, Placements]
+    plan: ShardingPlan
 
 
 def lower(
@@ -184,23 +219,29 @@ def lower(
     group_names: list[str],
     backend: str,
     timeout_s: float | None,
+    gradients: Gradients = "reduced",
+    unsynced: Unsynced | None = None,
 ) -> Lowered:
     """The program of ``plan`` for ``captured`` on the rank at ``coordinate``, whose collectives
-    run on the process groups ``group_names`` (one per mesh axis)."""
-    joint = rewrite(captured, plan, coordinate=coordinate, group_names=group_names)
+    run on the process groups ``group_names`` (one per mesh axis), doing ``gradients`` with the
+    gradients (with ``unsynced`` holding those of micro-batches under ``no_sync``)."""
+    joint = rewrite(captured, plan, coordinate=coordinate, group_names=group_names, gradients=gradients)
     collectives = [
         (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, group_names)
     ]
     is_tangent = [k.kind == "tangent" for k in captured.inputs]
+    if gradients == "accumulated":  # the sums of the micro-batches before are inputs of the backward
+        is_tangent += [True] * len(unreduced_gradients(captured, plan))
     output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
     grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
     grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
     updated_buffers = [
         k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"
     ]
-    program = Program(partition(joint, is_tangent, output_is_grad), backend, grad_slots, updated_buffers, timeout_s)
+    parts = partition(joint, is_tangent, output_is_grad)
+    program = Program(parts, backend, grad_slots, updated_buffers, timeout_s, gradients, unsynced)
     layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
-    return Lowered(captured, program, joint, collectives, layouts)
+    return Lowered(captured, program, joint, collectives, layouts, plan)
 
 
 def check_plan(

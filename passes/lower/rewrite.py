@@ -37,11 +37,19 @@ bucket is launched (or at the backward's end), so that it runs beside the backwa
 move one by one as soon as the backward has made the gradient, so that a split parameter's
 whole gradient is not held until the step's end. The gradient of a parameter in host memory is
 copied there as soon as it is in its placements.
+
+For gradient accumulation (``no_sync``) the program is made in two more forms
+(:data:`Gradients`): one returning each gradient as the backward makes it, before any of its
+moves (a partial sum where the parameter is replicated); one taking those gradients, summed over
+the micro-batches before, as inputs of its backward, and adding each to the gradient the
+backward makes before moving it. The moves are linear, so the sum moved once is the sum of the
+moved gradients, with one set of collectives for all the micro-batches.
 """
 
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -67,6 +75,11 @@ IN_BACKWARD = {"autopar": "backward"}
 and the moves and recomputations of forward values for it."""
 RECOMPUTED = {**IN_BACKWARD, "autopar_recompute": True}
 """The ``node.meta["custom"]`` of per-rank nodes that recompute forward values for the backward."""
+Gradients = Literal["reduced", "unreduced", "accumulated"]
+"""What a per-rank program does with the gradients: ``"reduced"`` moves each into its
+parameter's placements; ``"unreduced"`` returns each as the backward makes it (a micro-batch
+under ``no_sync``); ``"accumulated"`` takes the unreduced gradients of the micro-batches before as
+backward inputs and adds them before moving."""
 PART = "autopar_part"
 """The key in ``node.meta["custom"]`` of a per-rank node's part of the step: 0 up to the first
 backward op of the first layer the backward reaches, then one more at each layer's first
@@ -156,15 +169,22 @@ def placeholder_layouts(captured: Captured, plan: ShardingPlan) -> list[Placemen
 
 
 def rewrite(
-    captured: Captured, plan: ShardingPlan, *, coordinate: Sequence[int], group_names: Sequence[str]
+    captured: Captured,
+    plan: ShardingPlan,
+    *,
+    coordinate: Sequence[int],
+    group_names: Sequence[str],
+    gradients: Gradients = "reduced",
 ) -> fx.GraphModule:
     """The per-rank joint graph of the rank at ``coordinate``.
 
     Its placeholders are the local pieces of the joint graph's inputs (in the plan's
-    placements); its outputs are the forward results whole, each parameter's gradient in the
-    parameter's placement and the new value of each buffer the forward updates in the buffer's.
+    placements), then, for ``gradients="accumulated"``, one per gradient output
+    (:func:`unreduced_gradients`); its outputs are the forward results whole, each parameter's
+    gradient in the parameter's placement (as made, for ``"unreduced"``) and the new value of
+    each buffer the forward updates in the buffer's.
     """
-    lowering = _Lowering.of(captured, plan, Rank(plan.mesh, plan.links, coordinate, group_names))
+    lowering = _Lowering.of(captured, plan, Rank(plan.mesh, plan.links, coordinate, group_names), gradients)
     mesh = plan.mesh
     fake_mode = FakeTensorMode()
     with fake_mode:
@@ -176,6 +196,11 @@ def rewrite(
             )
             for n, p in zip(captured.placeholders, lowering.layouts)
         ]
+        if gradients == "accumulated":
+            fakes += [
+                torch.empty(local_shape(tuple(v.shape), p, mesh), dtype=v.dtype, device=v.device)
+                for v, p in ((node.meta["val"], p) for node, _, p in lowering.unreduced)
+            ]
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(lambda *local_inputs: _RankProgram(lowering).trace(local_inputs), tracing_mode="fake")(*fakes)
@@ -185,6 +210,38 @@ def rewrite(
             f"{type(exc).__name__}: {exc}\nFix: plan again with fallback=True, or pin the failing tensor replicated"
         ) from exc
     return gm
+
+
+def unreduced_gradients(captured: Captured, plan: ShardingPlan) -> list[tuple[fx.Node, ValueRef, Placements]]:
+    """Each gradient output of ``captured`` that is a value of the graph, in output order: its
+    node, the value it is and the placements the backward makes it in under ``plan`` (those of
+    the ``"unreduced"`` program's gradients)."""
+    strategies = plan_strategies(captured, plan)
+    aliases = getitem_aliases(captured.graph.graph)
+    found = []
+    for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
+        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node):
+            ref = aliases.get(value.name, (value.name, 0))
+            found.append((value, ref, strategies[ref[0]].outputs[ref[1]]))
+    return found
+
+
+def _accumulated_at(unreduced: list, nodes: dict[str, fx.Node], backward: set[fx.Node]) -> dict[str, list[int]]:
+    """Per backward op, the gradients (indices into ``unreduced``) it makes, to which the
+    ``"accumulated"`` program adds the sums of the micro-batches before; refused for a gradient
+    that another op reads too, or that the backward does not make."""
+    at: dict[str, list[int]] = {}
+    for i, (node, ref, _) in enumerate(unreduced):
+        producer = nodes[ref[0]]
+        readers = [u for u in node.users if u.op != "output"]
+        if producer not in backward or producer.op != "call_function" or readers:
+            raise RewriteError(
+                f"gradient {node.name} is {'read by ' + readers[0].name if readers else 'not made by the backward'}, "
+                "so gradients accumulated under no_sync cannot be added to it before its collectives. Fix: "
+                "accumulate without no_sync (each micro-batch then reduces its gradients)"
+            )
+        at.setdefault(ref[0], []).append(i)
+    return at
 
 
 @dataclass(frozen=True)
@@ -213,9 +270,14 @@ class _Lowering:
     states: dict[str, fx.Node]
     """The placeholder of each parameter and buffer, by qualified name."""
     buckets: "_Buckets"
+    gradients: Gradients
+    unreduced: list[tuple[fx.Node, ValueRef, Placements]]
+    """:func:`unreduced_gradients`."""
+    accumulated_at: dict[str, list[int]]
+    """For ``"accumulated"``: per backward op, the gradients it makes that take the accumulated sums."""
 
     @classmethod
-    def of(cls, captured: Captured, plan: ShardingPlan, rank: Rank) -> "_Lowering":
+    def of(cls, captured: Captured, plan: ShardingPlan, rank: Rank, gradients: Gradients) -> "_Lowering":
         strategies = plan_strategies(captured, plan)
         graph = captured.graph.graph
         aliases = getitem_aliases(graph)
@@ -244,19 +306,24 @@ class _Lowering:
         }
         states = {k.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer")}
         lowering = dict(strategies=strategies, aliases=aliases, recomputed=recomputed, backward=backward)
+        nodes = {n.name: n for n in graph.nodes}
+        unreduced = unreduced_gradients(captured, plan)
         return cls(
             captured,
             plan,
             rank,
             layouts=[strategies[n.name].outputs[0] for n in captured.placeholders],
-            nodes={n.name: n for n in graph.nodes},
+            nodes=nodes,
             to_host_of=to_host_of,
             prefetch_at=prefetch_at,
             part_of={name: i + 1 for i, name in enumerate(starts.values())},
             host_params=host_params,
             devices={n.name: n.meta["val"].device for n in captured.placeholders},
             states=states,
-            buckets=_Buckets.of(captured, plan, states, host_params, **lowering),
+            buckets=_Buckets.of(captured, plan, states, host_params, gradients == "unreduced", **lowering),
+            gradients=gradients,
+            unreduced=unreduced,
+            accumulated_at=_accumulated_at(unreduced, nodes, backward) if gradients == "accumulated" else {},
             **lowering,
         )
 
@@ -279,7 +346,10 @@ class _Buckets:
     reduced_with: dict[tuple, list[int]]
 
     @classmethod
-    def of(cls, captured, plan, states, host_params, *, strategies, aliases, recomputed, backward) -> "_Buckets":
+    def of(
+        cls, captured, plan, states, host_params, unreduced, *, strategies, aliases, recomputed, backward
+    ) -> "_Buckets":
+        """The buckets of ``plan``'s gradient moves (none where the gradients stay ``unreduced``)."""
         graph = captured.graph.graph
         grad_of = {
             k.name: v
@@ -302,7 +372,9 @@ class _Buckets:
             for in_backward in phases(n)
             for a, p in zip(tensor_args(n), strategies[n.name].inputs)
         }  # the moves ops make for themselves
-        keys, steps, buckets = _gradient_buckets(gradients, strategies, aliases, backward, fetched, plan)
+        keys, steps, buckets = _gradient_buckets(
+            [] if unreduced else gradients, strategies, aliases, backward, fetched, plan
+        )
         gathers = parameter_gathers(
             captured, strategies, recomputed, host_params, plan.mesh, plan.links, plan.bucket_bytes
         )
@@ -351,6 +423,7 @@ class _RankProgram:
         left = [set(p) for p in low.buckets.producers]  # per bucket, the ops still to make one of its gradients
         for i, node in enumerate(captured.placeholders):
             self.env[node.name, 0] = local_inputs[i], low.layouts[i]
+        self.accumulated = list(local_inputs[len(captured.placeholders) :])
         for node in graph.nodes:
             if node.op == "get_attr":  # a constant of the graph, whole on every rank
                 self.env[node.name, 0] = getattr(captured.graph, node.target), (R,) * mesh.ndim
@@ -384,6 +457,10 @@ class _RankProgram:
         in_backward = node in low.backward
         with fx_traceback.annotate(IN_BACKWARD) if in_backward else contextlib.nullcontext():
             self.run(node, self.env, in_backward)
+            for i in low.accumulated_at.get(node.name, ()):
+                ref = low.unreduced[i][1]
+                made, layout = self.env[ref]
+                self.env[ref] = made + self.accumulated[i], layout
         for ref in low.to_host_of.get(node.name, ()):
             t, layout = self.env[ref]
             self.on_host[ref] = offload(t), layout
@@ -489,6 +566,8 @@ class _RankProgram:
         low = self.low
         kind, value = low.captured.outputs[i], low.captured.graph.graph.output_node().args[0][i]
         state = low.states[kind.name]
+        if kind.kind == "grad" and low.gradients == "unreduced":
+            return self.env[low.aliases.get(value.name, (value.name, 0))][0]
         result = self.fetch(value, low.strategies[state.name].outputs[0], value in low.backward)
         return offload(result) if kind.kind == "grad" and state.name in low.host_params else result
 

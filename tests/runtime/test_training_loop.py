@@ -4,6 +4,7 @@ clipping, ``torch.distributed.checkpoint`` across meshes, whole state dicts, par
 Each run is compared with the same loop on one device.
 """
 
+import contextlib
 import copy
 import math
 import pickle
@@ -249,14 +250,14 @@ def test_an_optimizer_built_before_the_plan_steps_the_split_parameters():
 # batch sizes and inputs ---------------------------------------------------------------------
 
 
-def _gpt_on_batches_of_eight(count: int):
-    """The GPT example compiled for 2x2 (data parallel on dp, Megatron on tp) with batches of
-    8, ``count`` batches, and a copy of the model for one device."""
+def _gpt_on_batches_of_eight(count: int, preset: str = "2d"):
+    """The GPT example compiled for 2x2 (by default data parallel on dp, Megatron on tp) with
+    batches of 8, ``count`` batches, and a copy of the model for one device."""
     model, _ = make_model("gpt")
     reference = copy.deepcopy(model)
     batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(count)]
     mesh = autopar.Mesh((2, 2), ("dp", "tp"))
-    pins = pins_for("2d", "gpt", ("dp", "tp"))
+    pins = pins_for(preset, "gpt", ("dp", "tp"))
     return autopar.compile(model, mesh, batches[0], hardware=SYNTHETIC, pins=pins), reference, batches
 
 
@@ -306,31 +307,54 @@ def test_a_smaller_last_batch_runs_the_same_plan_and_sizes_it_cannot_split_are_r
 # accumulation and loss scaling --------------------------------------------------------------
 
 
-def accumulated_steps() -> dict:
+def accumulated_steps(preset: str) -> dict:
     """Each step sums the gradients of two half batches (a loss halved each), on one device and
-    on the mesh."""
-    pmodel, reference, batches = _gpt_on_batches_of_eight(2)
+    on the mesh: the first step reduces both halves' gradients, the others run the first half
+    under ``no_sync()``. An optimizer step with only that half's backward run is refused."""
+    pmodel, reference, batches = _gpt_on_batches_of_eight(3, preset)
 
     def train(m, opt, inputs):
         losses = []
-        for batch in batches:
+        for step, batch in enumerate(batches):
             opt.zero_grad()
-            for half in (slice(0, 4), slice(4, 8)):
-                loss = m(*inputs(tuple(x[half] for x in batch))) / 2
+            with m.no_sync() if step > 0 and m is pmodel else contextlib.nullcontext():
+                loss = m(*inputs(tuple(x[:4] for x in batch))) / 2
                 loss.backward()
-                losses.append(float(loss.detach()))
+            loss2 = m(*inputs(tuple(x[4:] for x in batch))) / 2
+            loss2.backward()
+            losses += [float(loss.detach()), float(loss2.detach())]
             opt.step()
         return losses
 
-    losses = train(pmodel, make_optimizer("adamw", pmodel.parameters()), lambda b: _rank_inputs(pmodel, b))
+    optimizer = make_optimizer("adamw", pmodel.parameters())
+    losses = train(pmodel, optimizer, lambda b: _rank_inputs(pmodel, b))
     ref_losses = train(reference, make_optimizer("adamw", reference.parameters()), lambda b: b)
-    return {"losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference)}
+    out = {"losses": losses, "ref_losses": ref_losses, "param_max": _params_max_difference(pmodel, reference)}
+    out["collectives"] = {
+        gradients: len(pmodel._variants[pmodel._key, gradients].collectives)
+        for gradients in ("unreduced", "accumulated")
+    }
+    out["collectives"]["reduced"] = len(pmodel.collectives)
+    with pmodel.no_sync():
+        pmodel(*_rank_inputs(pmodel, tuple(x[:4] for x in batches[0]))).backward()
+    try:
+        optimizer.step()
+        out["unsynced step"] = "no error"
+    except RuntimeError as exc:
+        out["unsynced step"] = str(exc)
+    return out
 
 
 @pytest.mark.slow
-def test_gradients_accumulated_over_micro_batches_match_one_device():
-    for r in run_ranks(4, accumulated_steps):
+@pytest.mark.parametrize("preset", ["2d", "fsdp"])
+def test_gradients_accumulated_over_micro_batches_match_one_device(preset):
+    """With and without ``no_sync()``; under it the backward runs no gradient collectives, and
+    the micro-batch after runs as many as a step without accumulation."""
+    for r in run_ranks(4, accumulated_steps, preset):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
+        counts = r["collectives"]
+        assert counts["unreduced"] < counts["reduced"] == counts["accumulated"], counts
+        assert "never synchronised" in r["unsynced step"]
 
 
 def overflow_on_one_rank() -> dict:
