@@ -545,6 +545,48 @@ def one_rank_hangs() -> str:
     return "no error"
 
 
+def rank0_plans_long() -> tuple[str, str]:
+    """Rank 0 plans for ``3 * TIMEOUT_S``, first showing progress (a long planning, which every
+    rank must wait for), then without showing it, as if its process were frozen (the other ranks
+    must fail with the timeout's error instead of waiting for the plan)."""
+    import contextlib
+    import time
+    from unittest import mock
+
+    from autopar.runtime import module
+
+    model, batches = make_model("mlp")
+    outcomes = []
+    for frozen in (False, True):
+        with contextlib.ExitStack() as patches:
+            if frozen and dist.get_rank() == 0:
+                patches.enter_context(
+                    mock.patch.object(module, "_planning_on_rank0", lambda *a: contextlib.nullcontext())
+                )
+            try:
+                mesh = autopar.Mesh((2, 2), ("dp", "tp"))
+                pmodel = autopar.compile(copy.deepcopy(model), mesh, hardware=SYNTHETIC, timeout=TIMEOUT_S)
+                planner = pmodel._planner
+                pmodel._planner = lambda *a: (time.sleep(3 * TIMEOUT_S), planner(*a))[1]
+                pmodel(*batches[0])
+                outcomes.append("no error")
+            except autopar.CollectiveError as exc:
+                outcomes.append(str(exc))
+    return tuple(outcomes)
+
+
+@pytest.mark.slow
+def test_a_rank_0_that_stalls_while_planning_fails_every_rank_within_the_timeout():
+    """A planning that shows progress may take longer than the timeout; one that stops showing
+    it may not."""
+    results = run_ranks(4, rank0_plans_long, timeout_s=300)
+    assert all(long == "no error" for long, _ in results), results
+    for _, message in results[1:]:
+        assert "rank 0 stopped answering while planning" in message, message
+    message = results[0][1]
+    assert "did not join it within the timeout of 5 s" in message or "left the job" in message, message
+
+
 @pytest.mark.slow
 def test_a_rank_that_hangs_fails_every_rank_within_the_timeout():
     for rank, message in enumerate(run_ranks(4, one_rank_hangs, timeout_s=300)):
