@@ -20,7 +20,7 @@ from autopar.core.explain import annotated_graph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, ShardingPlan
 from autopar.core.precision import MixedPrecision
-from autopar.cost_model.hardware import A100, CPU, H100, HardwareProfile, Link, SyntheticProfile
+from autopar.cost_model.hardware import A100, CPU, H100, Fitted, HardwareProfile, Link, SyntheticProfile
 from autopar.planner import plan
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "CaptureError",
     "Collective",
     "CollectiveError",
+    "Fitted",
     "HardwareProfile",
     "InfeasiblePlanError",
     "InputError",

@@ -51,7 +51,7 @@ import time
 
 import torch
 
-from autopar.cost_model.hardware import HardwareProfile, Link, save_profile
+from autopar.cost_model.hardware import Fitted, HardwareProfile, Link, save_profile
 from autopar.passes.propagation.redistribute import COLLECTIVE_KINDS
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.step_scales import CalibrationModel, step_scales
@@ -194,15 +194,18 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
         devices_per_host=world,
         intra_host=link,
         inter_host=link,
-        op_overhead_s=overhead,
-        timed_ops=True,
-        node_overhead_s=node_overhead,
-        step_overhead_s=step_overhead,
-        param_overhead_s=param_overhead,
-        contention=contention,
+        fitted=Fitted(
+            op_overhead_s=overhead,
+            timed_ops=True,
+            node_overhead_s=node_overhead,
+            step_overhead_s=step_overhead,
+            param_overhead_s=param_overhead,
+            contention=contention,
+        ),
     )
     step_scale, collective_scale, step_points = step_scales(alone, world)
-    profile = dataclasses.replace(alone, step_scale=step_scale, collective_scale=collective_scale)
+    fitted = dataclasses.replace(alone.fitted, step_scale=step_scale, collective_scale=collective_scale)
+    profile = dataclasses.replace(alone, fitted=fitted)
     return profile, {
         "ranks": world,
         "matmul_flops_per_s": matmul,
@@ -434,14 +437,15 @@ def main(argv: list[str] | None = None) -> int:
         profile, measured = measure(dist.get_world_size())
         if dist.get_rank() == 0:
             save_profile(profile, args.out, **measured)
+            fitted = profile.fitted
             print(
                 f"matmul {profile.flops_per_s / 1e9:.1f} GFLOP/s, memory {profile.memory_bytes_per_s / 1e9:.1f} GB/s, "
-                f"{profile.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
-                f"a program node adds {profile.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
-                f"{profile.step_overhead_s * 1e6:.0f} us and {profile.param_overhead_s * 1e6:.1f} us per parameter; "
-                f"{ranks} computing together run {profile.contention:.2f}x slower than one; a "
-                f"training step runs its ops {profile.step_scale:.2f}x longer than these figures price them, "
-                f"its collectives {profile.collective_scale:.2f}x that again"
+                f"{fitted.op_overhead_s * 1e6:.1f} us per op, ops reach {profile.efficiency:.0%} of that roofline; "
+                f"a program node adds {fitted.node_overhead_s * 1e6:.1f} us to its op timed alone, a step "
+                f"{fitted.step_overhead_s * 1e6:.0f} us and {fitted.param_overhead_s * 1e6:.1f} us per parameter; "
+                f"{ranks} computing together run {fitted.contention:.2f}x slower than one; a "
+                f"training step runs its ops {fitted.step_scale:.2f}x longer than these figures price them, "
+                f"its collectives {fitted.collective_scale:.2f}x that again"
             )
             for kind, alpha, beta in profile.intra_host.per_kind:
                 print(

@@ -91,7 +91,7 @@ def _report(result: ShardingPlan, problem: "_Problem") -> None:
         result.peak_memory_bytes / 1e9,
         len(result.collectives),
     )
-    device = getattr(problem.profile, "memory_bytes", None)
+    device = problem.profile.memory_bytes
     if problem.budget is None and device and result.peak_memory_bytes > device:
         log.warning(
             "the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "

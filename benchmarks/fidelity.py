@@ -108,7 +108,10 @@ def worker(profile: str, models: list[str], steps: int, round_s: float, out: str
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = autopar.Mesh((world,), ("ranks",))
-    unscaled = dataclasses.replace(load_profile(profile), step_scale=1.0, collective_scale=1.0)
+    calibrated = load_profile(profile)
+    unscaled = dataclasses.replace(
+        calibrated, fitted=dataclasses.replace(calibrated.fitted, step_scale=1.0, collective_scale=1.0)
+    )
     rows, alongside = [], {}
     for name in models:
         runs = []
@@ -257,13 +260,13 @@ def main() -> None:
                 result = json.loads(Path(out).read_text())
             fit = alongside[f"{name}@{world}"] = result["alongside"][name]
             scales.setdefault(world, []).append(
-                (profile.step_scale, profile.collective_scale, fit["step_scale"], fit["collective_scale"])
+                (profile.fitted.step_scale, profile.fitted.collective_scale, fit["step_scale"], fit["collective_scale"])
             )
             rows += [
                 {
                     **r,
-                    "step_scale": profile.step_scale,
-                    "collective_scale": profile.collective_scale,
+                    "step_scale": profile.fitted.step_scale,
+                    "collective_scale": profile.fitted.collective_scale,
                     "alongside_step_scale": fit["step_scale"],
                     "alongside_collective_scale": fit["collective_scale"],
                 }

@@ -45,12 +45,9 @@ class CostModel:
         self.links = mesh_links(hardware, mesh)
         self.bucket_bytes = bucket_bytes
         self.graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
-        self.timer = (
-            OpTimer(mesh, working_set=step_working_set(captured, mesh))
-            if getattr(hardware, "timed_ops", False)
-            else None
-        )
-        self.scale = getattr(hardware, "step_scale", 1.0)
+        self.fitted = hardware.fitted
+        self.timer = OpTimer(mesh, working_set=step_working_set(captured, mesh)) if self.fitted.timed_ops else None
+        self.scale = self.fitted.step_scale
         self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
         self._local_bytes: dict[tuple, int] = {}
         self._bytes_of: dict[tuple, int] = {}  # by value and layout, before the shape is looked up
@@ -89,21 +86,20 @@ class CostModel:
 
     def _per_node_s(self) -> float:
         """The profile's node overhead under the ranks' contention."""
-        return self.hardware.node_overhead_s * self.hardware.contention
+        return self.fitted.node_overhead_s * self.fitted.contention
 
     def host(self) -> Host | None:
         """What offloading to host memory costs,
         or ``None`` when the profile has no host link (a CPU computes in host memory)."""
-        link = getattr(self.hardware, "host_link", None)
+        link = self.hardware.host_link
         return None if link is None else Host(link, self.hardware.host_update_s, self.hardware.host_bytes_per_device())
 
     def step_overhead_s(self, num_params: int) -> float:
         """The profile's time per step around the per-rank program, for ``num_params``
         parameters, under the ranks' contention (the same under every plan, so the solver
         leaves it out; measured as a step runs it, so not stretched by the step scale)."""
-        fixed = getattr(self.hardware, "step_overhead_s", 0.0)
-        per_param = getattr(self.hardware, "param_overhead_s", 0.0)
-        return (fixed + num_params * per_param) * getattr(self.hardware, "contention", 1.0)
+        fitted = self.fitted
+        return (fitted.step_overhead_s + num_params * fitted.param_overhead_s) * fitted.contention
 
     def _timed(self, node, strategy: Strategy) -> float | None:
         """Seconds of ``node``'s op under ``strategy`` timed on this host, under the ranks'
@@ -111,7 +107,7 @@ class CostModel:
         if self.timer is None:
             return None
         seconds = self.timer.node_s(node, strategy)
-        return None if seconds is None else seconds * self.hardware.contention
+        return None if seconds is None else seconds * self.fitted.contention
 
     def node_costs(self, space: StrategySpace, compute: dict[str, list[float]]) -> dict[str, list[float]]:
         """Node → seconds under each of its strategies: its ``compute`` (:meth:`compute_costs`),

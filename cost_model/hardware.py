@@ -1,8 +1,13 @@
 """Hardware profiles: how fast a device computes and how fast each mesh axis communicates.
 
 Every profile answers two questions for the cost model: the time of an operator given its FLOPs
-and the bytes it moves (:meth:`compute_s`), and the latency ``alpha`` and seconds per byte
-``beta`` of the link under a mesh axis (:meth:`link`).
+and the bytes it moves (:meth:`Profile.compute_s`), and the latency ``alpha`` and seconds per
+byte ``beta`` of the link under a mesh axis (:meth:`Profile.link`). :class:`Profile` lists all
+that the cost model and planner read; :class:`HardwareProfile` (datasheet figures of a real
+device) and :class:`SyntheticProfile` (round numbers for reasoning by hand) provide it. The
+factors that ``autopar calibrate`` measures and fits on the host that plans are kept apart from
+those figures, in :class:`Fitted`: every one of them defaults to the value that changes nothing,
+so a datasheet profile leaves them out.
 """
 
 import dataclasses
@@ -12,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from autopar.core.mesh import Link, Mesh
 
@@ -40,32 +46,16 @@ class Host:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class HardwareProfile:
-    """A real device: roofline compute and two link tiers (inside a host, across hosts).
+class Fitted:
+    """The factors that ``autopar calibrate`` (:mod:`autopar.calibrate`) measures and fits on
+    the host that plans, on top of a profile's figures. Each defaults to the value that changes
+    nothing, which is what a profile from a datasheet has."""
 
-    Mesh axes are assigned to links from the innermost (last) axis outwards: while the product
-    of the inner axes' sizes fits in ``devices_per_host`` the axis runs over the intra-host link.
-    """
-
-    name: str
-    """Short name used by ``hardware="..."``."""
-    flops_per_s: float
-    """Peak throughput of ops that :attr:`matrix_flops_per_s` does not list."""
-    memory_bytes_per_s: float
-    """Peak device-memory bandwidth."""
-    efficiency: float
-    """Fraction of the peaks that real kernels reach."""
-    memory_bytes: int
-    """Device memory."""
-    devices_per_host: int
-    """Devices joined by the intra-host link."""
-    intra_host: Link
-    inter_host: Link
     op_overhead_s: float = 0.0
     """Fixed time of running one op, whatever its size (dispatch and launch); it matters for
     eager execution of small graphs, as on a CPU host."""
     timed_ops: bool = False
-    """Whether this profile describes the host that plans, so that the cost model times each
+    """Whether the profile describes the host that plans, so that the cost model times each
     op there (:mod:`autopar.cost_model.op_timing`) instead of using the roofline; a profile
     written by ``autopar calibrate`` does."""
     node_overhead_s: float = 0.0
@@ -94,6 +84,74 @@ class HardwareProfile:
     stretches its ops more. ``autopar calibrate`` fits it with ``step_scale`` on the
     calibration model's layouts, which spend different shares of their step in collectives.
     Multiplies every collective, with the local ops around it, on top of ``step_scale``."""
+
+
+@runtime_checkable
+class Profile(Protocol):
+    """What the cost model and planner read from a hardware profile; :class:`HardwareProfile`
+    and :class:`SyntheticProfile` provide it, and so may any other class."""
+
+    @property
+    def name(self) -> str:
+        """Short name, shown in plans and messages."""
+        ...
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory; the planner warns when a plan needs more."""
+        ...
+
+    @property
+    def host_link(self) -> Link | None:
+        """The device-to-host copy link for offloading; ``None``: nothing is offloaded."""
+        ...
+
+    @property
+    def fitted(self) -> Fitted:
+        """The factors fitted on the host that plans (neutral for a datasheet profile)."""
+        ...
+
+    def compute_s(self, flops: float, bytes_moved: float, fmt: str | None = None) -> float:
+        """Seconds of an op doing ``flops`` and moving ``bytes_moved``, its multiply-adds in the
+        format ``fmt`` (``None``: not a matrix product); with the fitted per-op overhead."""
+        ...
+
+    def link(self, mesh: Mesh, axis: int) -> Link:
+        """The α-β link under axis ``axis`` of ``mesh``."""
+        ...
+
+    def host_update_s(self, bytes_moved: float) -> float | None:
+        """Seconds the host takes to read and write ``bytes_moved`` bytes of optimizer state
+        (``None`` when unknown)."""
+        ...
+
+    def host_bytes_per_device(self) -> float:
+        """Host memory each device may fill with what it offloads (infinite: no limit)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HardwareProfile:
+    """A real device: roofline compute and two link tiers (inside a host, across hosts).
+
+    Mesh axes are assigned to links from the innermost (last) axis outwards: while the product
+    of the inner axes' sizes fits in ``devices_per_host`` the axis runs over the intra-host link.
+    """
+
+    name: str
+    """Short name used by ``hardware="..."``."""
+    flops_per_s: float
+    """Peak throughput of ops that :attr:`matrix_flops_per_s` does not list."""
+    memory_bytes_per_s: float
+    """Peak device-memory bandwidth."""
+    efficiency: float
+    """Fraction of the peaks that real kernels reach."""
+    memory_bytes: int
+    """Device memory."""
+    devices_per_host: int
+    """Devices joined by the intra-host link."""
+    intra_host: Link
+    inter_host: Link
     host_link: Link | None = None
     """The copy link between a device and its host's memory (PCIe), for offloading activations
     and optimizer state; ``None`` where the device computes in host memory (a CPU), so that
@@ -109,12 +167,15 @@ class HardwareProfile:
     ``"float64"``, ``"float32"``, ``"tf32"`` (float32 operands on tensor cores, where torch
     allows it), ``"bfloat16"``, ``"float16"``; a format not listed runs at ``flops_per_s``.
     On a GPU these differ by 15x: an H100 multiplies float32 at 67 TFLOP/s and bfloat16 at 989."""
+    fitted: Fitted = Fitted()
+    """The factors ``autopar calibrate`` fits on the host that plans (none for a datasheet)."""
 
     def compute_s(self, flops: float, bytes_moved: float, fmt: str | None = None) -> float:
         """Roofline time of an op doing ``flops`` and moving ``bytes_moved``, its multiply-adds
-        in the format ``fmt`` (``None``: not a matrix product)."""
+        in the format ``fmt`` (``None``: not a matrix product), plus the fitted per-op overhead."""
         rate = dict(self.matrix_flops_per_s).get(fmt, self.flops_per_s) if fmt else self.flops_per_s
-        return self.op_overhead_s + max(flops / rate, bytes_moved / self.memory_bytes_per_s) / self.efficiency
+        roofline = max(flops / rate, bytes_moved / self.memory_bytes_per_s) / self.efficiency
+        return self.fitted.op_overhead_s + roofline
 
     def host_update_s(self, bytes_moved: float) -> float | None:
         """Seconds the host takes to read and write ``bytes_moved`` bytes of optimizer state
@@ -136,8 +197,9 @@ class HardwareProfile:
 class SyntheticProfile:
     """A profile for reasoning by hand and for tests.
 
-    An operator costs ``flops * s_per_flop + bytes_moved * s_per_byte_memory``; operators with
-    no FLOP formula count one FLOP per output element. Communication on mesh axis ``i`` is α-β
+    An operator costs ``flops * s_per_flop + bytes_moved * s_per_byte_memory``, plus the fitted
+    per-op overhead (none unless given); operators with no FLOP formula count one FLOP per
+    output element. Communication on mesh axis ``i`` is α-β
     with ``latency_s`` and ``s_per_byte[i]`` (one number applies to every axis).
     """
 
@@ -158,9 +220,11 @@ class SyntheticProfile:
     """Seconds per byte an optimizer step on the host reads or writes."""
     host_memory_bytes: int = 0
     """Host memory each device may fill with what it offloads (0: no limit)."""
+    fitted: Fitted = Fitted()
+    """Factors on top of these figures, as :class:`HardwareProfile` takes them (none by default)."""
 
     def compute_s(self, flops: float, bytes_moved: float, fmt: str | None = None) -> float:
-        return flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
+        return self.fitted.op_overhead_s + flops * self.s_per_flop + bytes_moved * self.s_per_byte_memory
 
     def host_update_s(self, bytes_moved: float) -> float | None:
         return bytes_moved * self.host_s_per_byte_memory
@@ -246,14 +310,12 @@ CPU = HardwareProfile(
 
 PROFILES = {p.name: p for p in (H100, H200, A100, CPU)}
 
-Profile = HardwareProfile | SyntheticProfile
-
 
 def resolve_profile(hardware: "str | os.PathLike | Profile") -> Profile:
     """Return the profile named by ``hardware`` (``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"``), the one saved
     in the JSON file it names (``autopar calibrate`` writes one), or ``hardware`` itself when it
     is already a profile."""
-    if isinstance(hardware, (HardwareProfile, SyntheticProfile)):
+    if isinstance(hardware, Profile):
         return hardware
     if isinstance(hardware, os.PathLike) or (isinstance(hardware, str) and hardware.endswith(".json")):
         return load_profile(hardware)
@@ -273,36 +335,55 @@ def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
     collectives on this device: an op's fixed time (and a program node's, for a profile that
     times ops), and the time per byte of a copy, both under the ranks' contention; every time
     scaled by the profile's ``step_scale`` and ``collective_scale``."""
+    fitted = hardware.fitted
     fixed = hardware.compute_s(0, 0)
-    contention = getattr(hardware, "contention", 1.0)
-    op_s = (fixed + getattr(hardware, "node_overhead_s", 0.0)) * contention
-    per_byte = (hardware.compute_s(0, 2 * 2**20) - fixed) / 2**20 * contention  # each byte read and written
-    scale = getattr(hardware, "step_scale", 1.0) * getattr(hardware, "collective_scale", 1.0)
+    op_s = (fixed + fitted.node_overhead_s) * fitted.contention
+    per_byte = (hardware.compute_s(0, 2 * 2**20) - fixed) / 2**20 * fitted.contention  # each byte read and written
+    scale = fitted.step_scale * fitted.collective_scale
     return tuple(
         dataclasses.replace(hardware.link(mesh, axis), local_op_s=op_s, local_s_per_byte=per_byte).scaled(scale)
         for axis in range(mesh.ndim)
     )
 
 
+PROFILE_FORMAT_VERSION = 2
+"""Version of the files :func:`save_profile` writes: 2 nests the fitted factors under
+``"fitted"``; version 1 (still read) kept them among the figures."""
+_FITTED_FIELDS = tuple(f.name for f in dataclasses.fields(Fitted))
+
+
 def save_profile(profile: HardwareProfile, path: "str | os.PathLike", **measured) -> None:
     """Write ``profile`` as JSON (with any raw ``measured`` figures, for the record)."""
-    data = {"format": "autopar-hardware-profile", "version": 1, "profile": asdict(profile), "measured": measured}
+    data = {
+        "format": "autopar-hardware-profile",
+        "version": PROFILE_FORMAT_VERSION,
+        "profile": asdict(profile),
+        "measured": measured,
+    }
     Path(path).write_text(json.dumps(data, indent=1))
 
 
 def load_profile(path: "str | os.PathLike") -> HardwareProfile:
-    """Read a profile written by :func:`save_profile`."""
+    """Read a profile written by :func:`save_profile`, in the current version or version 1."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ValueError(
             f"hardware={str(path)!r}: no such profile file; `autopar calibrate --out {path}` writes one"
         ) from None
-    if data.get("format") != "autopar-hardware-profile" or data.get("version") != 1:
-        raise ValueError(f"{path} is not an autopar hardware profile (version 1); write one with `autopar calibrate`")
+    version = data.get("version")
+    if data.get("format") != "autopar-hardware-profile" or version not in (1, PROFILE_FORMAT_VERSION):
+        raise ValueError(
+            f"{path} is not an autopar hardware profile (version 1 or {PROFILE_FORMAT_VERSION}); "
+            "write one with `autopar calibrate`"
+        )
     fields = dict(data["profile"])
+    if version == 1:
+        fitted = {name: fields.pop(name) for name in _FITTED_FIELDS if name in fields}
+    else:
+        fitted = fields.pop("fitted", {})
     fields["matrix_flops_per_s"] = tuple(tuple(rate) for rate in fields.get("matrix_flops_per_s", ()))
     for tier in ("intra_host", "inter_host", "host_link"):
         if fields.get(tier) is not None:
             fields[tier] = Link.from_dict(fields[tier])
-    return HardwareProfile(**fields)
+    return HardwareProfile(**fields, fitted=Fitted(**fitted))

@@ -3,7 +3,7 @@
 A roofline misses what a CPU (or any device) really does with an op: transcendental functions in
 GELU and its backward, attention kernels, per-call overhead that depends on the op. When the
 host that plans is the device that runs (a profile written by ``autopar calibrate`` says so with
-``timed_ops``), the cost model times each op instead, as Alpa and nnScaler profile theirs:
+``fitted.timed_ops``), the cost model times each op instead, as Alpa and nnScaler profile theirs:
 every distinct ``(op, local argument shapes and dtypes, other arguments)`` a strategy gives runs
 on tensors of those shapes, the way the per-rank program runs it
 (:func:`autopar.passes.propagation.rank_ops.local_call`), and the median per call is kept. Integer and

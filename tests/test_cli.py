@@ -168,14 +168,13 @@ def test_calibrate_writes_a_profile_that_plans_use(tmp_path):
     from autopar.cost_model.hardware import load_profile
 
     profile = load_profile(out)
-    assert profile.flops_per_s > 1e8 and profile.memory_bytes_per_s > 1e8 and 0 < profile.op_overhead_s < 1e-3
-    assert profile.timed_ops and profile.contention >= 1.0  # plans made with it time their ops on this host
-    assert 0.2 < profile.step_scale < 20  # a training step of the calibration model ran and was compared
-    assert 0.2 < profile.collective_scale < 20
+    fitted = profile.fitted
+    assert profile.flops_per_s > 1e8 and profile.memory_bytes_per_s > 1e8 and 0 < fitted.op_overhead_s < 1e-3
+    assert fitted.timed_ops and fitted.contention >= 1.0  # plans made with it time their ops on this host
+    assert 0.2 < fitted.step_scale < 20  # a training step of the calibration model ran and was compared
+    assert 0.2 < fitted.collective_scale < 20
     assert (
-        0 <= profile.node_overhead_s < 1e-3
-        and 0 <= profile.step_overhead_s < 0.1
-        and 0 <= profile.param_overhead_s < 1e-2
+        0 <= fitted.node_overhead_s < 1e-3 and 0 <= fitted.step_overhead_s < 0.1 and 0 <= fitted.param_overhead_s < 1e-2
     )
     kinds = {kind for kind, _, _ in profile.intra_host.per_kind}
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}

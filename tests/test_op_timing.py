@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from autopar.cost_model.estimate import CostModel
-from autopar.cost_model.hardware import CPU
+from autopar.cost_model.hardware import CPU, Fitted
 from autopar.cost_model.op_timing import OpTimer
 from autopar.examples.mlp import MLP
 from autopar.passes.analysis.capture import capture
@@ -53,7 +53,7 @@ def test_a_profile_of_this_host_prices_ops_by_their_timing_plus_the_node_overhea
     mesh = Mesh((2,), ("x",))
     space = propagate(captured, mesh)
     node = next(n for n in space.nodes if n.name == addmm.name)
-    host = dataclasses.replace(CPU, timed_ops=True, node_overhead_s=1e-3, contention=2.0, step_scale=1.5)
+    host = dataclasses.replace(CPU, fitted=Fitted(timed_ops=True, node_overhead_s=1e-3, contention=2.0, step_scale=1.5))
     roofline = CostModel(captured, mesh, CPU).compute_costs(space)[node.name]
     model = CostModel(captured, mesh, host)
     timed = model.compute_costs(space)[node.name]
@@ -96,7 +96,7 @@ def test_ops_that_overflow_l2_are_timed_on_copies_spanning_the_step_working_set_
     large = capture(MLP(256, 4096), (torch.randn(8, 256), torch.randn(8, 256)))  # 8 MiB of parameters
     params = sum(p.nbytes for p in MLP(256, 4096).parameters())
     assert step_working_set(large, Mesh((2,), ("x",))) == 2 * 4 * params  # per rank: weights, gradients, Adam's 2
-    timed = dataclasses.replace(CPU, timed_ops=True)
+    timed = dataclasses.replace(CPU, fitted=Fitted(timed_ops=True))
     assert CostModel(large, Mesh((2, 2), ("x", "y")), timed).timer.working_set == 4 * 4 * params
 
 

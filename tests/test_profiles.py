@@ -4,7 +4,15 @@ import dataclasses
 
 import pytest
 import torch
-from autopar.cost_model.hardware import CPU, HardwareProfile, Link, load_profile, resolve_profile, save_profile
+from autopar.cost_model.hardware import (
+    CPU,
+    Fitted,
+    HardwareProfile,
+    Link,
+    load_profile,
+    resolve_profile,
+    save_profile,
+)
 from autopar.passes.propagation.redistribute import Step, step_s
 
 import autopar
@@ -22,7 +30,7 @@ def _measured() -> HardwareProfile:
         devices_per_host=4,
         intra_host=link,
         inter_host=link,
-        op_overhead_s=1e-5,
+        fitted=Fitted(op_overhead_s=1e-5),
     )
 
 
@@ -52,7 +60,7 @@ def test_each_op_costs_the_profiles_overhead():
 
     inputs = (torch.randn(8, 16), torch.randn(8, 16))
     plain = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), inputs, hardware=CPU)
-    slow = HardwareProfile(**{**{f: getattr(CPU, f) for f in CPU.__dataclass_fields__}, "op_overhead_s": 1e-3})
+    slow = dataclasses.replace(CPU, fitted=Fitted(op_overhead_s=1e-3))
     charged = autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), inputs, hardware=slow)
     assert charged.compute_s == pytest.approx(plain.compute_s + 1e-3 * len(plain.nodes), rel=1e-6)
 
@@ -65,7 +73,7 @@ def test_the_step_overhead_per_step_and_parameter_is_part_of_the_predicted_step(
 
     model, inputs = MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16))
     plain = autopar.plan(model, Mesh((2,), ("dp",)), inputs, hardware=CPU)
-    host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4, contention=2.0)
+    host = dataclasses.replace(CPU, fitted=Fitted(step_overhead_s=1e-3, param_overhead_s=1e-4, contention=2.0))
     charged = autopar.plan(model, Mesh((2,), ("dp",)), inputs, hardware=host)
     expected = (1e-3 + 1e-4 * len(list(model.parameters()))) * 2.0
     assert plain.overhead_s == 0 and charged.overhead_s == pytest.approx(expected)
@@ -82,11 +90,13 @@ def test_the_step_scale_lengthens_ops_and_collectives_and_keeps_the_plan():
     from autopar.examples.mlp import MLP
 
     model, inputs = MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16))
-    host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4)
-    plain = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=host, pins={"x": "S(0)"})
-    scaled = autopar.plan(
-        model, Mesh((4,), ("dp",)), inputs, hardware=dataclasses.replace(host, step_scale=1.5), pins={"x": "S(0)"}
+    fitted = Fitted(step_overhead_s=1e-3, param_overhead_s=1e-4)
+    host, stretched = (
+        dataclasses.replace(CPU, fitted=fitted),
+        dataclasses.replace(CPU, fitted=dataclasses.replace(fitted, step_scale=1.5)),
     )
+    plain = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=host, pins={"x": "S(0)"})
+    scaled = autopar.plan(model, Mesh((4,), ("dp",)), inputs, hardware=stretched, pins={"x": "S(0)"})
     assert plain.collectives and scaled.placements == plain.placements
     for part in ("compute_s", "communication_s"):
         assert getattr(scaled, part) == pytest.approx(1.5 * getattr(plain, part)), part
@@ -111,10 +121,10 @@ def test_the_collective_scale_lengthens_collectives_only():
     mesh = Mesh((4,), ("dp",))
     captured = capture(MLP(16, 32), (torch.randn(8, 16), torch.randn(8, 16)))
     space = propagate(captured, mesh)
-    host = dataclasses.replace(CPU, step_overhead_s=1e-3, param_overhead_s=1e-4, step_scale=1.5)
+    fitted = Fitted(step_overhead_s=1e-3, param_overhead_s=1e-4, step_scale=1.5)
     plain, slow = (
-        CostModel(captured, mesh, host),
-        CostModel(captured, mesh, dataclasses.replace(host, collective_scale=3.0)),
+        CostModel(captured, mesh, dataclasses.replace(CPU, fitted=fitted)),
+        CostModel(captured, mesh, dataclasses.replace(CPU, fitted=dataclasses.replace(fitted, collective_scale=3.0))),
     )
     assert slow.compute_costs(space) == plain.compute_costs(space)
     assert slow.step_overhead_s(10) == plain.step_overhead_s(10)
@@ -196,3 +206,20 @@ def test_a_profile_file_without_matrix_rates_loads_with_none(tmp_path):
     assert load_profile(path) == rated and load_profile(path).compute_s(4e10, 0, "bfloat16") == pytest.approx(
         1e-5 + 1.0
     )
+
+
+def test_a_profile_file_keeps_the_fitted_factors_apart_and_a_version_1_file_still_loads(tmp_path):
+    import json
+
+    path = tmp_path / "p.json"
+    fitted = Fitted(op_overhead_s=1e-5, timed_ops=True, contention=1.5, step_scale=1.2, collective_scale=0.8)
+    profile = dataclasses.replace(_measured(), fitted=fitted)
+    save_profile(profile, path)
+    data = json.loads(path.read_text())
+    assert (
+        data["version"] == 2 and data["profile"]["fitted"]["step_scale"] == 1.2 and "contention" not in data["profile"]
+    )
+    data["version"] = 1  # as `autopar calibrate` wrote them before: the factors among the figures
+    data["profile"].update(data["profile"].pop("fitted"))
+    path.write_text(json.dumps(data))
+    assert load_profile(path) == profile

@@ -325,7 +325,7 @@ PACKING = autopar.HardwareProfile(
     devices_per_host=8,
     intra_host=autopar.Link(1e-5, 1e-9),
     inter_host=autopar.Link(1e-5, 1e-9),
-    node_overhead_s=1e-5,
+    fitted=autopar.Fitted(node_overhead_s=1e-5),
 )
 
 
