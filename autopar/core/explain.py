@@ -3,6 +3,7 @@
 from collections import Counter
 
 from autopar.core.graph import segment_of
+from autopar.core.kinds import Activation
 from autopar.core.plan import ShardingPlan
 
 # Ops worth a row in the table: the ones that carry the FLOPs.
@@ -201,7 +202,7 @@ def activation_rows(plan: ShardingPlan) -> list[list[str]]:
     copied back: ahead (prefetched during the backward of the layer after) or at the first read."""
     rows: dict[str, list] = {}
     segment = {n.name: segment_of(n.module) for n in plan.nodes}
-    column = {"keep": 0, "recompute": 1, "offload": 2}
+    column: dict[Activation, int] = {"keep": 0, "recompute": 1, "offload": 2}
     for n in plan.nodes:
         if n.activation:
             row = rows.setdefault(segment[n.name], [0, 0, 0, 0, 0.0, 0, 0.0])

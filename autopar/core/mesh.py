@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+from autopar.core.kinds import CollectiveKind
+
 
 @dataclass(frozen=True, slots=True)
 class Mesh:
@@ -61,7 +63,7 @@ class Link:
     """α, the fixed cost of one collective call."""
     s_per_byte: float
     """β, the inverse of the bandwidth."""
-    per_kind: tuple[tuple[str, float, float], ...] = ()
+    per_kind: tuple[tuple[CollectiveKind, float, float], ...] = ()
     """Measured ``(collective kind, α, β)`` that replace the two above for that kind (a
     calibrated profile has one per collective)."""
     local_op_s: float = 0.0
@@ -92,7 +94,7 @@ class Link:
             self.local_s_per_byte * factor,
         )
 
-    def alpha_beta(self, kind: str) -> tuple[float, float]:
+    def alpha_beta(self, kind: CollectiveKind) -> tuple[float, float]:
         for name, alpha, beta in self.per_kind:
             if name == kind:
                 return alpha, beta

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from autopar.core.kinds import Activation, CollectiveKind, CollectivePhase, Phase, SolverStatus
 from autopar.core.mesh import Link, Mesh
 
 FORMAT_VERSION = 8
@@ -14,13 +15,13 @@ FORMAT_VERSION = 8
 class Collective:
     """A collective that the per-rank program runs."""
 
-    kind: str
+    kind: CollectiveKind
     """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``all_to_all``."""
     axis: str
     """Mesh axis name."""
     bytes: int
     """Bytes per rank (the gathered result of an all-gather, the input of a reduce-scatter)."""
-    phase: str
+    phase: CollectivePhase
     """``forward``, ``backward``, ``recompute`` (run again in the backward for a recomputed
     op), or ``output``: making a result whole for the caller (the loss of a batch-split step),
     which nothing else in the step waits for."""
@@ -45,13 +46,14 @@ class NodePlan:
     op: str
     module: str
     """Qualified name of the module the op comes from (``""`` for the root or unknown)."""
-    phase: str
+    phase: Phase
+    """``forward`` or ``backward``: the phase of the op in the joint graph."""
     outputs: tuple[str | None, ...]
     """Placements of each output, formatted like ``(S(0), R)``."""
     inputs: tuple[str, ...]
     """Placements required on each tensor input."""
     compute_s: float
-    activation: str = ""
+    activation: Activation = ""
     """For a forward op whose outputs the backward needs: ``keep``, ``recompute`` or
     ``offload`` (to host memory until the backward reads them)."""
     activation_bytes: int = 0
@@ -68,7 +70,8 @@ class NodePlan:
 
 @dataclass(frozen=True, slots=True)
 class SolverInfo:
-    status: str
+    status: SolverStatus
+    """``OPTIMAL``, ``FEASIBLE``, ``START`` or ``LAYOUT`` (:data:`autopar.core.kinds.SolverStatus`)."""
     objective_s: float
     bound_s: float
     solve_s: float

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autopar.core.kinds import NodeKind, Phase
 from autopar.core.placement import Placements
 
 ValueRef = tuple[str, int]
@@ -35,7 +36,7 @@ class NodeSpace:
 
     name: str
     """Node name in the joint graph (``"output"`` for the graph's results)."""
-    kind: str
+    kind: NodeKind
     """``"op"``, ``"param"``, ``"buffer"``, ``"input"``, ``"tangent"``, ``"constant"`` (a tensor
     literal of the model's code, whole on every rank) or ``"output"``."""
     target: str
@@ -45,7 +46,7 @@ class NodeSpace:
     gradient here, and a buffer the forward updates in place its new value: the strategy
     requires either in the parameter's or buffer's placement."""
     strategies: tuple[Strategy, ...]
-    phase: str
+    phase: Phase
     """``"forward"`` or ``"backward"``: whether the node depends on the outputs' tangents."""
 
 

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CaptureError
 from autopar.core.graph import segment_of
+from autopar.core.kinds import GraphInputKind, GraphOutputKind
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ _DECOMPOSITIONS = {
 class InputKind:
     """What a placeholder of the joint graph stands for."""
 
-    kind: str
+    kind: GraphInputKind
     """``"param"``, ``"buffer"``, ``"input"`` or ``"tangent"``."""
     name: str
     """Qualified name of a parameter or buffer, the forward argument's name for an input,
@@ -112,7 +113,7 @@ class InputKind:
 class OutputKind:
     """What an output of the joint graph stands for."""
 
-    kind: str
+    kind: GraphOutputKind
     """``"output"`` (a forward result), ``"grad"`` (a parameter's gradient) or ``"buffer"`` (the
     new value of a buffer the forward updates in place, written back after each forward)."""
     name: str

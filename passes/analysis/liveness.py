@@ -17,6 +17,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopar.core.kinds import GraphInputKind
 from autopar.core.offload_ops import OFFLOAD_OPS
 
 _ALIASES = {torch.ops._c10d_functional.wait_tensor.default}
@@ -42,7 +43,7 @@ class Liveness:
 def step_liveness(
     forward: fx.GraphModule,
     backward: fx.GraphModule,
-    kinds: list[str],
+    kinds: list[GraphInputKind],
     *,
     optimizer_slots: int = ADAM_SLOTS,
     on_host: list[bool] | None = None,

@@ -65,12 +65,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.core.errors import InputError, RewriteError
 from autopar.core.graph import segment_of
+from autopar.core.kinds import Phase
 from autopar.core.offload_ops import offload, reload, reload_wait
 from autopar.core.placement import Placements, R, format_placements, parse_placement, parse_placements_text
 from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
 
-IN_BACKWARD = {"autopar": "backward"}
+IN_BACKWARD: dict[str, Phase] = {"autopar": "backward"}
 """The ``node.meta["custom"]`` of per-rank nodes that run in the backward: the backward's ops,
 and the moves and recomputations of forward values for it."""
 RECOMPUTED = {**IN_BACKWARD, "autopar_recompute": True}

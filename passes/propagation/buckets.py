@@ -33,6 +33,7 @@ from autopar.passes.propagation.redistribute import Step, bandwidth_s, one_axis_
 from autopar.passes.rules import tensor_args
 
 from autopar.core.graph import segment_of
+from autopar.core.kinds import CollectiveKind, CollectivePhase
 from autopar.core.mesh import Link, Mesh
 from autopar.core.placement import Placements
 from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
@@ -42,7 +43,8 @@ BUCKET_BYTES = 25 * 2**20
 bucket's latency is small next to its bandwidth term on NCCL and gloo alike, small enough that
 a bucket does not hold much more memory than its gradients already take."""
 
-BUCKETED_KINDS = ("all_reduce", "reduce_scatter")
+BUCKETED_KINDS: tuple[CollectiveKind, ...] = ("all_reduce", "reduce_scatter")
+"""The collectives by which a gradient may join a bucket."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +143,11 @@ class BucketShare:
     """What each bucket of the group pays once (:func:`bucket_fixed_s`)."""
 
 
-_BUCKET_OPS = {"all_reduce": (2, 2), "reduce_scatter": (3, 4), "all_gather": (3, 4)}
+_BUCKET_OPS: dict[CollectiveKind, tuple[int, int]] = {
+    "all_reduce": (2, 2),
+    "reduce_scatter": (3, 4),
+    "all_gather": (3, 4),
+}
 """Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.propagation.rank_ops.Rank.bucket`),
 per bucket and per tensor in it: an all-reduce flattens each tensor, concatenates them, splits
 the result and views each piece back; a reduce-scatter also chunks and stacks each gradient
@@ -197,7 +203,7 @@ class ParameterGather:
     keys: tuple[tuple[bool, ValueRef, Placements], ...]
     """Each parameter's move: ``(in backward, parameter, placements it is gathered into)``."""
     steps: tuple[Step, ...]
-    phase: str
+    phase: CollectivePhase
     """``"forward"``, ``"backward"`` or ``"recompute"``: the phase of the op first reading one."""
     segment: str
 
@@ -226,7 +232,7 @@ def parameter_gathers(
     for n in graph.nodes:
         if n.op != "call_function" or n.name in aliases:
             continue
-        runs = (
+        runs: tuple[tuple[CollectivePhase, bool], ...] = (
             (("backward", True),)
             if n in backward
             else (("forward", False), ("recompute", True))

@@ -11,12 +11,13 @@ import logging
 import math
 
 import torch
-from autopar.passes.analysis.capture import Captured, captured_backward
+from autopar.passes.analysis.capture import Captured, InputKind, captured_backward
 from autopar.passes.propagation.redistribute import valid_layouts
 from autopar.passes.rules import rule_for, tensor_args
 from torch import fx
 
 from autopar.core.errors import InfeasiblePlanError, UnsupportedOpError
+from autopar.core.kinds import Phase
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Partial, Placements, R, Shard, format_placements
 from autopar.core.strategy import NodeSpace, Strategy, StrategySpace, ValueRef, getitem_aliases
@@ -43,7 +44,7 @@ def propagate(
     placeholder_kinds = dict(zip(captured.placeholders, captured.inputs))
     seen: dict[tuple, tuple[Strategy, ...]] = {}  # per op signature, its strategies (repeated layers repeat them)
     for node in graph.nodes:
-        phase = "backward" if node in backward else "forward"
+        phase: Phase = "backward" if node in backward else "forward"
         if node.op == "placeholder":
             kind = placeholder_kinds[node]
             nodes.append(_placeholder_space(node, kind, mesh, pins.pop(kind.name, None), updates, aliases, phase))
@@ -147,7 +148,7 @@ def whole_on_one_rank(placements: Placements, mesh: Mesh) -> Placements:
     return tuple(R if size == 1 and isinstance(p, Shard) else p for size, p in zip(mesh.shape, placements))
 
 
-def _placeholder_space(node, kind, mesh, pin, updates, aliases, phase) -> NodeSpace:
+def _placeholder_space(node, kind: InputKind, mesh, pin, updates, aliases, phase: Phase) -> NodeSpace:
     value = node.meta["val"]
     if kind.kind in ("tangent", "input") and pin is None:
         layouts = [(R,) * mesh.ndim]  # every rank is given the whole tensor; ops slice it for free

@@ -9,14 +9,16 @@ local pieces, as the rewriter does and as :mod:`autopar.cost_model.op_timing` ti
 """
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from autopar.passes.propagation.redistribute import Step, local_shape, transition
-from autopar.passes.rules import Split, arg_layout, shape_arg, split_op
+from autopar.passes.rules import ReduceOp, Split, arg_layout, shape_arg, split_op
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.core.errors import RewriteError
+from autopar.core.kinds import CollectiveKind
 from autopar.core.mesh import Link, Mesh
 from autopar.core.placement import Placements
 from autopar.core.strategy import Strategy
@@ -143,13 +145,13 @@ class _Split:
     def __init__(self, offset: int, size: int, groups: list[str]):
         self.offset, self.size, self.groups = offset, size, groups
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         for group in self.groups:
             t = c10d.wait_tensor(c10d.all_reduce(t.contiguous(), op, group))
         return t
 
 
-_GRAPH_COLLECTIVES = {
+_GRAPH_COLLECTIVES: dict[object, tuple[CollectiveKind, Literal["in", "out"]]] = {
     c10d.all_reduce.default: ("all_reduce", "in"),
     c10d.all_gather_into_tensor.default: ("all_gather", "out"),
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", "in"),
@@ -157,7 +159,7 @@ _GRAPH_COLLECTIVES = {
 }
 
 
-def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tuple[str, int, int]]:
+def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tuple[CollectiveKind, int, int]]:
     """``(kind, mesh axis, bytes per rank)`` of every collective in a per-rank graph, read from
     the graph itself, with bytes counted as :class:`~autopar.passes.propagation.redistribute.Step` does."""
     axis_of = {name: axis for axis, name in enumerate(group_names)}

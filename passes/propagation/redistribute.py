@@ -28,18 +28,26 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from autopar.core.kinds import CollectiveKind
 from autopar.core.mesh import Link, Mesh
 from autopar.core.placement import Partial, Placements, Replicate, Shard
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = get_args(CollectiveKind)
+"""Every collective kind, read from the one definition, :data:`autopar.core.kinds.CollectiveKind`."""
+
+StepKind = Literal[CollectiveKind, "slice", "zero"]
+"""A step of a transition: a collective, or one of the two local steps (a slice of the rank's
+piece, or zeros on every rank of the axis but the first). :class:`~autopar.passes.propagation.rank_ops.Rank`
+has one method of each name."""
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
     """One per-axis step of a transition."""
 
-    kind: str
+    kind: StepKind
     """A collective (``COLLECTIVE_KINDS``) or a local ``"slice"`` / ``"zero"``."""
     axis: int
     """Mesh axis."""

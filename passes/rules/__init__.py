@@ -18,7 +18,7 @@ Rule modules, one per op family, register themselves on import; registering an o
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import fx
@@ -29,6 +29,10 @@ from autopar.core.strategy import Strategy
 
 Row = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]
 Rule = Callable[[fx.Node], list[Row]]
+
+ReduceOp = Literal["sum", "max"]
+"""How a :class:`SplitOp`'s all-reduce combines the ranks' pieces (the functional collectives'
+name of the reduction)."""
 
 _RULES: dict[object, Rule] = {}
 _SHAPE_ARGS: dict[object, tuple[int, int]] = {}
@@ -44,7 +48,7 @@ class Split(Protocol):
     size: int
     """The length of the rank's piece."""
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         """``t`` reduced (``"sum"`` or ``"max"``) over the ranks that hold the other pieces."""
 
 
@@ -58,7 +62,7 @@ class SplitOp:
     dim: Callable[[fx.Node], int]
     run: Callable[[fx.Node, list, dict, Split], object]
     """``run(node, args, kwargs, split)``: the op's local result from local arguments."""
-    reduces: tuple[str, ...] = ()
+    reduces: tuple[ReduceOp, ...] = ()
     """The all-reduces ``run`` makes, in order, each on a tensor of the split tensor's shape with
     the dim reduced to 1 (in float32 at least)."""
 
@@ -102,7 +106,7 @@ def register(*ops) -> Callable[[Rule], Rule]:
 
 
 def register_split(
-    *ops, index: int, dim: Callable[[fx.Node], int], output: bool = False, reduces: tuple[str, ...] = ()
+    *ops, index: int, dim: Callable[[fx.Node], int], output: bool = False, reduces: tuple[ReduceOp, ...] = ()
 ) -> Callable:
     """Register the decorated ``run(node, args, kwargs, split)`` as the :class:`SplitOp` of ``ops``."""
 

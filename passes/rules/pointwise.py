@@ -1,5 +1,7 @@
 """Pointwise operators, with broadcasting, and the arguments they are linear in."""
 
+from typing import Literal
+
 import torch
 from autopar.passes.rules import Row, register, tensor_args, val
 from torch import fx
@@ -9,10 +11,13 @@ from autopar.core.placement import P, R, S
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+Linear = Literal["all", "one"]
+"""Which tensor arguments of an op may carry a partial sum: every one together (sums add up), or
+exactly one of them."""
+
 # op -> which tensor arguments may carry a partial sum (the others must be replicated):
-# "all" = every tensor argument together (sums add up), "one" = exactly one of them,
-# or an index set of arguments that must be partial together.
-_LINEAR: dict[object, object] = {
+# a :data:`Linear`, or an index set of arguments that must be partial together.
+_LINEAR: dict[object, Linear | set[int]] = {
     aten.add.Tensor: "all",
     aten.sub.Tensor: "all",
     aten.mul.Tensor: "one",

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.passes.solve.memory_program import _represented
+from autopar.passes.solve.memory_program import MemoryTerm, _represented
 from autopar.passes.solve.mip import MEMORY_SCALE, SCALE
 from autopar.passes.solve.remat import ActivationSpace
 
@@ -277,7 +277,8 @@ def host_state(
     backward that makes it holds the parameter's copy in and the gradient before it goes out).
     ``host_mb`` gets the megabytes they put in host memory, every copy counted, as linear terms."""
     copies = _copies(shared)
-    optimizer, params, saved_mb = {}, {}, []
+    optimizer, params = {}, {}
+    saved_mb: list[MemoryTerm] = []
     for name, sizes in memory.optimizer.items():
         if name in shared:
             continue

@@ -49,11 +49,20 @@ parameter's optimizer state, and the parameter itself, live in host memory (term
 
 import time
 from collections import defaultdict
+from typing import Literal
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.passes.solve.mip import MEMORY_SCALE, solve_before_deadline
 from autopar.passes.solve.remat import ActivationSpace
 from ortools.linear_solver import pywraplp
+
+MomentSpan = Literal["always", "grad", "made", "kept"]
+"""The moments of the step a memory term is alive at: every one, from its node's gradient on
+(without a node, once the backward has begun), at the start of the backward that makes that
+gradient, or as long as its node's kept outputs."""
+
+MemoryTerm = tuple[str | None, object, float, MomentSpan]
+"""``(node, variable, megabytes per copy, span)``: a term of :func:`memory_budget`."""
 
 
 def memory_budget(
@@ -64,7 +73,7 @@ def memory_budget(
     shared: dict[str, str],
     acts: ActivationSpace | None,
     chosen: tuple | None = None,
-    terms: list | None = None,
+    terms: list[MemoryTerm] | None = None,
 ):
     """The per-device peak ``M`` of the module docstring: at least the memory alive at each
     moment of the backward, and at most the budget when one is given. ``acts`` gives the
@@ -72,8 +81,8 @@ def memory_budget(
     segments' recomputed megabytes of
     :func:`~autopar.passes.solve.memory_choices.keep_recompute_or_offload`) replaces the
     activations of the forward ops; ``terms`` adds ``(node, variable, megabytes per copy,
-    kind)`` terms, as :func:`~autopar.passes.solve.memory_choices.host_state` makes them: alive at every
-    moment (``"always"``), from
+    span)`` terms (:data:`MemoryTerm`), as :func:`~autopar.passes.solve.memory_choices.host_state`
+    makes them: alive at every moment (``"always"``), from
     the node's gradient on (``"grad"``; without a node, once the backward has begun), at the
     start of the backward that makes it (``"made"``) or as long as its kept outputs (``"kept"``).
     Returns ``M`` and the budget row (``None`` without a
@@ -120,9 +129,9 @@ class _Moments:
         self.everywhere: dict = {}
         self.at_moment: list[dict] = [{} for _ in range(self.moments)]
 
-    def add(self, name: str | None, kind: str, var, megabytes: float) -> None:
+    def add(self, name: str | None, kind: MomentSpan, var, megabytes: float) -> None:
         """``megabytes`` on ``var`` for every copy of node ``name``, over the moments ``kind``
-        names (those of :func:`memory_budget`'s ``terms``)."""
+        names (:data:`MomentSpan`)."""
         for copy in self.copies.get(name, (name,)):
             span = (
                 (self.made.get(copy, 0) if copy is not None else min(1, self.last), self.last)
@@ -165,12 +174,13 @@ def _strategy_memory(
     """The parameters, optimizer state, gradients and activations each strategy holds, on its
     one-hot terms, but for the activations of the ops in ``replaced`` (their kept terms of the
     activation choices replace them)."""
-    for kind, part in (
+    parts: tuple[tuple[MomentSpan, dict[str, list[float]]], ...] = (
         ("always", memory.params),
         ("always", memory.optimizer),
         ("grad", memory.grads),
         ("kept", memory.activations),
-    ):
+    )
+    for kind, part in parts:
         for name, sizes in part.items():
             if name in shared or (part is memory.activations and name in replaced):
                 continue

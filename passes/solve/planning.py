@@ -11,10 +11,16 @@ from autopar.passes.propagation.buckets import ParameterGather, bucket_s, gradie
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops, refilled_bytes
 from autopar.passes.solve.solver import Solution
 
+from autopar.core.kinds import Activation, CollectivePhase, NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import format_placement, format_placements
 from autopar.core.plan import Collective, MemoryEstimate, NodePlan, ShardingPlan
 from autopar.core.strategy import Strategy, StrategySpace, ValueRef
+
+_MOVED_IN: dict[NodeKind, CollectivePhase] = {"param": "backward", "output": "output"}
+"""The phase of the moves into a node of these kinds, where it is not the node's own: a
+parameter reads its gradient in the backward, and the graph's results are made whole for the
+caller."""
 
 
 def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed: frozenset[str] = frozenset()):
@@ -30,7 +36,7 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
     seen: set = set()
     done: set[str] = set()
 
-    def move(ref, dst, consumer, phase, in_backward):
+    def move(ref, dst, consumer, phase: CollectivePhase, in_backward):
         src = chosen[ref[0]].outputs[ref[1]]
         if src != dst and (in_backward, ref, dst) not in seen:
             seen.add((in_backward, ref, dst))
@@ -45,7 +51,7 @@ def planned_moves(space: StrategySpace, chosen: dict[str, Strategy], recomputed:
             yield from move(ref, chosen[name].inputs[j], node, "recompute", True)
 
     for n in sorted(space.nodes, key=lambda n: n.kind in ("param", "buffer")):
-        phase = {"param": "backward", "output": "output"}.get(n.kind, n.phase)
+        phase = _MOVED_IN.get(n.kind, n.phase)
         for j, ref in enumerate(n.args):
             in_backward = by_name[ref[0]].phase == "backward" or (n.kind == "op" and n.phase == "backward")
             again = in_backward and ref[0] in recomputed
@@ -125,7 +131,7 @@ def _node_plans(
     modules = module_paths(captured)
     needed = kept_ops(activations, recomputed, offloaded)
 
-    def activation(name: str) -> tuple[str, int, float]:
+    def activation(name: str) -> tuple[Activation, int, float]:
         if name in recomputed:
             return "recompute", int(activations.bytes[name][choice[name]]), 0.0
         if name in offloaded:
@@ -402,7 +408,8 @@ def _split_collectives(space: StrategySpace, chosen, recomputed: frozenset[str],
     for n in space.nodes:
         steps = costs.split_steps(n.name, chosen[n.name]) if n.kind == "op" else ()
         layout = format_placements(chosen[n.name].inputs[0]) if steps else ""
-        for phase in (n.phase, "recompute") if n.name in recomputed else (n.phase,):
+        phases: tuple[CollectivePhase, ...] = (n.phase, "recompute") if n.name in recomputed else (n.phase,)
+        for phase in phases:
             for step in steps:
                 yield Collective(
                     kind=step.kind,

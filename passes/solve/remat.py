@@ -22,6 +22,7 @@ parameter gathered for the forward is not held until the backward.
 """
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from autopar.cost_model.estimate import CostModel
@@ -30,11 +31,14 @@ from autopar.passes.analysis.capture import Captured, backward_segment_starts, m
 from autopar.core.graph import is_layer, segment_of
 from autopar.core.strategy import StrategySpace
 
-RECOMPUTE_OPTIONS = ("auto", "none", "layers")
+Recompute = Literal["auto", "none", "layers"]
 """``recompute=`` on plan and compile: ``"auto"`` lets the solver recompute or offload what the
 memory budget asks for (nothing without a budget); ``"none"`` keeps every activation;
 ``"layers"`` recomputes everything inside each layer of a stack from the layer's input, as
 activation checkpointing of every block does, and decides the rest as ``"auto"``."""
+
+RECOMPUTE_OPTIONS: tuple[Recompute, ...] = get_args(Recompute)
+"""The values of :data:`Recompute`, which ``recompute=`` is checked against."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +113,9 @@ class ActivationSpace:
 
 
 def activation_space(
-    captured: Captured, space: StrategySpace, costs: CostModel, recompute: str, *, offload: bool = False
+    captured: Captured, space: StrategySpace, costs: CostModel, recompute: Recompute, *, offload: bool = False
 ) -> ActivationSpace:
-    """The choices for ``space`` under the ``recompute`` option (see :data:`RECOMPUTE_OPTIONS`),
+    """The choices for ``space`` under the ``recompute`` option (see :data:`Recompute`),
     with offload to host memory when ``offload``."""
     graph_nodes = {n.name: n for n in captured.graph.graph.nodes}
     by_name = space.index()
@@ -166,7 +170,7 @@ def _views(ops, graph_nodes: dict[str, torch.fx.Node]) -> dict[str, tuple[str, i
 def _recompute_choices(
     forward,
     graph_nodes: dict[str, torch.fx.Node],
-    recompute: str,
+    recompute: Recompute,
     segment: dict[str, str],
     readers_in: dict[str, set[str]],
     param_views: set[str],

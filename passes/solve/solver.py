@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.passes.solve.memory_choices import host_capacity, host_state, keep_recompute_or_offload
-from autopar.passes.solve.memory_program import in_flight_bucket, memory_budget, priced_memory
+from autopar.passes.solve.memory_program import MemoryTerm, in_flight_bucket, memory_budget, priced_memory
 from autopar.passes.solve.mip import (
     BUDGET_HEURISTIC_ABOVE,
     BUDGET_HEURISTIC_EFFORT,
@@ -219,7 +219,7 @@ def build_program(
         again, away, ahead, kept_mb, refilled = keep_recompute_or_offload(
             solver, activations, ind, node_costs, reader_moves, shared, costs, offloading, host_mb
         )
-    terms = []
+    terms: list[MemoryTerm] = []
     if memory is not None and offloading is not None:
         on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs, host_mb)
     if offloading is not None:

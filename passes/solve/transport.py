@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from autopar.passes.propagation.buckets import BucketShare
 
+from autopar.core.kinds import Phase
 from autopar.core.placement import Placements
 from autopar.core.strategy import NodeSpace, StrategySpace, ValueRef
 
@@ -202,7 +203,7 @@ def gathered(
     ``gather_s``, and a function that enters a move that joins a bucket, once made, in
     ``bucket_shares`` (see :func:`enough_buckets`) under its phase and its readers' layer: each
     copy of a repeated layer gathers in buckets of its own."""
-    phase = "backward" if any(by_name[name].phase == "backward" for name, _ in readers) else "forward"
+    phase: Phase = "backward" if any(by_name[name].phase == "backward" for name, _ in readers) else "forward"
     segment = segments.get(min(readers)[0], "")
     priced: dict[tuple, tuple] = {}
 
