@@ -35,16 +35,24 @@ def _model_and_batches():
     return Autocast(GPT(GPTConfig())), batches
 
 
-def _train(model, batches, grads_of) -> tuple[list[float], dict]:
-    """Losses of SGD steps over ``batches``, and the first step's gradients by ``grads_of``."""
+def _train(model, batches, grads_of, scaler=None) -> tuple[list[float], dict]:
+    """Losses of SGD steps over ``batches``, and the first step's gradients by ``grads_of``
+    (unscaled, with a ``torch.amp.GradScaler``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], None
     for batch in batches:
         opt.zero_grad()
         loss = model(*batch)
-        loss.backward()
-        grads = grads or grads_of()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            grads = grads or grads_of()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            grads = grads or grads_of()
+            scaler.step(opt)
+            scaler.update()
         losses.append(float(loss))
     return losses, grads
 
@@ -90,28 +98,35 @@ def test_a_model_under_autocast_trains_on_two_ranks_as_on_one_device(axis):
 
 
 class _OneDeviceUnderPolicy(torch.nn.Module):
-    """One device under the same policy: the model run on bfloat16 copies of its parameters."""
+    """One device under the same policy: the model run on ``dtype`` copies of its parameters."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.model = model
+        self.dtype = dtype
 
     def forward(self, *args):
-        casts = {n: p.to(torch.bfloat16) for n, p in self.model.named_parameters()}
+        casts = {n: p.to(self.dtype) for n, p in self.model.named_parameters()}
         return torch.func.functional_call(self.model, casts, args)
 
 
-def train_under_policy(reduce_dtype: torch.dtype | None = None) -> dict:
+def train_under_policy(reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Three SGD steps under the policy, on 2x2 and on one device; float16 with a
+    ``torch.amp.GradScaler`` on each, as float16's range needs."""
     from tests.cases import _rank_inputs, pins_for
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, dim=32, num_heads=4, num_layers=2))
     batches = [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
-    reference = _OneDeviceUnderPolicy(copy.deepcopy(model))
+    reference = _OneDeviceUnderPolicy(copy.deepcopy(model), param_dtype)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) if param_dtype == torch.float16 else None for _ in "ab"]
     ref_losses, ref_grads = _train(
-        reference, batches, lambda: {k.removeprefix("model."): p.grad.clone() for k, p in reference.named_parameters()}
+        reference,
+        batches,
+        lambda: {k.removeprefix("model."): p.grad.clone() for k, p in reference.named_parameters()},
+        scalers[0],
     )
-    policy = autopar.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    policy = autopar.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     pmodel = autopar.compile(
         model,
         autopar.Mesh((2, 2), ("dp", "tp")),
@@ -122,7 +137,10 @@ def train_under_policy(reduce_dtype: torch.dtype | None = None) -> dict:
     )
     local_batches = [tuple(_rank_inputs(pmodel, b)) for b in batches]
     losses, grads = _train(
-        pmodel, local_batches, lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()}
+        pmodel,
+        local_batches,
+        lambda: {k: p.grad.full_tensor() for k, p in pmodel.module.named_parameters()},
+        scalers[1],
     )
     return {
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
@@ -131,15 +149,21 @@ def train_under_policy(reduce_dtype: torch.dtype | None = None) -> dict:
         "param_dtypes": {str(p.dtype) for p in pmodel.parameters()},
         "grad_dtypes": {str(g.dtype) for g in grads.values()},
         "matmul_formats": {n.fmt for n in pmodel.plan.nodes if n.fmt},
+        "scales": [s.get_scale() for s in scalers if s is not None],
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
-def test_the_mixed_precision_policy_trains_on_a_split_plan_as_one_device_under_it(reduce_dtype):
-    for r in run_ranks(4, train_under_policy, reduce_dtype):
+@pytest.mark.parametrize(
+    "reduce_dtype, param_dtype",
+    [(None, torch.bfloat16), (torch.float32, torch.bfloat16), (None, torch.float16)],
+    ids=["bfloat16", "bfloat16-reduced-in-float32", "float16-with-grad-scaler"],
+)
+def test_the_mixed_precision_policy_trains_on_a_split_plan_as_one_device_under_it(reduce_dtype, param_dtype):
+    for r in run_ranks(4, train_under_policy, reduce_dtype, param_dtype):
         assert r["param_dtypes"] == r["grad_dtypes"] == {"torch.float32"}
-        assert r["matmul_formats"] == {"bfloat16"}
+        assert r["matmul_formats"] == {str(param_dtype).removeprefix("torch.")}
+        assert len(set(r["scales"])) <= 1, r["scales"]  # float16: the scalers skipped the same steps
         # bfloat16 products summed in another order, and in pieces, on the ranks: every gradient
         # within a few of bfloat16's steps (0.8% each; 1-2% measured), where a gradient missing
         # a rank's part of the reduction is off by half
