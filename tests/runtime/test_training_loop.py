@@ -357,6 +357,37 @@ def test_gradients_accumulated_over_micro_batches_match_one_device(preset):
         assert "never synchronised" in r["unsynced step"]
 
 
+def accumulated_on_cuda() -> dict:
+    """On one CUDA rank, programs compiled by Inductor: two micro-batches a step, the first under
+    ``no_sync()``, against one device."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    model, batches = make_model("gpt")
+    model = model.to(device)
+    batches = [tuple(x.to(device) for x in b) for b in batches]
+    reference = copy.deepcopy(model)
+    pmodel = autopar.compile(model, autopar.Mesh((1,), ("dp",)), batches[0], hardware=SYNTHETIC, backend="inductor")
+    runs = []
+    for m in (pmodel, reference):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for batch, other in zip(batches, batches[1:] + batches[:1]):
+            opt.zero_grad()
+            with m.no_sync() if m is pmodel else contextlib.nullcontext():
+                (m(*batch) / 2).backward()
+            loss = m(*other) / 2
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        runs.append(losses)
+    return {"losses": runs[0], "ref_losses": runs[1], "param_max": _params_max_difference(pmodel, reference)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Inductor programs of accumulation on CUDA")
+def test_micro_batches_under_no_sync_compiled_by_inductor_on_cuda_match_one_device():
+    (r,) = run_ranks(1, accumulated_on_cuda, backend="nccl")
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-4) and r["param_max"] < 1e-4, r
+
+
 def overflow_on_one_rank() -> dict:
     """``torch.amp.GradScaler`` over split parameters: an infinite gradient in one rank's piece
     skips the step on every rank and lowers the scale everywhere."""
