@@ -190,8 +190,8 @@ class ParallelModule(torch.nn.Module):
         """The program for this call: inside :meth:`no_sync`, the one that keeps its gradients
         unreduced; outside, after micro-batches inside, the one that adds their sums; else the
         plan's."""
-        if self._sync and self._unsynced.grads is None:
-            return self._program
+        if (self._sync and self._unsynced.grads is None) or not torch.is_grad_enabled():
+            return self._program  # a call with no backward (evaluation) runs the plan's
         if self.plan.host_params or self.plan.host_optimizer:
             raise InputError(
                 "no_sync() keeps every gradient on the device until the micro-batch that synchronises, and the plan "
