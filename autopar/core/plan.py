@@ -3,12 +3,12 @@
 import json
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Literal, Mapping
 
 from autopar.core.kinds import Activation, CollectiveKind, CollectivePhase, Phase, SolverStatus
 from autopar.core.mesh import Link, Mesh
 
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,23 @@ class Collective:
     dst: str
     """Placements before and after the whole transition, e.g. ``(P, R)`` → ``(R, R)``; for a
     bucket, those of its gradients (distinct ones joined by ``|``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBucket:
+    """Tensors one bucketed collective moves, as the plan priced it and the per-rank program
+    runs it (:mod:`autopar.passes.propagation.buckets`)."""
+
+    of: Literal["gradients", "parameters"]
+    """Parameters' gradients reduced together in the backward, or parameters all-gathered
+    together for the ops of one layer that read them."""
+    phase: CollectivePhase
+    segment: str
+    """For parameters: the layer whose ops first read them (``""``: the root module)."""
+    members: tuple[str, ...]
+    """The parameters, by qualified name, in the order the bucket packs them."""
+    placements: tuple[str, ...]
+    """Each one's placements after the move, formatted like ``(S(0), R)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +187,7 @@ class ShardingPlan:
     nodes: tuple[NodePlan, ...]
     collectives: tuple[Collective, ...]
     bucket_bytes: int
-    """Capacity of a gradient bucket (:mod:`autopar.passes.propagation.buckets`): the rewriter packs the
-    gradients into buckets as the plan's collectives list them."""
+    """Capacity of a gradient bucket (:mod:`autopar.passes.propagation.buckets`)."""
     compute_s: float
     communication_s: float
     memory: MemoryEstimate
@@ -206,6 +222,9 @@ class ShardingPlan:
     """Segments (layers, or top-level modules) whose offloaded activations are copied back
     ahead, while the backward of the segment after them runs; the others' are copied back when
     the backward first reads them."""
+    buckets: tuple[PlannedBucket, ...] = ()
+    """The bucketed collectives: which gradients are reduced together and which parameters
+    gathered together. The per-rank program runs them as listed here."""
     graph_lines: tuple[str, ...] = ()
     """One line per node of the captured graph (:func:`autopar.passes.analysis.capture.graph_lines`): a
     plan refused as stale names the first line that differs."""
@@ -263,6 +282,7 @@ class ShardingPlan:
             "host_optimizer": list(self.host_optimizer),
             "host_params": list(self.host_params),
             "prefetched": list(self.prefetched),
+            "buckets": [asdict(b) for b in self.buckets],
             "graph_lines": list(self.graph_lines),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -304,6 +324,10 @@ class ShardingPlan:
             host_optimizer=tuple(data["host_optimizer"]),
             host_params=tuple(data["host_params"]),
             prefetched=tuple(data["prefetched"]),
+            buckets=tuple(
+                PlannedBucket(**{**b, "members": tuple(b["members"]), "placements": tuple(b["placements"])})
+                for b in data["buckets"]
+            ),
             graph_lines=tuple(data["graph_lines"]),
         )
 
@@ -322,6 +346,7 @@ class ShardingPlan:
             self.host_optimizer,
             self.host_params,
             self.prefetched,
+            self.buckets,
         )
 
     def __eq__(self, other) -> bool:

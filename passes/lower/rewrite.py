@@ -27,11 +27,11 @@ recomputations and reloads, and the ops of the captured backward
 ``node.meta["custom"]``, so that the partitioner puts them in the backward.
 
 The parameters a layer reads whole where they are split along one mesh axis are gathered
-together, one all-gather per layer and phase, when the layer first reads one of them
-(:func:`~autopar.passes.propagation.buckets.parameter_gathers`). Each parameter's gradient moves
-into the parameter's placements; the moves that are one all-reduce or reduce-scatter (or
-all-reduces over several mesh axes) run in buckets, one collective per bucket and mesh axis
-(:mod:`autopar.passes.propagation.buckets`), each
+together, one all-gather per layer and phase, when the layer first reads one of them. Each
+parameter's gradient moves into the parameter's placements; the moves that are one all-reduce
+or reduce-scatter (or all-reduces over several mesh axes) run in buckets, one collective per
+bucket and mesh axis, the buckets of both kinds being those the plan lists
+(``ShardingPlan.buckets``, :mod:`autopar.passes.propagation.buckets`), each gradient bucket
 launched as soon as the backward has made all of its gradients and waited for when the next
 bucket is launched (or at the backward's end), so that it runs beside the backward; the others
 move one by one as soon as the backward has made the gradient, so that a split parameter's
@@ -54,10 +54,10 @@ from typing import Literal
 import torch
 import torch.fx.traceback as fx_traceback
 from autopar.passes.analysis.capture import Captured, backward_segment_starts, captured_backward, module_paths
-from autopar.passes.propagation.buckets import Bucket, gradient_buckets, gradient_chain, parameter_gathers
+from autopar.passes.propagation.buckets import Bucket, ParameterGather, bucket_of, gradient_chain
 from autopar.passes.propagation.propagate import placement_problem, propagate
 from autopar.passes.propagation.rank_ops import Rank, local_call
-from autopar.passes.propagation.redistribute import Step, local_shape
+from autopar.passes.propagation.redistribute import Step, local_shape, transition
 from autopar.passes.rules import tensor_args
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -321,7 +321,15 @@ class _Lowering:
             host_params=host_params,
             devices={n.name: n.meta["val"].device for n in captured.placeholders},
             states=states,
-            buckets=_Buckets.of(captured, plan, states, host_params, gradients == "unreduced", **lowering),
+            buckets=_Buckets.of(
+                captured,
+                plan,
+                states,
+                gradients == "unreduced",
+                strategies=strategies,
+                aliases=aliases,
+                backward=backward,
+            ),
             gradients=gradients,
             unreduced=unreduced,
             accumulated_at=_accumulated_at(unreduced, nodes, backward) if gradients == "accumulated" else {},
@@ -347,38 +355,18 @@ class _Buckets:
     reduced_with: dict[tuple, list[int]]
 
     @classmethod
-    def of(
-        cls, captured, plan, states, host_params, unreduced, *, strategies, aliases, recomputed, backward
-    ) -> "_Buckets":
-        """The buckets of ``plan``'s gradient moves (none where the gradients stay ``unreduced``)."""
+    def of(cls, captured, plan, states, unreduced, *, strategies, aliases, backward) -> "_Buckets":
+        """The buckets ``plan`` lists (no gradient buckets where the gradients stay ``unreduced``)."""
         graph = captured.graph.graph
         grad_of = {
             k.name: v
             for k, v in zip(captured.outputs, graph.output_node().args[0])
             if k is not None and k.kind == "grad" and isinstance(v, fx.Node)
         }
-        gradients = [
-            (n, grad_of[k.name])
-            for n, k in zip(captured.placeholders, captured.inputs)
-            if k.kind == "param" and k.name in grad_of
-        ]  # (parameter, its gradient) in parameter order
-
-        def phases(n: fx.Node) -> tuple[bool, ...]:  # whether n runs in the backward, in the forward, or in both
-            return (True,) if n in backward else (False, True) if n.name in recomputed else (False,)
-
-        fetched = {
-            (in_backward, aliases.get(a.name, (a.name, 0)), p)
-            for n in graph.nodes
-            if n.op == "call_function" and n.name not in aliases
-            for in_backward in phases(n)
-            for a, p in zip(tensor_args(n), strategies[n.name].inputs)
-        }  # the moves ops make for themselves
-        keys, steps, buckets = _gradient_buckets(
-            [] if unreduced else gradients, strategies, aliases, backward, fetched, plan
+        keys, steps, buckets = (
+            ([], [], []) if unreduced else _gradient_buckets(plan, states, grad_of, strategies, aliases, backward)
         )
-        gathers = parameter_gathers(
-            captured, strategies, recomputed, host_params, plan.mesh, plan.links, plan.bucket_bytes
-        )
+        gathers = _parameter_gathers(plan, states, strategies)
         inputs = {n.name for n in captured.placeholders}
         producers = [{keys[i][1][0] for i in b.members} - inputs for b in buckets]
         filled_by: dict[str, list[int]] = {}
@@ -590,41 +578,66 @@ def _prefetches(
 
 
 def _gradient_buckets(
-    gradients: list[tuple[fx.Node, fx.Node]],
-    strategies: dict[str, Strategy],
-    aliases: dict,
-    backward: set,
-    fetched: set,
-    plan: ShardingPlan,
+    plan: ShardingPlan, states: dict[str, fx.Node], grad_of: dict[str, fx.Node], strategies, aliases, backward
 ) -> tuple[list, list[Step], list[Bucket]]:
-    """The gradient moves that go into buckets, in parameter order: each move's key
-    ``(in backward, gradient, parameter's placements)`` and first collective step, and the
-    buckets (:func:`~autopar.passes.propagation.buckets.gradient_buckets`, as the plan lists them). A move
-    that an op makes for itself (``fetched``, a key of the same form) is left to that op. The
-    rewriter makes each bucket's collectives as soon as the backward has made all of its
-    gradients."""
-    pending: dict[tuple[bool, ValueRef, Placements], tuple[tuple[Step, ...], torch.dtype]] = {}
-    for param, value in gradients:
-        ref = aliases.get(value.name, (value.name, 0))
-        src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
-        key = (value in backward, ref, dst)
-        val = value.meta["val"]
-        if src == dst or key in pending or key in fetched:
-            continue
-        chain = gradient_chain(
-            src,
-            dst,
-            tuple(val.shape),
-            val.element_size(),
-            val.dtype.is_floating_point,
-            plan.mesh,
-            plan.links,
-            plan.bucket_bytes,
-        )
-        if chain is not None:
-            pending[key] = chain, val.dtype
-    return (
-        list(pending),
-        [chain[0] for chain, _ in pending.values()],
-        gradient_buckets(list(pending.values()), plan.bucket_bytes),
-    )
+    """The gradient buckets the plan lists, in its order: each bucketed move's key ``(in
+    backward, gradient, parameter's placements)`` and first collective step, and the buckets;
+    refused where a listed gradient's move is not one a bucket makes (a plan made for another
+    graph). The rewriter makes each bucket's collectives as soon as the backward has made all
+    of its gradients."""
+    keys: list = []
+    steps: list[Step] = []
+    buckets: list[Bucket] = []
+    for planned in (b for b in plan.buckets if b.of == "gradients"):
+        chains, members = [], []
+        for name in planned.members:
+            param, value = states[name], grad_of[name]
+            ref = aliases.get(value.name, (value.name, 0))
+            src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
+            val = value.meta["val"]
+            chain = gradient_chain(
+                src,
+                dst,
+                tuple(val.shape),
+                val.element_size(),
+                val.dtype.is_floating_point,
+                plan.mesh,
+                plan.links,
+                plan.bucket_bytes,
+            )
+            if chain is None:
+                raise RewriteError(
+                    f"the plan reduces the gradient of {name} in a bucket, but its move from "
+                    f"{format_placements(src)} to {format_placements(dst)} is not one a bucket makes. Fix: plan again"
+                )
+            members.append(len(keys))
+            keys.append((value in backward, ref, dst))
+            steps.append(chain[0])
+            chains.append(chain)
+        buckets.append(bucket_of(chains, members))
+    return keys, steps, buckets
+
+
+def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategies) -> list[ParameterGather]:
+    """The buckets of parameters gathered together that the plan lists, each made when the first
+    op of its layer and phase reads one of them; refused where a listed move is not one
+    all-gather."""
+    found = []
+    for planned in (b for b in plan.buckets if b.of == "parameters"):
+        keys, steps = [], []
+        for name, text in zip(planned.members, planned.placements):
+            param, dst = states[name], parse_placements_text(text)
+            src, val = strategies[param.name].outputs[0], param.meta["val"]
+            moved = transition(
+                src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, plan.mesh, plan.links
+            )
+            if len(moved) != 1 or moved[0].kind != "all_gather":
+                raise RewriteError(
+                    f"the plan gathers {name} in a bucket, but its move from {format_placements(src)} to {text} is "
+                    "not one all-gather. Fix: plan again"
+                )
+            keys.append((planned.phase != "forward", (param.name, 0), dst))
+            steps.append(moved[0])
+        bucket = bucket_of([(s,) for s in steps], range(len(steps)))
+        found.append(ParameterGather(bucket, tuple(keys), tuple(steps), planned.phase, planned.segment))
+    return found

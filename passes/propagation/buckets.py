@@ -16,8 +16,8 @@ parameters an op of one layer (segment) reads whole where they are split along o
 one all-gather per layer, phase, mesh axis and dtype (up to ``bucket_bytes``), made when the
 layer first reads one of them (:func:`parameter_gathers`).
 
-One function, :func:`gradient_buckets`, makes the buckets for the rewriter and for the plan, so
-the plan lists exactly the bucket collectives the per-rank graph runs. The solver cannot know
+Planning makes the buckets (:func:`gradient_buckets`, :func:`parameter_gathers`) and the plan
+lists what each moves (``ShardingPlan.buckets``); the rewriter runs them as listed. The solver cannot know
 which gradients will share a bucket while it chooses layouts: it prices a bucketed move at its
 bandwidth term and its local ops (:func:`piece_s`), and counts the buckets of each kind, mesh
 axis and dtype as the sum of the moves' shares of a bucket, ``min(1, bytes / bucket_bytes)``,
@@ -124,11 +124,15 @@ def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
             size.append(0)
         buckets[b].append(i)
         size[b] += chain[0].bytes
-    found = []
-    for members, total in zip(buckets, size):
-        first, *then = (Step(s.kind, s.axis, bytes=total) for s in moves[members[0]][0])
-        found.append(Bucket(first, tuple(members), tuple(then)))
-    return found
+    return [bucket_of([moves[i][0] for i in members], members) for members in buckets]
+
+
+def bucket_of(chains: Sequence[Sequence[Step]], members: Sequence[int]) -> Bucket:
+    """The bucket of the moves at positions ``members``, whose collectives are ``chains`` (the
+    same kinds on the same mesh axes): each collective on all their bytes at once."""
+    total = sum(chain[0].bytes for chain in chains)
+    first, *then = (Step(s.kind, s.axis, bytes=total) for s in chains[0])
+    return Bucket(first, tuple(members), tuple(then))
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +221,7 @@ def parameter_gathers(
     links: tuple[Link, ...],
     bucket_bytes: int,
 ) -> list[ParameterGather]:
-    """The parameters' all-gathers that run in buckets, for the rewriter and for the plan: every
+    """The parameters' all-gathers that run in buckets, for the plan to list: every
     move of a parameter (not one in host memory, ``host_params`` by placeholder name) that is one
     all-gather, grouped by the phase and segment (layer) of the op that first reads it, by mesh
     axis and dtype, up to ``bucket_bytes`` (:func:`gradient_buckets`),

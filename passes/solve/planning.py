@@ -14,7 +14,7 @@ from autopar.passes.solve.solver import Solution
 from autopar.core.kinds import Activation, CollectivePhase, NodeKind
 from autopar.core.mesh import Mesh
 from autopar.core.placement import format_placement, format_placements
-from autopar.core.plan import Collective, MemoryEstimate, NodePlan, ShardingPlan
+from autopar.core.plan import Collective, MemoryEstimate, NodePlan, PlannedBucket, ShardingPlan
 from autopar.core.strategy import Strategy, StrategySpace, ValueRef
 
 _MOVED_IN: dict[NodeKind, CollectivePhase] = {"param": "backward", "output": "output"}
@@ -85,7 +85,8 @@ def build_plan(
     gathers = parameter_gathers(
         captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes
     )
-    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers))
+    buckets: list[PlannedBucket] = []
+    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers, buckets))
     in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
     return ShardingPlan(
         mesh=mesh,
@@ -113,6 +114,7 @@ def build_plan(
         host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),
         host_params=tuple(by_name[name].target for name in sorted(solution.host_params)),
         prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
+        buckets=tuple(buckets),
     )
 
 
@@ -354,18 +356,19 @@ def _collectives(
     costs: CostModel,
     mesh: Mesh,
     gathers: list[ParameterGather],
+    buckets: list[PlannedBucket],
 ):
     """The collectives of every planned move, then the all-reduces ops make themselves
     (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
     per bucket of the gradient moves that are bucketed
     (:func:`~autopar.passes.propagation.buckets.gradient_buckets`) and one per bucket of parameters
     gathered together (``gathers``), as the rewriter runs them, each with the local ops the
-    rewriter runs around it."""
-    gradients = []  # (step, dtype, src, dst) of each bucketed gradient move, in parameter order
+    rewriter runs around it. What each bucket moves goes to ``buckets``, which the rewriter runs."""
+    gradients = []  # (steps, dtype, src, dst, parameter) of each bucketed gradient move, in parameter order
     yield from _move_collectives(space, chosen, recomputed, costs, mesh, gathers, gradients)
     yield from _split_collectives(space, chosen, recomputed, costs, mesh)
-    yield from _gradient_bucket_collectives(gradients, costs, mesh)
-    yield from _gather_collectives(gathers, chosen, costs, mesh)
+    yield from _gradient_bucket_collectives(gradients, costs, mesh, buckets)
+    yield from _gather_collectives(gathers, chosen, costs, mesh, space.index(), buckets)
 
 
 def _move_collectives(
@@ -386,7 +389,9 @@ def _move_collectives(
         steps = costs.steps(ref, src, dst)
         bucketed = costs.gradient_chain(ref, src, dst) if consumer.kind == "param" else None
         if bucketed is not None:
-            gradients.append((bucketed, costs.value(ref).dtype, format_placements(src), format_placements(dst)))
+            gradients.append(
+                (bucketed, costs.value(ref).dtype, format_placements(src), format_placements(dst), consumer.target)
+            )
             continue
         for step in steps:
             if step.is_collective:
@@ -424,10 +429,14 @@ def _split_collectives(space: StrategySpace, chosen, recomputed: frozenset[str],
                 )
 
 
-def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh):
-    """One collective per bucket of the bucketed gradient moves ``gradients``."""
+def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh, buckets: list[PlannedBucket]):
+    """One collective per bucket of the bucketed gradient moves ``gradients``, whose members
+    go to ``buckets``."""
     for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
+        buckets.append(
+            PlannedBucket("gradients", "backward", "", tuple(m[4] for m in members), tuple(m[3] for m in members))
+        )
         for k, step in enumerate(bucket.steps):  # the packing and the pieces' copies go with the first
             yield Collective(
                 kind=step.kind,
@@ -444,9 +453,20 @@ def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh):
             )
 
 
-def _gather_collectives(gathers: list[ParameterGather], chosen, costs: CostModel, mesh: Mesh):
-    """One all-gather per bucket of parameters gathered together."""
+def _gather_collectives(
+    gathers: list[ParameterGather], chosen, costs: CostModel, mesh: Mesh, by_name: dict, buckets: list[PlannedBucket]
+):
+    """One all-gather per bucket of parameters gathered together, whose members go to ``buckets``."""
     for g in gathers:
+        buckets.append(
+            PlannedBucket(
+                "parameters",
+                g.phase,
+                g.segment,
+                tuple(by_name[k[1][0]].target for k in g.keys),
+                tuple(format_placements(k[2]) for k in g.keys),
+            )
+        )
         yield Collective(
             kind="all_gather",
             axis=mesh.axis_names[g.bucket.step.axis],

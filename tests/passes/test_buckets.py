@@ -90,6 +90,31 @@ def _data_pins(model, layout):
     return {"x": layout[0], "target": layout[0], **{name: layout[1] for name, _ in model.named_parameters()}}
 
 
+def test_the_rank_graph_runs_the_buckets_the_plan_lists(fake_world):
+    """Lowering reads the buckets from the plan rather than working them out again: a plan whose
+    list puts every gradient in a bucket of its own runs one all-reduce per gradient, and one
+    listing a gradient whose move no bucket makes is refused."""
+    mesh = autopar.Mesh((4,), ("dp",))
+    weight, bias = 32 * 32 * 4, 32 * 4
+    pins = _data_pins(MLP(32, 32, num_layers=6), ("S(0)", "R"))
+    plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2 * (weight + bias))
+    assert [len(b.members) for b in plan.buckets if b.of == "gradients"] == [4, 4, 4]
+    alone = tuple(
+        dataclasses.replace(b, members=(name,), placements=(text,))
+        for b in plan.buckets
+        for name, text in zip(b.members, b.placements)
+    )
+    model = MLP(32, 32, num_layers=6)
+    captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))
+    groups = [device_mesh(mesh, "cpu").get_group(0).group_name]
+    graph = rewrite(captured, dataclasses.replace(plan, buckets=alone), coordinate=(0,), group_names=groups)
+    kinds = collections.Counter((kind, nbytes) for kind, _, nbytes in graph_collectives(graph, groups))
+    assert kinds == {("all_reduce", weight): 6, ("all_reduce", bias): 6, ("all_reduce", 4): 1}
+    wrong = dataclasses.replace(plan.buckets[0], of="parameters", phase="forward")
+    with pytest.raises(autopar.RewriteError, match="not one all-gather. Fix: plan again"):
+        rewrite(captured, dataclasses.replace(plan, buckets=(wrong,)), coordinate=(0,), group_names=groups)
+
+
 def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
     mesh = autopar.Mesh((4,), ("dp",))
     weight, bias = 32 * 32 * 4, 32 * 4
@@ -170,7 +195,7 @@ def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world
     def gathered(plan) -> list[int]:
         graph = rewrite(captured, plan, coordinate=(0,), group_names=groups)
         ran = graph_collectives(graph, groups)
-        if plan.bucket_bytes > 1:
+        if plan.buckets:
             assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == collections.Counter(
                 (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in ran
             )
@@ -180,7 +205,7 @@ def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world
     assert {c.consumer for c in buckets} >= {"parameters of blocks.0", "parameters of blocks.1"}
     assert {c.phase for c in buckets} >= {"forward", "backward"}
     assert len(set((c.phase, c.consumer) for c in buckets)) == len(buckets)  # one per layer and phase
-    together, alone = gathered(plan), gathered(dataclasses.replace(plan, bucket_bytes=1))  # 1 byte: each alone
+    together, alone = gathered(plan), gathered(dataclasses.replace(plan, buckets=()))  # none listed: each alone
     assert len(together) <= len(alone) - len(buckets) and sum(together) == sum(alone)
 
 
