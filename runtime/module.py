@@ -552,7 +552,7 @@ def _planning_on_rank0(timeout_s: float | None, n: int):
     done = threading.Event()
 
     def beat() -> None:
-        while not done.wait(_BEAT_S):
+        while not done.wait(min(_BEAT_S, timeout_s / 4)):  # several beats within any timeout
             store.add(_PLANNING_KEY(n), 1)
 
     thread = threading.Thread(target=beat, name="autopar-planning-beat", daemon=True)
