@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, capture
-from autopar.passes.lower.rewrite import check_fits, runs_planned_ops, unreduced_gradients
+from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import HostOptimizer
@@ -170,6 +170,13 @@ class ParallelModule(torch.nn.Module):
         results = Step.apply(self._program_for_gradients(), *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops the gradients of micro-batches under :meth:`no_sync` not yet
+        synchronised, which, unlike DDP's, are not in ``.grad`` (an optimizer's ``zero_grad``
+        does not drop them)."""
+        self._unsynced.take()
+        super().zero_grad(set_to_none)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation without the gradients' collectives, as DDP's ``no_sync``: the
@@ -178,7 +185,8 @@ class ParallelModule(torch.nn.Module):
         to the sum of the micro-batches before; the backward of the next call made outside adds
         the sum before its collectives, which then run once for all the micro-batches. The
         parameters' ``.grad`` change only then. Run each micro-batch's forward and backward
-        inside, and the last one's outside."""
+        inside, and the last one's outside; ``pmodel.zero_grad()`` drops sums of an abandoned
+        round."""
         _refuse_unsynced_steps(self)
         previous, self._sync = self._sync, False
         try:
@@ -198,29 +206,28 @@ class ParallelModule(torch.nn.Module):
                 "keeps parameters or optimizer state in host memory. Fix: accumulate without no_sync() (each "
                 "micro-batch then reduces its gradients), or compile with a larger memory_budget"
             )
-        gradients = "unreduced" if not self._sync else "accumulated"
-        layouts = tuple(p for _, _, p in unreduced_gradients(self._captured, self._lowered[self._key].plan))
-        if self._unsynced.layouts is not None and self._unsynced.layouts != layouts:
+        for form in ("unreduced", "accumulated"):  # both at once: one that cannot be made refuses no_sync at once
+            if (self._key, form) not in self._variants:
+                lowered = self._lowered[self._key]
+                self._variants[self._key, form] = lower(
+                    lowered.captured,
+                    lowered.plan,
+                    self._mesh,
+                    self._coordinate,
+                    self._groups,
+                    self._backend,
+                    self._timeout_s,
+                    form,
+                    self._unsynced,
+                )
+        program = self._variants[self._key, "unreduced" if not self._sync else "accumulated"].program
+        if self._unsynced.layouts is not None and self._unsynced.layouts != program.unreduced_layouts:
             raise InputError(
                 "the micro-batches under no_sync ran a plan that makes their gradients in other placements than this "
                 "call's (their sizes or the model's mode made autopar plan their ops again). Fix: accumulate "
                 "micro-batches of one size and mode, or without no_sync()"
             )
-        self._unsynced.layouts = layouts
-        if (self._key, gradients) not in self._variants:
-            lowered = self._lowered[self._key]
-            self._variants[self._key, gradients] = lower(
-                lowered.captured,
-                lowered.plan,
-                self._mesh,
-                self._coordinate,
-                self._groups,
-                self._backend,
-                self._timeout_s,
-                gradients,
-                self._unsynced,
-            )
-        return self._variants[self._key, gradients].program
+        return program
 
     def _write_back(self, results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copy the new values of updated buffers into the module's buffers; return the model's
@@ -533,7 +540,8 @@ class ParallelModule(torch.nn.Module):
 
 _PLANNING_KEY = "autopar/planning/{}".format
 """The store key through which rank 0 shows the other ranks that its ``n``-th planning goes on:
-a count it raises every :data:`_BEAT_S` seconds, and -1 once done."""
+a count it raises every :data:`_BEAT_S` seconds (more often under a shorter timeout), and -1
+once done."""
 _BEAT_S = 1.0
 _PLANNINGS = itertools.count(1)
 """Numbers the plannings of this process, in the same order on every rank (every rank builds

@@ -42,6 +42,7 @@ class Program:
         timeout_s: float | None = None,
         gradients: Gradients = "reduced",
         unsynced: "Unsynced | None" = None,
+        unreduced_layouts: tuple = (),
     ):
         self.num_outputs = parts.num_outputs
         self.timeout_s = timeout_s
@@ -49,6 +50,8 @@ class Program:
         self.unsynced = unsynced
         """Where an ``"unreduced"`` program's backward adds its gradients, and an ``"accumulated"``
         one's takes them from."""
+        self.unreduced_layouts = unreduced_layouts
+        """The placements of the gradients as the backward makes them (:func:`unreduced_gradients`)."""
         self.grad_slots = grad_slots
         self.updated_buffers = updated_buffers
         """Per forward output: the buffer it is the new value of, or ``None`` for a model output."""
@@ -111,7 +114,15 @@ class Step(torch.autograd.Function):
         tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
         args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
         if program.gradients == "accumulated":
-            args += program.unsynced.take()
+            sums = program.unsynced.take()
+            if not sums and program.unreduced_layouts:
+                raise RuntimeError(
+                    "the backward of a call after micro-batches under pmodel.no_sync() found their gradients taken "
+                    "already: a second backward of one call (retain_graph=True), or of another call made outside "
+                    "no_sync() before the first's backward. Fix: run one forward and one backward outside no_sync() "
+                    "per round"
+                )
+            args += sums
         ctx.maybe_clear_saved_tensors()  # unless retain_graph: the backward frees each after its last read
         program.given.owned = not torch._C._autograd._get_current_graph_task_keep_graph()
         with named_timeouts(program.timeout_s, "backward"):
@@ -119,7 +130,7 @@ class Step(torch.autograd.Function):
         if program.grads_to_host:
             host_copies_done()
         if program.gradients == "unreduced":
-            program.unsynced.add(grads)
+            program.unsynced.add(grads, program.unreduced_layouts)
             return (None,) * (1 + len(program.grad_slots))
         grads = iter(grads)
         return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
@@ -135,15 +146,17 @@ class Unsynced:
         self.layouts: tuple | None = None
         """The placements the sums are in, which the synchronising program must make its gradients in."""
 
-    def add(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def add(self, grads: Sequence[torch.Tensor | None], layouts: tuple) -> None:
         made = [g for g in grads if g is not None]
         if self.grads is None:
-            self.grads = made
-        else:
-            for total, g in zip(self.grads, made):
-                total.add_(g)
+            self.grads, self.layouts = made, layouts
+            return
+        assert len(made) == len(self.grads) and layouts == self.layouts, "micro-batches of different gradients"
+        for total, g in zip(self.grads, made):
+            total.add_(g)
 
     def take(self) -> list[torch.Tensor]:
+        """The sums, dropped from here (an empty list when none are held)."""
         grads, self.grads, self.layouts = self.grads or [], None, None
         return grads
 
@@ -230,8 +243,9 @@ def lower(
         (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, group_names)
     ]
     is_tangent = [k.kind == "tangent" for k in captured.inputs]
+    unreduced = tuple(p for _, _, p in unreduced_gradients(captured, plan)) if gradients != "reduced" else ()
     if gradients == "accumulated":  # the sums of the micro-batches before are inputs of the backward
-        is_tangent += [True] * len(unreduced_gradients(captured, plan))
+        is_tangent += [True] * len(unreduced)
     output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
     grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
     grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
@@ -239,7 +253,7 @@ def lower(
         k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"
     ]
     parts = partition(joint, is_tangent, output_is_grad)
-    program = Program(parts, backend, grad_slots, updated_buffers, timeout_s, gradients, unsynced)
+    program = Program(parts, backend, grad_slots, updated_buffers, timeout_s, gradients, unsynced, unreduced)
     layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
     return Lowered(captured, program, joint, collectives, layouts, plan)
 

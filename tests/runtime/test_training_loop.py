@@ -308,9 +308,11 @@ def test_a_smaller_last_batch_runs_the_same_plan_and_sizes_it_cannot_split_are_r
 
 
 def accumulated_steps(preset: str) -> dict:
-    """Each step sums the gradients of two half batches (a loss halved each), on one device and
-    on the mesh: the first step reduces both halves' gradients, the others run the first half
-    under ``no_sync()``. An optimizer step with only that half's backward run is refused."""
+    """Each step sums the gradients of three micro-batches (the halves of a batch and its first
+    half again, a loss divided by 3 each), on one device and on the mesh: the first step reduces
+    each micro-batch's gradients, the others run the first two under ``no_sync()``. An optimizer
+    step with only micro-batches under it run is refused, and runs once ``pmodel.zero_grad()``
+    has dropped them."""
     pmodel, reference, batches = _gpt_on_batches_of_eight(3, preset)
 
     def train(m, opt, inputs):
@@ -318,11 +320,13 @@ def accumulated_steps(preset: str) -> dict:
         for step, batch in enumerate(batches):
             opt.zero_grad()
             with m.no_sync() if step > 0 and m is pmodel else contextlib.nullcontext():
-                loss = m(*inputs(tuple(x[:4] for x in batch))) / 2
-                loss.backward()
-            loss2 = m(*inputs(tuple(x[4:] for x in batch))) / 2
-            loss2.backward()
-            losses += [float(loss.detach()), float(loss2.detach())]
+                for part in (slice(0, 4), slice(4, 8)):
+                    loss = m(*inputs(tuple(x[part] for x in batch))) / 3
+                    loss.backward()
+                    losses.append(float(loss.detach()))
+            loss = m(*inputs(tuple(x[:4] for x in batch))) / 3
+            loss.backward()
+            losses.append(float(loss.detach()))
             opt.step()
         return losses
 
@@ -342,6 +346,8 @@ def accumulated_steps(preset: str) -> dict:
         out["unsynced step"] = "no error"
     except RuntimeError as exc:
         out["unsynced step"] = str(exc)
+    pmodel.zero_grad()
+    optimizer.step()  # the round dropped: nothing left unsynchronised
     return out
 
 
