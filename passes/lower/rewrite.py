@@ -591,6 +591,8 @@ def _gradient_buckets(
     for planned in (b for b in plan.buckets if b.of == "gradients"):
         chains, members = [], []
         for name in planned.members:
+            if name not in grad_of:
+                raise RewriteError(f"the plan reduces a gradient of {name!r}, which the model has not. Fix: plan again")
             param, value = states[name], grad_of[name]
             ref = aliases.get(value.name, (value.name, 0))
             src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
@@ -605,10 +607,11 @@ def _gradient_buckets(
                 plan.links,
                 plan.bucket_bytes,
             )
-            if chain is None:
+            if chain is None or (chains and _collectives_of(chain) != _collectives_of(chains[0])):
                 raise RewriteError(
                     f"the plan reduces the gradient of {name} in a bucket, but its move from "
-                    f"{format_placements(src)} to {format_placements(dst)} is not one a bucket makes. Fix: plan again"
+                    f"{format_placements(src)} to {format_placements(dst)} is not one that bucket makes. "
+                    "Fix: plan again"
                 )
             members.append(len(keys))
             keys.append((value in backward, ref, dst))
@@ -616,6 +619,11 @@ def _gradient_buckets(
             chains.append(chain)
         buckets.append(bucket_of(chains, members))
     return keys, steps, buckets
+
+
+def _collectives_of(chain: Sequence[Step]) -> tuple:
+    """What makes moves share a bucket: the kinds and mesh axes of their collectives."""
+    return tuple((s.kind, s.axis) for s in chain)
 
 
 def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategies) -> list[ParameterGather]:
@@ -626,12 +634,14 @@ def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategie
     for planned in (b for b in plan.buckets if b.of == "parameters"):
         keys, steps = [], []
         for name, text in zip(planned.members, planned.placements):
+            if name not in states:
+                raise RewriteError(f"the plan gathers a parameter {name!r}, which the model has not. Fix: plan again")
             param, dst = states[name], parse_placements_text(text)
             src, val = strategies[param.name].outputs[0], param.meta["val"]
             moved = transition(
                 src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, plan.mesh, plan.links
             )
-            if len(moved) != 1 or moved[0].kind != "all_gather":
+            if len(moved) != 1 or moved[0].kind != "all_gather" or (steps and moved[0].axis != steps[0].axis):
                 raise RewriteError(
                     f"the plan gathers {name} in a bucket, but its move from {format_placements(src)} to {text} is "
                     "not one all-gather. Fix: plan again"

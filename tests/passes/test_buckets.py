@@ -113,6 +113,9 @@ def test_the_rank_graph_runs_the_buckets_the_plan_lists(fake_world):
     wrong = dataclasses.replace(plan.buckets[0], of="parameters", phase="forward")
     with pytest.raises(autopar.RewriteError, match="not one all-gather. Fix: plan again"):
         rewrite(captured, dataclasses.replace(plan, buckets=(wrong,)), coordinate=(0,), group_names=groups)
+    unknown = dataclasses.replace(plan.buckets[0], members=("layers.9.weight",))
+    with pytest.raises(autopar.RewriteError, match="'layers.9.weight', which the model has not"):
+        rewrite(captured, dataclasses.replace(plan, buckets=(unknown,)), coordinate=(0,), group_names=groups)
 
 
 def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
