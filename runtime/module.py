@@ -540,9 +540,16 @@ class ParallelModule(torch.nn.Module):
 
 _PLANNING_KEY = "autopar/planning/{}".format
 """The store key through which rank 0 shows the other ranks that its ``n``-th planning goes on:
-a count it raises every :data:`_BEAT_S` seconds (more often under a shorter timeout), and -1
+a count it raises every :func:`_beat_s` seconds, and -1
 once done."""
 _BEAT_S = 1.0
+
+
+def _beat_s(timeout_s: float) -> float:
+    """How often rank 0 beats, and the others look: several times within any timeout."""
+    return min(_BEAT_S, timeout_s / 4)
+
+
 _PLANNINGS = itertools.count(1)
 """Numbers the plannings of this process, in the same order on every rank (every rank builds
 its modules and calls them in the same order), so that each has its own store key."""
@@ -560,7 +567,7 @@ def _planning_on_rank0(timeout_s: float | None, n: int):
     done = threading.Event()
 
     def beat() -> None:
-        while not done.wait(min(_BEAT_S, timeout_s / 4)):  # several beats within any timeout
+        while not done.wait(_beat_s(timeout_s)):
             store.add(_PLANNING_KEY(n), 1)
 
     thread = threading.Thread(target=beat, name="autopar-planning-beat", daemon=True)
@@ -596,7 +603,7 @@ def _wait_for_rank0_to_plan(timeout_s: float, n: int) -> None:
                 f"rank {dist.get_rank()}: rank 0 stopped answering while planning: it showed no progress for the "
                 f"timeout of {timeout_s:g} s (it stalled, or left the job)"
             )
-        time.sleep(min(_BEAT_S, timeout_s / 4))
+        time.sleep(_beat_s(timeout_s))
 
 
 _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()

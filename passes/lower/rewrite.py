@@ -217,8 +217,11 @@ def unreduced_gradients(captured: Captured, plan: ShardingPlan) -> list[tuple[fx
     """Each gradient output of ``captured`` that is a value of the graph, in output order: its
     node, the value it is and the placements the backward makes it in under ``plan`` (those of
     the ``"unreduced"`` program's gradients)."""
-    strategies = plan_strategies(captured, plan)
-    aliases = getitem_aliases(captured.graph.graph)
+    return _unreduced(captured, plan_strategies(captured, plan), getitem_aliases(captured.graph.graph))
+
+
+def _unreduced(captured: Captured, strategies: dict[str, Strategy], aliases: dict) -> list:
+    """:func:`unreduced_gradients` from the plan's strategies and the graph's aliases."""
     found = []
     for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
         if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node):
@@ -308,7 +311,7 @@ class _Lowering:
         states = {k.name: n for n, k in zip(captured.placeholders, captured.inputs) if k.kind in ("param", "buffer")}
         lowering = dict(strategies=strategies, aliases=aliases, recomputed=recomputed, backward=backward)
         nodes = {n.name: n for n in graph.nodes}
-        unreduced = unreduced_gradients(captured, plan)
+        unreduced = _unreduced(captured, strategies, aliases) if gradients != "reduced" else []
         return cls(
             captured,
             plan,
