@@ -3,9 +3,7 @@
 import contextlib
 import datetime
 import inspect
-import itertools
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +13,7 @@ import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, capture
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
+from autopar.runtime.handoff import next_planning, planning_on_rank0, wait_for_rank0_to_plan
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import HostOptimizer
 from autopar.runtime.program import (
@@ -44,7 +43,7 @@ from autopar.runtime.state import (
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_unflatten
 
-from autopar.core.errors import CollectiveError, InputError
+from autopar.core.errors import InputError
 from autopar.core.mesh import Mesh
 from autopar.core.placement import Placements, Shard
 from autopar.core.plan import ShardingPlan
@@ -404,18 +403,18 @@ class ParallelModule(torch.nn.Module):
         """Rank 0 plans (with ``state_pins`` added to the pins) and sends the plan to every rank;
         if planning fails there, every rank raises the same error instead of waiting for a plan
         that never comes. Under a timeout the other ranks wait for the plan as long as rank 0
-        shows it is planning (:func:`_planning_on_rank0`), and the plan's broadcast is bounded
+        shows it is planning (:func:`~autopar.runtime.handoff.planning_on_rank0`), and the plan's broadcast is bounded
         like the program's collectives."""
-        n = next(_PLANNINGS)
+        n = next_planning()
         box: list = [None]
-        with _planning_on_rank0(self._timeout_s, n) if dist.get_rank() == 0 else contextlib.nullcontext():
+        with planning_on_rank0(self._timeout_s, n) if dist.get_rank() == 0 else contextlib.nullcontext():
             if dist.get_rank() == 0:
                 try:
                     box = [("plan", self._planner(captured, state_pins).to_json())]
                 except Exception as exc:
                     box = [("error", exc)]
         if dist.get_rank() != 0 and self._timeout_s is not None:
-            _wait_for_rank0_to_plan(self._timeout_s, n)
+            wait_for_rank0_to_plan(self._timeout_s, n)
         with named_timeouts(self._timeout_s, "broadcast of the plan"):
             dist.broadcast_object_list(box, src=0, group=self._world)
         kind, value = box[0]
@@ -536,74 +535,6 @@ class ParallelModule(torch.nn.Module):
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
             "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it"
         )
-
-
-_PLANNING_KEY = "autopar/planning/{}".format
-"""The store key through which rank 0 shows the other ranks that its ``n``-th planning goes on:
-a count it raises every :func:`_beat_s` seconds, and -1
-once done."""
-_BEAT_S = 1.0
-
-
-def _beat_s(timeout_s: float) -> float:
-    """How often rank 0 beats, and the others look: several times within any timeout."""
-    return min(_BEAT_S, timeout_s / 4)
-
-
-_PLANNINGS = itertools.count(1)
-"""Numbers the plannings of this process, in the same order on every rank (every rank builds
-its modules and calls them in the same order), so that each has its own store key."""
-
-
-@contextlib.contextmanager
-def _planning_on_rank0(timeout_s: float | None, n: int):
-    """On rank 0, while planning: with a timeout, beat in the store (a thread raising
-    ``_PLANNING_KEY(n)``), so that the ranks waiting for the plan can tell a long planning from
-    a rank 0 that stalled or died."""
-    if timeout_s is None:
-        yield
-        return
-    store = dist.distributed_c10d._get_default_store()
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(_beat_s(timeout_s)):
-            store.add(_PLANNING_KEY(n), 1)
-
-    thread = threading.Thread(target=beat, name="autopar-planning-beat", daemon=True)
-    store.add(_PLANNING_KEY(n), 1)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        store.set(_PLANNING_KEY(n), "-1")
-
-
-def _wait_for_rank0_to_plan(timeout_s: float, n: int) -> None:
-    """Wait until rank 0 is done with its ``n``-th planning, failing with a
-    :class:`~autopar.core.errors.CollectiveError` once it has not beaten for ``timeout_s``
-    (it stalled) or the store it hosts is gone (it died)."""
-    store = dist.distributed_c10d._get_default_store()
-    last, since = None, time.monotonic()
-    while True:
-        try:
-            beats = int(store.add(_PLANNING_KEY(n), 0))
-        except RuntimeError as exc:
-            raise CollectiveError(
-                f"rank {dist.get_rank()}: rank 0 left the job while planning (its store is gone: {exc})"
-            ) from exc
-        if beats == -1:
-            return
-        if beats != last:
-            last, since = beats, time.monotonic()
-        elif time.monotonic() - since > timeout_s:
-            raise CollectiveError(
-                f"rank {dist.get_rank()}: rank 0 stopped answering while planning: it showed no progress for the "
-                f"timeout of {timeout_s:g} s (it stalled, or left the job)"
-            )
-        time.sleep(_beat_s(timeout_s))
 
 
 _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()

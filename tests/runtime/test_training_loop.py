@@ -598,7 +598,7 @@ def rank0_plans_long() -> tuple[str, str]:
         with contextlib.ExitStack() as patches:
             if frozen and dist.get_rank() == 0:
                 patches.enter_context(
-                    mock.patch.object(module, "_planning_on_rank0", lambda *a: contextlib.nullcontext())
+                    mock.patch.object(module, "planning_on_rank0", lambda *a: contextlib.nullcontext())
                 )
             try:
                 mesh = autopar.Mesh((2, 2), ("dp", "tp"))
