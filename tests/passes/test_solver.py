@@ -135,12 +135,27 @@ def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_ha
         "fully sharded",
         "sharded over dp",
         "sharded over tp",
+        "tensor parallel over dp",
+        "tensor parallel over tp",
+        "fully sharded over tp, tensor parallel over dp",
+        "fully sharded over dp, tensor parallel over tp",
     )
-    batch = {"idx": ("S(0)", "S(0)"), "targets": ("S(0)", "S(0)")}
-    for params in (("R", "R"), ("S(0)", "S(0)")):  # DDP and FSDP by hand, their other ops planned by the solver
-        pins = {**batch, **{name: params for name, _ in model.named_parameters()}}
+
+    def megatron(name: str) -> tuple[str, str]:
+        leaf = name.split(".")[-2]
+        return (
+            ("R", "S(0)") if leaf in ("wq", "wk", "wv", "w1", "w3") else ("R", "S(1)" if leaf in ("wo", "w2") else "R")
+        )
+
+    hands = {  # DDP, FSDP and Megatron by hand, their other ops planned by the solver
+        "ddp": ({"idx": ("S(0)", "S(0)"), "targets": ("S(0)", "S(0)")}, lambda name: ("R", "R")),
+        "fsdp": ({"idx": ("S(0)", "S(0)"), "targets": ("S(0)", "S(0)")}, lambda name: ("S(0)", "S(0)")),
+        "megatron": ({"idx": ("S(0)", "R"), "targets": ("S(0)", "R")}, megatron),
+    }
+    for hand_name, (batch, params) in hands.items():
+        pins = {**batch, **{name: params(name) for name, _ in model.named_parameters()}}
         hand = autopar.plan(model, mesh, inputs, hardware="cpu", pins=pins, share_layers=True)
-        assert plan.predicted_step_s <= hand.predicted_step_s * (1 + 1e-6), params
+        assert plan.predicted_step_s <= hand.predicted_step_s * (1 + 1e-6), hand_name
 
 
 def test_a_search_under_a_budget_gives_up_only_while_it_has_no_plan():
