@@ -28,7 +28,7 @@ from autopar.passes.solve.layers import LayerClasses, repeated_layers
 from autopar.passes.solve.layouts import standard_layouts
 from autopar.passes.solve.planning import build_plan, moment_bytes
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
-from autopar.passes.solve.solver import Solution, least_memory_bound, program_size, solve
+from autopar.passes.solve.solver import Problem, SearchOptions, Solution, least_memory_bound, program_size, solve
 
 log = logging.getLogger("autopar")
 
@@ -181,10 +181,13 @@ class _Problem:
         """Whether the search chooses what to recompute, and the program's liveness is measured."""
         return self.budget is not None or self.recompute == "layers"
 
-    def program(self, **options) -> dict:
-        """The options of this problem's integer program
-        (:func:`~autopar.passes.solve.solver.build_program`), with ``options`` added."""
-        return dict(
+    def program(self, **choices) -> Problem:
+        """This planning's integer program (:class:`~autopar.passes.solve.solver.Problem`): its
+        cost tables, with ``choices`` (memory terms, budget, what is minimised) added."""
+        return Problem(
+            self.space,
+            self.node_costs,
+            self.costs.transition_s,
             gradient_s=self.costs.gradient_s,
             gather_s=self.costs.gather_s,
             segments=self.segments,
@@ -193,26 +196,20 @@ class _Problem:
             activations=self.activations,
             host=self.costs.host(),
             bucket_bytes=self.costs.bucket_bytes,
-            **options,
+            **choices,
         )
 
-    def solve(self, **options) -> Solution:
-        """:func:`~autopar.passes.solve.solver.solve` on this problem, with ``options`` added."""
-        return solve(
-            self.space,
-            self.node_costs,
-            self.costs.transition_s,
-            **self.program(time_limit_s=self.time_limit_s, **options),
-        )
+    def solve(self, program: Problem, **options) -> Solution:
+        """:func:`~autopar.passes.solve.solver.solve` on ``program`` within this planning's time
+        limit, with ``options`` (:class:`~autopar.passes.solve.solver.SearchOptions`) added."""
+        return solve(program, SearchOptions(time_limit_s=self.time_limit_s, **options))
 
     @functools.cached_property
     def least_memory_bound(self) -> float:
         """Bytes per device no plan goes below, by the solver's count
         (:func:`~autopar.passes.solve.solver.least_memory_bound`): a budget below it has no plan,
         whatever the search's time limit."""
-        return least_memory_bound(
-            self.space, self.node_costs, self.costs.transition_s, **self.program(memory=self.memory)
-        )
+        return least_memory_bound(self.program(memory=self.memory))
 
     def priced(self, solution: Solution) -> ShardingPlan:
         return build_plan(
@@ -236,13 +233,10 @@ class _Problem:
         if start is None and self.budget is not None:
             start = _sharded_parameters(self.space, self.memory)
         started = time.perf_counter()
-        solution = self.solve(
-            memory=self.memory if self.budget else None,
-            budget_bytes=solver_budget,
-            choose_recompute=self.chooses,
-            relative_gap=self.gap,
-            start=start,
+        program = self.program(
+            memory=self.memory if self.budget else None, budget_bytes=solver_budget, choose_recompute=self.chooses
         )
+        solution = self.solve(program, relative_gap=self.gap, start=start)
         if solution.info.status == "START":  # nothing found in time: the retries keep the plan that fit
             raise SolverTimeoutError(
                 "the solver found no plan within its time limit",
@@ -317,7 +311,7 @@ class _Problem:
         """The plan with the least memory the search finds in its time limit, offloading all it
         can; ``None`` when it finds none."""
         try:
-            return self.solve(memory=self.memory, minimise="memory")
+            return self.solve(self.program(memory=self.memory, minimise="memory"))
         except SolverTimeoutError:
             return None
 

@@ -16,10 +16,11 @@ from autopar.passes.lower.rewrite import rewrite
 from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.planning import moment_bytes
 from autopar.passes.solve.remat import activation_space
-from autopar.passes.solve.solver import solve
+from autopar.passes.solve.solver import Problem, solve
 from torch import fx
 
 import autopar
+from autopar.core.placement import S
 from autopar.planner import plan_captured
 from tests.cases import BYTES_DEAR
 
@@ -69,7 +70,7 @@ def test_a_split_backward_op_runs_in_the_backward():
     captured = _vocabulary_heavy()
     mesh = autopar.Mesh((4,), ("tp",))
     plan = plan_captured(captured, mesh, hardware=BYTES_DEAR, pins={"tok.weight": "S(0)", "head.weight": "S(0)"})
-    assert plan.node("_log_softmax").outputs == ("(S(1))",)
+    assert plan.node("_log_softmax").outputs == ((S(1),),)
     joint = rewrite(captured, plan, coordinate=(0,), group_names=["tp"])
     parts = partition(
         joint,
@@ -155,9 +156,10 @@ def test_the_programs_rows_and_the_plans_count_agree(hardware):
     node_costs = costs.node_costs(space, costs.compute_costs(space))
     memory = memory_terms(space, costs)
     acts = activation_space(captured, space, costs, "auto", offload=costs.host() is not None)
-    least = solve(
+    problem = Problem(
         space, node_costs, costs.transition_s, memory=memory, minimise="memory", activations=acts, host=costs.host()
     )
+    least = solve(problem)
     counted = moment_bytes(
         memory,
         acts,

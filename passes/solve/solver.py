@@ -34,6 +34,11 @@ each move priced by its step), whose cheapest path is the transition's cost. An 
 is the same under every layout and that has one strategy per operand layout takes its operand's
 variables. Nodes of repeated layers take the variables of the first layer of their class, and each tensor's moves
 are priced once per copy.
+
+A :class:`Problem` holds what the program is built from (:func:`build_program`): the strategy space
+and its cost tables, the memory terms and budget, the choices beyond the strategies and what is
+minimised. :class:`SearchOptions` say how :func:`solve` searches it: for how long, how close to
+the optimum and from which plan. A problem fixes the program; the options never change it.
 """
 
 import dataclasses
@@ -42,7 +47,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from autopar.cost_model.estimate import MemoryTerms
 from autopar.cost_model.hardware import Host
@@ -97,6 +102,88 @@ class Solution:
     prefetched: frozenset[str] = frozenset()
     """Segments whose offloaded outputs are copied back during the backward of the segment
     after them, ahead of their first read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What the integer program optimises, everything :func:`build_program` builds it from: the
+    strategy space with its precomputed cost tables, the memory terms and the budget, the choices
+    beyond the strategies (recompute, offload, host memory) and what is minimised. A problem fixes
+    the program, its variables, rows and objective, so every search of it has the same optimum
+    (:class:`SearchOptions` decide only how the search runs). The memory budget belongs here
+    rather than among the options: it is a row of the program, it moves the optimum, and with it
+    (or ``minimise="memory"``) ``host`` adds the offload choices. Only ``space``, ``node_costs``
+    and ``transition_s`` are positional; without the others the program is Alpa's alone."""
+
+    space: StrategySpace
+    node_costs: Mapping[str, list[float]]
+    """Seconds of every node under each of its strategies."""
+    transition_s: TransitionCost
+    """``transition_s(ref, src, dst)``: seconds of moving tensor ``ref`` from layout ``src`` to
+    ``dst``. With ``one_step_moves`` it must be the cheapest path over those moves, as
+    :func:`autopar.passes.propagation.redistribute.transition` is."""
+    _: KW_ONLY
+    gradient_s: GradientCost | None = None
+    """Prices moving a parameter's gradient that only the parameter reads: the seconds of the
+    move without bucket latency, and its share of a bucket when it joins one
+    (:meth:`~autopar.cost_model.estimate.CostModel.gradient_s`); without it gradients are moved
+    one by one."""
+    gather_s: GradientCost | None = None
+    """Likewise prices moving a parameter for the ops that read it
+    (:meth:`~autopar.cost_model.estimate.CostModel.gather_s`): the moves that are one all-gather
+    join the buckets of their phase and of the layer of their readers."""
+    segments: Mapping[str, str] | None = None
+    """Each node's layer (:func:`~autopar.passes.analysis.capture.segment_of`), for ``gather_s``'s
+    buckets."""
+    one_step_moves: OneStepMoves | None = None
+    """``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
+    given, a tensor with one reader moves along them
+    (:func:`~autopar.passes.solve.transport.layout_flow`), which takes fewer variables than all
+    pairs of layouts on N-D meshes."""
+    shared: Mapping[str, str] | None = None
+    """Nodes of repeated layers mapped to their counterpart in the representative layer of their
+    class (:func:`autopar.passes.solve.layers.repeated_layers`): they take its choice instead of
+    their own variables, and the costs of every copy add up on the shared variables."""
+    activations: ActivationSpace | None = None
+    """Makes the views of parameters the backward reads again in the backward (their moves priced
+    there) and, with ``choose_recompute``, adds the keep-or-recompute choice of every forward op;
+    the kept and recomputed activations then replace ``memory.activations`` of those ops."""
+    choose_recompute: bool = True
+    """Whether the program chooses what ``activations`` keeps, recomputes or offloads."""
+    host: Host | None = None
+    """Adds, under a memory budget or with ``minimise="memory"``, offload to host memory of
+    activations (with ``choose_recompute``), of optimizer state and of parameters."""
+    memory: MemoryTerms | None = None
+    """The per-device memory of every strategy, counted at each moment of the step
+    (:func:`~autopar.passes.solve.memory_program.memory_budget`); without it the program counts
+    no memory."""
+    budget_bytes: float | None = None
+    """With ``memory``, the bytes per device the peak is kept under."""
+    bucket_bytes: float | None = None
+    """With ``memory``, the size of a gradient bucket, whose packed copy in flight beside the
+    backward is counted (:func:`~autopar.passes.solve.memory_program.in_flight_bucket`)."""
+    minimise: str = "time"
+    """``"time"`` for the fastest plan, ``"memory"`` for the plan with the least memory (its peak;
+    needs ``memory``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchOptions:
+    """How :func:`solve` searches a :class:`Problem`'s program: when it stops and where it starts.
+    None of them changes the program, so its optimum is the same under any options; they decide
+    how close to it the plan returned is proven and how long that may take."""
+
+    time_limit_s: float = 120.0
+    """Seconds the search may take; past them it returns the best plan found (status
+    ``FEASIBLE``, with its bound)."""
+    relative_gap: float = 1e-3
+    """The search stops at a plan proven within this fraction of the optimum."""
+    start: Solution | Mapping[str, int] | None = None
+    """A plan for the search to start from: a :class:`Solution` of this program (under another
+    budget, say), or strategy indices of some nodes, which the solver completes. A start that
+    satisfies the program makes the result at least as fast as the start; one that does not is
+    dropped. When the search finds no plan in its time limit and the start gives every node's
+    strategy, the start comes back with status ``START`` (its objective unknown: NaN)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +244,13 @@ def _strategy_variables(solver, space: StrategySpace, node_costs, shared: dict[s
     return ind, own, followed
 
 
-def _moves(solver, space, ind, shared, followed, activations, prices, costs, reader_moves, bucketed) -> None:
+def _moves(solver, problem: Problem, ind, shared, followed, costs, reader_moves, bucketed) -> None:
     """The rows and costs of moving every tensor between its producer's and its readers'
     layouts (:mod:`autopar.passes.solve.transport`): gradients by their buckets, parameters by
     the gathers their readers need, the rest by ``transition_s`` (or the one-step moves)."""
-    transition_s, gradient_s, gather_s, one_step_moves, segments = prices
+    space, activations, transition_s = problem.space, problem.activations, problem.transition_s
+    gradient_s, gather_s, one_step_moves = problem.gradient_s, problem.gather_s, problem.one_step_moves
+    segments = problem.segments or {}
     by_name = space.index()
     backward_reads = backward_view_reads(activations, space) if activations is not None else {}
     bucket_shares: dict[tuple, list] = defaultdict(list)
@@ -180,59 +269,88 @@ def _moves(solver, space, ind, shared, followed, activations, prices, costs, rea
     enough_buckets(solver, costs, bucket_shares)
 
 
-def build_program(
-    space: StrategySpace,
-    node_costs: dict[str, list[float]],
-    transition_s: TransitionCost,
-    *,
-    gradient_s: GradientCost | None = None,
-    gather_s: GradientCost | None = None,
-    segments: Mapping[str, str] | None = None,
-    memory: MemoryTerms | None = None,
-    budget_bytes: float | None = None,
-    one_step_moves: OneStepMoves | None = None,
-    shared: dict[str, str] | None = None,
-    activations: ActivationSpace | None = None,
-    choose_recompute: bool = True,
-    host: Host | None = None,
-    minimise: str = "time",
-    bucket_bytes: float | None = None,
-) -> Program:
-    """Build the program :func:`solve` searches (its docstring gives the options)."""
+def build_program(problem: Problem) -> Program:
+    """Build ``problem``'s integer program, the one :func:`solve` searches: a one-hot per node
+    and the moves between the layouts of its strategies, then the activation and host-memory
+    choices and the memory rows, then the objective (seconds, or the peak's bytes)."""
     solver = pywraplp.Solver.CreateSolver("HIGHS")
-    shared = dict(shared or {})
-    ind, own, followed = _strategy_variables(solver, space, node_costs, shared)
-    costs: dict = defaultdict(float)
-    for n in space.nodes:
-        for k, terms in enumerate(ind[n.name]):
-            for var in terms:
-                costs[var] += node_costs[n.name][k]
+    shared = dict(problem.shared or {})
+    ind, own, followed = _strategy_variables(solver, problem.space, problem.node_costs, shared)
+    costs = _compute_costs(problem, ind)
     reader_moves: dict[tuple[str, int], list] = {}
     bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
-    moves = (transition_s, gradient_s, gather_s, one_step_moves, segments or {})
-    _moves(solver, space, ind, shared, followed, activations, moves, costs, reader_moves, bucketed)
+    _moves(solver, problem, ind, shared, followed, costs, reader_moves, bucketed)
+    choosing = problem.activations is not None and problem.choose_recompute
+    choices, peak, budget_row = _memory_rows(solver, problem, ind, shared, choosing, costs, reader_moves, bucketed)
+    return Program(
+        solver,
+        ind,
+        own,
+        shared,
+        choices,
+        peak,
+        budget_row,
+        _objective(solver, problem, costs, peak),
+        problem.budget_bytes if problem.minimise == "time" else None,
+        choosing,
+        problem.activations,
+        problem.memory,
+    )
+
+
+def _compute_costs(problem: Problem, ind: dict[str, list[list]]) -> dict:
+    """Seconds per one-hot variable: each node's cost under a strategy on that strategy's terms
+    (a shared variable adds up the costs of every copy). The moves add theirs after."""
+    costs: dict = defaultdict(float)
+    for n in problem.space.nodes:
+        for k, terms in enumerate(ind[n.name]):
+            for var in terms:
+                costs[var] += problem.node_costs[n.name][k]
+    return costs
+
+
+def _memory_rows(solver, problem: Problem, ind, shared, choosing: bool, costs, reader_moves, bucketed):
+    """The keep, recompute or offload choice of every forward op (when ``choosing``), the choice
+    of keeping optimizer state and parameters in host memory (under a budget or minimising
+    memory, with a host), and the per-device peak with the row keeping it under the budget
+    (with memory terms). Returns the choices' variables by name under the field of
+    :class:`Solution` that names those chosen, the peak's variable and the budget's row (``None``
+    without memory terms)."""
+    memory, activations = problem.memory, problem.activations
     again, away, ahead, on_host, params_on_host = {}, {}, {}, {}, {}
-    choosing = activations is not None and choose_recompute
-    offloading = host if budget_bytes is not None or minimise == "memory" else None
+    offloading = problem.host if problem.budget_bytes is not None or problem.minimise == "memory" else None
     host_mb: list = []
+    kept = None
     if choosing:
         again, away, ahead, kept_mb, refilled = keep_recompute_or_offload(
-            solver, activations, ind, node_costs, reader_moves, shared, costs, offloading, host_mb
+            solver, activations, ind, problem.node_costs, reader_moves, shared, costs, offloading, host_mb
         )
+        kept = (kept_mb, refilled)
     terms: list[MemoryTerm] = []
     if memory is not None and offloading is not None:
         on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs, host_mb)
     if offloading is not None:
         host_capacity(solver, host_mb, offloading)
-    if memory is not None and bucketed and bucket_bytes:
-        terms.append((None, in_flight_bucket(solver, bucketed, bucket_bytes), 1.0, "grad"))
-    objective = solver.Objective()
+    if memory is not None and bucketed and problem.bucket_bytes:
+        terms.append((None, in_flight_bucket(solver, bucketed, problem.bucket_bytes), 1.0, "grad"))
     peak = budget_row = None
     if memory is not None:
-        peak, budget_row = memory_budget(
-            solver, memory, ind, budget_bytes, shared, activations, (kept_mb, refilled) if choosing else None, terms
-        )
-    if minimise == "memory":
+        peak, budget_row = memory_budget(solver, memory, ind, problem.budget_bytes, shared, activations, kept, terms)
+    choices = {
+        "recomputed": again,
+        "offloaded": away,
+        "prefetched": ahead,
+        "host_optimizer": on_host,
+        "host_params": params_on_host,
+    }
+    return choices, peak, budget_row
+
+
+def _objective(solver, problem: Problem, costs: dict, peak) -> float:
+    """Minimise the peak (``minimise="memory"``) or the seconds in ``costs``; the objective's
+    units per second (or per byte)."""
+    objective = solver.Objective()
+    if problem.minimise == "memory":
         objective.SetCoefficient(peak, 1.0)
         scale = MEMORY_SCALE
     else:
@@ -240,141 +358,97 @@ def build_program(
             objective.SetCoefficient(var, cost * SCALE)
         scale = SCALE
     objective.SetMinimization()
-    return Program(
-        solver,
-        ind,
-        own,
-        shared,
-        {
-            "recomputed": again,
-            "offloaded": away,
-            "prefetched": ahead,
-            "host_optimizer": on_host,
-            "host_params": params_on_host,
-        },
-        peak,
-        budget_row,
-        scale,
-        budget_bytes if minimise == "time" else None,
-        choosing,
-        activations,
-        memory,
-    )
+    return scale
 
 
-def solve(
-    space: StrategySpace,
-    node_costs: dict[str, list[float]],
-    transition_s: TransitionCost,
-    *,
-    time_limit_s: float = 120.0,
-    relative_gap: float = 1e-3,
-    start: "Solution | Mapping[str, int] | None" = None,
-    **program,
-) -> Solution:
-    """Solve the program above. ``transition_s(ref, src, dst)`` prices moving tensor ``ref``.
-    ``gradient_s``, when given, prices moving a parameter's gradient that only the parameter
-    reads: the seconds of the move without bucket latency, and its share of a bucket when it
-    joins one (:meth:`~autopar.cost_model.estimate.CostModel.gradient_s`); without it gradients
-    are moved one by one. ``gather_s`` likewise prices moving a parameter for the ops that read
-    it (:meth:`~autopar.cost_model.estimate.CostModel.gather_s`): the moves that are one
-    all-gather join the buckets of their phase and of the layer of their readers, ``segments``
-    giving each node's layer (:func:`~autopar.passes.analysis.capture.segment_of`).
+_ANSWERED = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
+"""Statuses that answer the program: a plan, or the proof that none exists."""
 
-    ``one_step_moves(ref)`` lists the moves of ``ref`` that change one mesh axis, priced; when
-    given, a tensor with one reader moves along them
-    (:func:`~autopar.passes.solve.transport.layout_flow`), which takes fewer variables than all pairs
-    of layouts on N-D meshes. ``transition_s`` must then be the
-    cheapest path over these moves, as :func:`autopar.passes.propagation.redistribute.transition` is.
 
-    ``activations`` makes the views of parameters the backward reads again in the backward
-    (their moves priced there) and, with ``choose_recompute``, adds the keep-or-recompute
-    choice of every forward op; the kept and recomputed activations then replace
-    ``memory.activations`` of those ops. ``host`` adds, under a memory budget, offload to host
-    memory of activations (with ``choose_recompute``), of optimizer state and of parameters.
-
-    ``shared`` maps nodes of repeated layers to their counterpart in the representative layer
-    of their class (:func:`autopar.passes.solve.layers.repeated_layers`): they take its choice instead of their own
-    variables, and the costs of every copy add up on the shared variables.
-
-    With ``memory`` and ``budget_bytes`` the per-device memory is kept under the budget
-    (:func:`~autopar.passes.solve.memory_program.memory_budget`), with the packed copy of a gradient
-    bucket of ``bucket_bytes`` in flight beside the backward counted when given
-    (:func:`~autopar.passes.solve.memory_program.in_flight_bucket`); ``minimise="memory"`` looks for
-    the plan with the least memory instead of the fastest. The search stops at a plan proven
+def solve(problem: Problem, options: SearchOptions = SearchOptions()) -> Solution:
+    """Solve ``problem``'s program (above) as ``options`` say: the search stops at a plan proven
     within ``relative_gap`` of the optimum, or at ``time_limit_s`` with the best plan found
-    (status ``FEASIBLE``; the bound is reported). Under a budget, the search runs without
-    ``start`` (in large programs from a dive on the strategy choices,
-    :func:`~autopar.passes.solve.highs_child.dive`, and with half of HiGHS's effort on finding plans,
-    ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it has found a plan that
-    fits; if it has found
-    none in the first fifth of the time (20 s at most), it starts again from ``start`` for the
-    rest of the time, and if that finds none either,
-    :func:`~autopar.passes.solve.memory_program.priced_memory` looks instead. (A start can lead HiGHS
-    away from the optimum, so it is used only where the search alone finds nothing.)
-    Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints.
+    (status ``FEASIBLE``; the bound is reported).
 
-    ``start`` is a plan for the search to start from: a :class:`Solution` of this program (under
-    another budget, say), or strategy indices of some nodes, which the solver completes. A start
-    that satisfies the program makes the result at least as fast as the start; one that does not
-    is dropped. When the search finds no plan in its time limit and ``start`` gives every node's
-    strategy, the start comes back with status ``START`` (its objective unknown: NaN).
+    Under a budget, the search runs without ``start`` (in large programs from a dive on the
+    strategy choices, :func:`~autopar.passes.solve.highs_child.dive`, and with half of HiGHS's
+    effort on finding plans, ``BUDGET_HEURISTIC_EFFORT``), and goes on to the time limit once it
+    has found a plan that fits; if it has found none in the first fifth of the time (20 s at
+    most), it starts again from ``start`` for the rest of the time, and if that finds none
+    either, :func:`~autopar.passes.solve.memory_program.priced_memory` looks instead. (A start can
+    lead HiGHS away from the optimum, so it is used only where the search alone finds nothing.)
+
+    Raises :class:`InfeasiblePlanError` when no plan satisfies the constraints, and
+    :class:`SolverTimeoutError` when the search finds no plan in time and ``start`` does not
+    give every node's strategy (when it does, the start comes back with status ``START``).
     """
     started = time.perf_counter()
-    built = build_program(space, node_costs, transition_s, **program)
-    solver, ind, shared = built.solver, built.ind, built.shared
+    built = build_program(problem)
+    _warn_if_large(built.solver)
+    outcome = _search(built, options, started, _hint(options.start, built))
+    status = _status(outcome)
+    elapsed = time.perf_counter() - started
+    if status not in _ANSWERED:
+        return _without_plan(built, options.start, elapsed, len(problem.space.nodes))
+    if status == pywraplp.Solver.INFEASIBLE:
+        reason = "within the memory budget" if built.peak is not None else "that satisfies the pins"
+        raise InfeasiblePlanError(
+            f"no plan {reason} exists for {len(problem.space.nodes)} nodes (solver status {status}).\n"
+            "Fix: remove conflicting pins, or raise the memory budget"
+        )
+    return _read(built, outcome, elapsed)
+
+
+def _warn_if_large(solver) -> None:
+    """Warn of a program too large to solve within a time limit, naming what shrinks it."""
     if solver.NumVariables() > _LARGE:
         log.warning(
             "the plan's integer program has %d variables; the solver may not finish within the time limit. "
             "Pins on the large tensors, or a 1-D mesh, shrink it.",
             solver.NumVariables(),
         )
-    hint = _hint(start, built)
-    outcome = _search(built, relative_gap, time_limit_s, started, hint)
-    status = _status(outcome)
-    answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
-    elapsed = time.perf_counter() - started
-    if status not in answered and (whole := _complete_start(start, ind)) is not None:
-        log.warning(
-            "the solver found no plan within its time limit (%.0f s); keeping the plan it started from", elapsed
-        )
-        info = SolverInfo(
-            status="START",
-            objective_s=math.nan,
-            bound_s=-math.inf,
-            solve_s=elapsed,
-            num_variables=solver.NumVariables(),
-            num_constraints=solver.NumConstraints(),
-            shared_nodes=len(shared),
-        )
-        if isinstance(start, Solution):
-            return dataclasses.replace(start, info=info)
-        views = built.activations.param_views if built.activations is not None else frozenset()
-        return Solution(whole, info, recomputed=views)
-    if status not in answered:
+
+
+def _without_plan(
+    built: Program, start: Solution | Mapping[str, int] | None, elapsed: float, num_nodes: int
+) -> Solution:
+    """What a search that found no plan in its time limit returns: ``start``, status ``START``
+    (its objective unknown: NaN), when it gives every node's strategy; otherwise it raises
+    :class:`SolverTimeoutError`."""
+    solver = built.solver
+    whole = _complete_start(start, built.ind)
+    if whole is None:
         raise SolverTimeoutError(
-            f"the solver found no plan for {len(space.nodes)} nodes ({solver.NumVariables()} variables) within "
+            f"the solver found no plan for {num_nodes} nodes ({solver.NumVariables()} variables) within "
             f"its time limit ({elapsed:.0f} s).\nFix: raise solver_time_limit_s, pin the large tensors, or plan "
             "for a 1-D mesh",
             solve_s=elapsed,
             num_variables=solver.NumVariables(),
             num_constraints=solver.NumConstraints(),
         )
-    if status == pywraplp.Solver.INFEASIBLE:
-        reason = "within the memory budget" if built.peak is not None else "that satisfies the pins"
-        raise InfeasiblePlanError(
-            f"no plan {reason} exists for {len(space.nodes)} nodes (solver status {status}).\n"
-            "Fix: remove conflicting pins, or raise the memory budget"
-        )
-    return _read(built, outcome, elapsed)
+    log.warning("the solver found no plan within its time limit (%.0f s); keeping the plan it started from", elapsed)
+    info = SolverInfo(
+        status="START",
+        objective_s=math.nan,
+        bound_s=-math.inf,
+        solve_s=elapsed,
+        num_variables=solver.NumVariables(),
+        num_constraints=solver.NumConstraints(),
+        shared_nodes=len(built.shared),
+    )
+    if isinstance(start, Solution):
+        return dataclasses.replace(start, info=info)
+    views = built.activations.param_views if built.activations is not None else frozenset()
+    return Solution(whole, info, recomputed=views)
 
 
-def _search(built: Program, relative_gap: float, time_limit_s: float, started: float, hint: list[tuple]):
+def _search(built: Program, options: SearchOptions, started: float, hint: list[tuple]):
     """Run the search as :func:`solve` describes (under a budget: without ``hint`` first, then
-    from it, then by a price on memory) for ``time_limit_s``, the later steps until that long
-    after ``started``; the last outcome of :func:`~autopar.passes.solve.mip.solve_before_deadline`,
-    or ``None``."""
+    from it, then by a price on memory) for ``options.time_limit_s``, the later steps until that
+    long after ``started``; the last outcome of
+    :func:`~autopar.passes.solve.mip.solve_before_deadline`, or ``None``."""
     solver, ind = built.solver, built.ind
+    relative_gap, time_limit_s = options.relative_gap, options.time_limit_s
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     priced = built.priced_budget is not None
@@ -392,12 +466,11 @@ def _search(built: Program, relative_gap: float, time_limit_s: float, started: f
     )
     status = _status(outcome)
     left = started + time_limit_s - time.perf_counter()
-    answered = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.INFEASIBLE)
-    if priced and status not in answered and hint and left > 1.0:
+    if priced and status not in _ANSWERED and hint and left > 1.0:
         log.info("no plan under the memory budget yet; searching from the start given for %.0f s more", left)
         outcome = solve_before_deadline(solver, params, left, hint, heuristic_effort=effort)
         status = _status(outcome)
-    if priced and status not in answered:
+    if priced and status not in _ANSWERED:
         log.info("no plan under the memory budget yet; searching by a price on memory instead")
         outcome = priced_memory(
             solver, params, built.peak, built.budget_row, built.priced_budget, started + time_limit_s, hint
@@ -461,14 +534,14 @@ RELAXATION_LIMIT_S = 600.0
 limit."""
 
 
-def least_memory_bound(space: StrategySpace, node_costs: dict[str, list[float]], transition_s, **program) -> float:
+def least_memory_bound(problem: Problem) -> float:
     """Bytes per device below which no plan goes, as the program counts memory: the least peak
-    of its linear relaxation, offloading all it can (``program`` as :func:`solve` takes it, less
-    ``minimise``). The relaxation takes as long as the program needs, not a time limit that a
-    busy machine reaches sooner, so a budget below this bound is refused on any machine alike.
-    Zero when the program has no plan or the relaxation does not finish within
+    of the linear relaxation of ``problem``'s program minimising memory (its ``minimise`` set so),
+    offloading all it can. The relaxation takes as long as the program needs, not a time limit
+    that a busy machine reaches sooner, so a budget below this bound is refused on any machine
+    alike. Zero when the program has no plan or the relaxation does not finish within
     ``RELAXATION_LIMIT_S``."""
-    built = build_program(space, node_costs, transition_s, minimise="memory", **program)
+    built = build_program(dataclasses.replace(problem, minimise="memory"))
     outcome = solve_before_deadline(built.solver, pywraplp.MPSolverParameters(), RELAXATION_LIMIT_S, relax=True)
     status = _status(outcome)
     if status == pywraplp.Solver.NOT_SOLVED:

@@ -1,5 +1,7 @@
 """Repeated layers sharing variables, cheapest-order reshards, and the flow form of moves."""
 
+import dataclasses
+
 import pytest
 import torch
 from autopar.examples.gpt import GPT, GPTConfig
@@ -65,7 +67,7 @@ def test_one_step_moves_as_flow_give_the_same_optimum_as_all_pairs():
 
     solve = planner.solve
     try:
-        planner.solve = lambda *a, **k: solve(*a, **{**k, "one_step_moves": None})
+        planner.solve = lambda problem, options: solve(dataclasses.replace(problem, one_step_moves=None), options)
         pairs = plan_captured(captured, mesh, hardware="h100")
     finally:
         planner.solve = solve

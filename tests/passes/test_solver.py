@@ -4,7 +4,7 @@ import itertools
 import random
 
 import pytest
-from autopar.passes.solve.solver import solve
+from autopar.passes.solve.solver import Problem, SearchOptions, solve
 
 from autopar.core.placement import R, S
 from autopar.core.strategy import NodeSpace, Strategy, StrategySpace
@@ -61,7 +61,7 @@ def _brute_force(space, costs, transition):
 @pytest.mark.parametrize("seed", range(8))
 def test_mip_matches_exhaustive_search_on_small_dags(seed):
     space, costs, transition = _random_space(6, seed, chain=False)
-    solution = solve(space, costs, transition, relative_gap=0.0)
+    solution = solve(Problem(space, costs, transition), SearchOptions(relative_gap=0.0))
     assert solution.info.status == "OPTIMAL"
     assert _plan_cost(space, costs, transition, solution.choice) == pytest.approx(
         _brute_force(space, costs, transition)
@@ -91,13 +91,13 @@ def _chain_dp(space, costs, transition):
 @pytest.mark.parametrize("seed", range(4))
 def test_mip_matches_dynamic_program_on_chains(seed):
     space, costs, transition = _random_space(40, seed, chain=True)
-    solution = solve(space, costs, transition, relative_gap=0.0)
+    solution = solve(Problem(space, costs, transition), SearchOptions(relative_gap=0.0))
     assert solution.info.objective_s == pytest.approx(_chain_dp(space, costs, transition))
 
 
 def test_repeated_solves_choose_the_same_plan():
     space, costs, transition = _random_space(30, 3, chain=False)
-    assert solve(space, costs, transition).choice == solve(space, costs, transition).choice
+    assert solve(Problem(space, costs, transition)).choice == solve(Problem(space, costs, transition)).choice
 
 
 def test_a_search_stopped_early_keeps_the_plan_it_started_from():
@@ -107,11 +107,11 @@ def test_a_search_stopped_early_keeps_the_plan_it_started_from():
     space, costs, transition = _random_space(3000, 1, chain=False)
     rng = random.Random(0)
     start = {n.name: rng.randrange(len(n.strategies)) for n in space.nodes}
-    started = solve(space, costs, transition, time_limit_s=0.3, start=start)
+    started = solve(Problem(space, costs, transition), SearchOptions(time_limit_s=0.3, start=start))
     assert started.info.status in ("FEASIBLE", "OPTIMAL", "START")
     assert _plan_cost(space, costs, transition, started.choice) <= _plan_cost(space, costs, transition, start) + 1e-6
-    best = solve(space, costs, transition)
-    again = solve(space, costs, transition, time_limit_s=0.3, start=best)
+    best = solve(Problem(space, costs, transition))
+    again = solve(Problem(space, costs, transition), SearchOptions(time_limit_s=0.3, start=best))
     assert (
         _plan_cost(space, costs, transition, again.choice) <= _plan_cost(space, costs, transition, best.choice) + 1e-6
     )
@@ -244,7 +244,7 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
     from ortools.linear_solver import linear_solver_pb2
 
     space, costs, transition = _random_space(40, seed, chain=False)
-    plain = solve(space, costs, transition, relative_gap=1e-9)
+    plain = solve(Problem(space, costs, transition), SearchOptions(relative_gap=1e-9))
     original, dived_from = solver_module.solve_before_deadline, []
 
     def with_dive(solver, params, time_limit_s, hint=(), **kwargs):
@@ -255,7 +255,7 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
         return original(solver, params, time_limit_s, hint, **{**kwargs, "dive": strategies})
 
     monkeypatch.setattr(solver_module, "solve_before_deadline", with_dive)
-    dived = solve(space, costs, transition, relative_gap=1e-9)
+    dived = solve(Problem(space, costs, transition), SearchOptions(relative_gap=1e-9))
     assert dived_from[0] is not None
     assert dived.info.objective_s == pytest.approx(plain.info.objective_s, rel=1e-9)
     assert _plan_cost(space, costs, transition, dived.choice) == pytest.approx(
