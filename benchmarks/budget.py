@@ -73,7 +73,7 @@ def sweep(name: str, devices: int, time_limit_s: float) -> list[dict]:
                 "host_params": len(plan.host_params),
                 "prefetched": len(plan.prefetched),
                 "offloading_layers": len({segment_of(n.module) for n in plan.nodes if n.activation == "offload"}),
-                "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
+                "split_params": sum(any(not p.is_replicate() for p in v) for v in plan.placements.values()),
                 "params": len(plan.placements),
             }
         )

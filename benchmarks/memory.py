@@ -105,7 +105,7 @@ def worker(models: list[str], steps: int, out: str) -> None:
                     "predicted_peak_bytes": plan.peak_memory_bytes,
                     "measured_peak_bytes": peak,
                     "recomputed_ops": sum(n.activation == "recompute" and n.activation_bytes > 0 for n in plan.nodes),
-                    "split_params": sum(any(p != "R" for p in v) for v in plan.placements.values()),
+                    "split_params": sum(any(not p.is_replicate() for p in v) for v in plan.placements.values()),
                     "params": len(plan.placements),
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, reference)),
                 }

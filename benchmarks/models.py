@@ -61,7 +61,7 @@ def plan_model(name: str, shape: tuple[int, ...], limit_s: float) -> dict:
         variables=plan.solver.num_variables,
         wall_s=time.perf_counter() - started,
         nodes=len(plan.nodes),
-        splits=any(p != "R" for ps in placements for p in ps),
+        splits=any(not p.is_replicate() for ps in placements for p in ps),
         collectives=len(plan.collectives),
         predicted_step_s=plan.predicted_step_s,
         layer_classes=plan.solver.layer_classes,

@@ -24,7 +24,7 @@ from autopar.runtime.release import GivenRelease, release_collective_buffers
 from autopar.core.errors import CollectiveError, InputError, StalePlanError
 from autopar.core.mesh import Mesh
 from autopar.core.offload_ops import OFFLOAD_OPS, host_copies_done
-from autopar.core.placement import Placements, format_placement
+from autopar.core.placement import Placements, format_placements
 from autopar.core.plan import ShardingPlan
 
 BACKENDS = ("eager", "inductor")
@@ -269,10 +269,11 @@ def check_plan(
         )
     for name, placements in (pins or {}).items():
         planned = plan.placements.get(name, plan.inputs.get(name))
-        asked = tuple(format_placement(p) for p in whole_on_one_rank(placements, mesh))  # as planning reads a pin
-        if planned is not None and tuple(planned) != asked:
+        asked = whole_on_one_rank(placements, mesh)  # as planning reads a pin
+        if planned is not None and planned != asked:
             raise StalePlanError(
-                f"the plan places {name!r} as ({', '.join(planned)}) but pins ask for ({', '.join(asked)}). "
+                f"the plan places {name!r} as {format_placements(planned)} "
+                f"but pins ask for {format_placements(asked)}. "
                 "Fix: plan again with these pins, or drop the pins to run the plan as it is"
             )
     if plan.graph_hash != captured.graph_hash:

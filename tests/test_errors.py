@@ -9,6 +9,7 @@ from torch import nn
 
 import autopar
 from autopar import Mesh
+from autopar.core.placement import R, S
 from tests.conftest import FLOP_EQ_BYTE
 
 
@@ -43,7 +44,7 @@ def test_dims_the_mesh_does_not_divide_are_planned_around():
     batch_ops = [n for n in plan.nodes if n.op in ("aten.addmm.default", "aten.relu.default")]
     assert len(batch_ops) == 3
     for node in batch_ops:  # 6 rows cannot be split 4 ways: no [6, *] output is split on dim 0
-        assert node.outputs[0] != "(S(0))"
+        assert node.outputs[0] != (S(0),)
 
 
 class DataDependent(nn.Module):
@@ -164,7 +165,7 @@ def test_unsupported_ops_are_listed_when_fallback_is_off():
     ):
         autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),), fallback=False)
     plan = autopar.plan(Cumulative(), Mesh((2,)), (torch.randn(8, 4),))  # falls back to replicated
-    assert next(n for n in plan.nodes if n.op == "aten.cummax.default").outputs == ("(R)", "(R)")
+    assert next(n for n in plan.nodes if n.op == "aten.cummax.default").outputs == ((R,), (R,))
 
 
 def test_in_place_updates_of_parameters_and_inputs_are_refused_with_their_names():
@@ -224,5 +225,5 @@ def test_pins_are_compared_with_a_plan_as_planning_reads_them(fake_world):
     mesh = Mesh((2, 1), ("dp", "tp"))
     pins = {"x": ("S(0)", "S(0)")}  # a split over the one-rank axis is planned as replicated there
     plan = autopar.plan(MLP(16, 32), mesh, _inputs(), hardware=FLOP_EQ_BYTE, pins=pins)
-    assert plan.inputs["x"] == ("S(0)", "R")
+    assert plan.inputs["x"] == (S(0), R)
     autopar.compile(MLP(16, 32), mesh, _inputs(), plan=plan, pins=pins)

@@ -6,6 +6,7 @@ from autopar.examples.mlp import MLP
 
 import autopar
 from autopar import Mesh
+from autopar.core.placement import P, R, S
 from tests.conftest import FLOP_EQ_BYTE
 
 
@@ -19,9 +20,9 @@ def test_wide_mlp_gets_megatron_column_then_row_split():
     plan = autopar.plan(
         MLP(dim, hidden), Mesh((4,), ("tp",)), (torch.randn(batch, dim), torch.randn(batch, dim)), hardware=FLOP_EQ_BYTE
     )
-    assert plan.placements["layers.0.weight"] == ("S(0)",)  # split by output features (column)
-    assert plan.placements["layers.0.bias"] == ("S(0)",)
-    assert plan.placements["layers.1.weight"] == ("S(1)",)  # split by input features (row)
+    assert plan.placements["layers.0.weight"] == (S(0),)  # split by output features (column)
+    assert plan.placements["layers.0.bias"] == (S(0),)
+    assert plan.placements["layers.1.weight"] == (S(1),)  # split by input features (row)
     assert _collectives(plan, "forward") == [("all_reduce", "tp", batch * dim * 4)]
     assert _collectives(plan) == _collectives(plan, "forward")  # nothing else, not even in backward
 
@@ -33,10 +34,10 @@ def test_batch_heavy_mlp_gets_pure_data_parallel():
     plan = autopar.plan(
         model, Mesh((4,), ("dp",)), (torch.randn(batch, dim), torch.randn(batch, dim)), hardware=FLOP_EQ_BYTE
     )
-    assert all(p == ("R",) for p in plan.placements.values())  # weights replicated
-    assert plan.inputs == {"x": ("R",), "target": ("R",)}  # every rank is given the whole batch
+    assert all(p == (R,) for p in plan.placements.values())  # weights replicated
+    assert plan.inputs == {"x": (R,), "target": (R,)}  # every rank is given the whole batch
     first = plan.node("addmm")
-    assert first.inputs[1] == "(S(0))" and first.outputs == ("(S(0))",)  # and computes on its rows
+    assert first.inputs[1] == (S(0),) and first.outputs == ((S(0),),)  # and computes on its rows
     assert _collectives(plan, "forward") == []
     assert _collectives(plan, "output") == [("all_reduce", "dp", 4)]  # the scalar loss, returned whole
     grads = ("all_reduce", "dp", sum(p.numel() * 4 for p in model.parameters()))
@@ -53,7 +54,7 @@ def test_pins_fix_parameters_and_the_solver_plans_the_rest():
         hardware=FLOP_EQ_BYTE,
         pins=pins,
     )
-    assert plan.placements["layers.0.weight"] == ("S(0)",)
+    assert plan.placements["layers.0.weight"] == (S(0),)
     assert plan.pinned == ("layers.0.weight",)
 
 
@@ -67,8 +68,8 @@ def test_a_split_pinned_over_an_axis_of_one_rank_is_the_whole_tensor_and_moves_n
         hardware=FLOP_EQ_BYTE,
         pins={"x": "S(0)", "target": "S(0)", "layers.0.weight": "S(0)"},
     )
-    assert plan.inputs == {"x": ("R",), "target": ("R",)}
-    assert plan.placements["layers.0.weight"] == ("R",)
+    assert plan.inputs == {"x": (R,), "target": (R,)}
+    assert plan.placements["layers.0.weight"] == (R,)
     assert plan.collectives == ()
     plan = autopar.plan(
         MLP(dim, hidden),
@@ -77,7 +78,7 @@ def test_a_split_pinned_over_an_axis_of_one_rank_is_the_whole_tensor_and_moves_n
         hardware=FLOP_EQ_BYTE,
         pins={"x": ("S(0)", "S(0)"), "target": ("S(0)", "S(0)")},
     )
-    assert plan.inputs == {"x": ("R", "S(0)"), "target": ("R", "S(0)")}
+    assert plan.inputs == {"x": (R, S(0)), "target": (R, S(0))}
     assert plan.collectives and all(c.axis == "b" for c in plan.collectives)
 
 
@@ -89,12 +90,12 @@ def test_memory_budget_below_replicated_state_flips_data_parallel_to_sharded_par
     loader = {"x": "S(0)", "target": "S(0)"}
     mesh = Mesh((4,), ("dp",))
     free = autopar.plan(MLP(dim, hidden), mesh, inputs, hardware=FLOP_EQ_BYTE, pins=loader)
-    assert all(p == ("R",) for p in free.placements.values())
+    assert all(p == (R,) for p in free.placements.values())
     state = free.memory.params_bytes + free.memory.grads_bytes + free.memory.optimizer_bytes
     budget = free.peak_memory_bytes - state // 3
     tight = autopar.plan(MLP(dim, hidden), mesh, inputs, hardware=FLOP_EQ_BYTE, pins=loader, memory_budget=budget)
     assert tight.peak_memory_bytes <= budget < free.peak_memory_bytes
-    assert tight.placements["layers.0.weight"] != ("R",) and tight.placements["layers.1.weight"] != ("R",)
+    assert tight.placements["layers.0.weight"] != (R,) and tight.placements["layers.1.weight"] != (R,)
     assert tight.memory_budget_bytes == budget
     assert tight.predicted_step_s >= free.predicted_step_s  # memory is bought with time
 
@@ -119,11 +120,11 @@ def test_large_vocabulary_gets_vocabulary_parallel_embedding_and_cross_entropy()
         model = GPT(GPTConfig(vocab_size=vocab, block_size=256, dim=512, num_heads=8, num_layers=1))
         ids = torch.randint(0, vocab, (8, 256))
     plan = autopar.plan(model, Mesh((8,), ("tp",)), (ids, ids), hardware="h100")
-    assert plan.placements["tok.weight"] == ("S(0)",)  # the tied table split along the vocabulary
+    assert plan.placements["tok.weight"] == (S(0),)  # the tied table split along the vocabulary
     lookup = plan.node("embedding")
-    assert lookup.inputs[0] == "(S(0))" and lookup.outputs == ("(P)",)  # each rank looks up the rows it holds
-    assert plan.node("_log_softmax").inputs == ("(S(1))",)  # logits split along the vocabulary
-    assert plan.node("gather").outputs == ("(P)",)  # the target's log-probability, from the rank that holds it
+    assert lookup.inputs[0] == (S(0),) and lookup.outputs == ((P,),)  # each rank looks up the rows it holds
+    assert plan.node("_log_softmax").inputs == ((S(1),),)  # logits split along the vocabulary
+    assert plan.node("gather").outputs == ((P,),)  # the target's log-probability, from the rank that holds it
     per_token = [(c.kind, c.phase, c.bytes) for c in plan.collectives if c.consumer.startswith("_log_softmax")]
     assert per_token == [("all_reduce", "forward", tokens * 4)] * 2 + [("all_reduce", "backward", tokens * 4)]
     assert max(c.bytes for c in plan.collectives) < tokens * vocab * 4 // 8  # no logits moved, not even a rank's piece

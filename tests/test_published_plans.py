@@ -11,6 +11,7 @@ from torch import nn
 
 import autopar
 from autopar import Mesh
+from autopar.core.placement import R, S
 
 # A FLOP costs what a byte sent costs and each collective call 1 us, about NCCL's latency: the
 # published plans are the ones that also keep the number of collectives down.
@@ -34,7 +35,7 @@ def test_six_layer_mlp_alternates_column_and_row_splits():
         hardware=link_100gbs,
     )
     for i in range(layers):
-        assert plan.placements[f"layers.{i}.weight"] == (("S(0)",) if i % 2 == 0 else ("S(1)",)), i
+        assert plan.placements[f"layers.{i}.weight"] == ((S(0),) if i % 2 == 0 else (S(1),)), i
     activation = batch * hidden * 4
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (layers - 1)
     assert len(_collectives(plan, "forward")) == layers // 2  # after each row-split layer
@@ -48,7 +49,7 @@ def test_batch_heavy_six_layer_mlp_is_data_parallel():
     plan = autopar.plan(
         model, Mesh((4,), ("dp",)), (torch.randn(batch, hidden), torch.randn(batch, hidden)), hardware=ALPHA_BETA
     )
-    assert all(p == ("R",) for p in plan.placements.values())
+    assert all(p == (R,) for p in plan.placements.values())
     assert _collectives(plan, "forward") == []
     assert _collectives(plan, "backward") == [("all_reduce", "dp", sum(p.numel() * 4 for p in model.parameters()))]
     assert [c.tensor for c in plan.collectives if c.phase == "backward"] == ["bucket of 12 gradients"]
@@ -61,9 +62,9 @@ def test_2d_mesh_puts_tensor_parallelism_on_the_cheap_axis():
     plan = autopar.plan(
         MLP(dim, hidden), Mesh((2, 2), ("a", "b")), (torch.randn(batch, dim), torch.randn(batch, dim)), hardware=profile
     )
-    assert plan.placements["layers.0.weight"] == ("R", "S(0)")  # column split on the cheap axis
-    assert plan.placements["layers.1.weight"] == ("R", "S(1)")  # row split on the cheap axis
-    assert plan.node("addmm").outputs == ("(S(0), S(1))",)  # batch split on the other
+    assert plan.placements["layers.0.weight"] == (R, S(0))  # column split on the cheap axis
+    assert plan.placements["layers.1.weight"] == (R, S(1))  # row split on the cheap axis
+    assert plan.node("addmm").outputs == ((S(0), S(1)),)  # batch split on the other
     assert _collectives(plan, "forward") == [("all_reduce", "b", batch // 2 * dim * 4)]
     # gradients summed over the batch split, in one bucket
     assert _collectives(plan, "backward") == [
@@ -94,9 +95,9 @@ def test_bert_layer_stack_is_megatron_with_4l_minus_1_all_reduces():
     )
     for i in range(layers):
         for column in ("query", "key", "value", "fc1"):
-            assert plan.placements[f"blocks.{i}.{column}.weight"] == ("S(0)",), (i, column)
+            assert plan.placements[f"blocks.{i}.{column}.weight"] == (S(0),), (i, column)
         for row in ("out", "fc2"):
-            assert plan.placements[f"blocks.{i}.{row}.weight"] == ("S(1)",), (i, row)
+            assert plan.placements[f"blocks.{i}.{row}.weight"] == (S(1),), (i, row)
     activation = batch * seq * cfg.dim * 4
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
 
@@ -130,8 +131,8 @@ def test_bert_layers_unbinding_a_fused_qkv_are_megatron_with_4l_minus_1_all_redu
         hardware=ALPHA_BETA,
     )
     for i in range(layers):
-        assert plan.placements[f"blocks.{i}.qkv.weight"] == plan.placements[f"blocks.{i}.fc1.weight"] == ("S(0)",)
-        assert plan.placements[f"blocks.{i}.out.weight"] == plan.placements[f"blocks.{i}.fc2.weight"] == ("S(1)",)
+        assert plan.placements[f"blocks.{i}.qkv.weight"] == plan.placements[f"blocks.{i}.fc1.weight"] == (S(0),)
+        assert plan.placements[f"blocks.{i}.out.weight"] == plan.placements[f"blocks.{i}.fc2.weight"] == (S(1),)
     activation = batch * seq * cfg.dim * 4
     assert _collectives(plan) == [("all_reduce", "tp", activation)] * (4 * layers - 1)
 
@@ -153,7 +154,7 @@ def test_bert_layer_stack_recomputed_repeats_its_forward_all_reduces():
     assert len(_collectives(plan, "forward")) == len(_collectives(plan, "recompute")) == 2 * layers
     kept = [n for n in plan.nodes if n.module.startswith("blocks.") and n.activation == "keep"]
     assert [n.module for n in kept] == [f"blocks.{i}.ln2" for i in range(layers)]  # only each layer's output
-    assert plan.placements["blocks.1.fc1.weight"] == ("S(0)",) and plan.placements["blocks.1.fc2.weight"] == ("S(1)",)
+    assert plan.placements["blocks.1.fc1.weight"] == (S(0),) and plan.placements["blocks.1.fc2.weight"] == (S(1),)
 
 
 class _MoEStack(nn.Module):
@@ -184,7 +185,7 @@ def test_moe_block_splits_the_experts_and_dispatches_with_all_to_all():
     plan = autopar.plan(model, Mesh((4,), ("ep",)), (x, x), hardware=ALPHA_BETA, fallback=False)
     experts = {f"blocks.0.moe.{w}" for w in ("w1", "w2")}
     for name, placements in plan.placements.items():
-        assert placements == (("S(0)",) if name in experts else ("R",)), name
+        assert placements == ((S(0),) if name in experts else (R,)), name
     groups = batch * seq // cfg.group_size
     dispatched = cfg.num_experts * groups * cfg.capacity * cfg.dim * 4 // 4  # [E, G, C, D], a quarter per rank
     assert _collectives(plan, "forward") == [("all_to_all", "ep", dispatched)] * 2  # dispatch, combine

@@ -4,7 +4,8 @@ from collections import Counter
 
 from autopar.core.graph import segment_of
 from autopar.core.kinds import Activation
-from autopar.core.plan import ShardingPlan
+from autopar.core.placement import Placements, format_placements
+from autopar.core.plan import ShardingPlan, format_layouts
 
 # Ops worth a row in the table: the ones that carry the FLOPs.
 _HEAVY = ("mm", "addmm", "bmm", "embedding", "scaled_dot_product", "convolution", "layer_norm")
@@ -27,6 +28,11 @@ def _time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3f} ms"
     return f"{seconds * 1e6:.2f} us"
+
+
+def _layout(placements: Placements | None) -> str:
+    """One tensor's placements as the tables print them (``None``: an output that is not a tensor)."""
+    return "None" if placements is None else format_placements(placements)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -111,7 +117,7 @@ def _state_tables(plan: ShardingPlan) -> list[str]:
             [
                 [
                     k,
-                    "(" + ", ".join(v) + ")",
+                    format_placements(v),
                     "parameter, gradient, optimizer state"
                     if k in plan.host_params
                     else "optimizer state"
@@ -122,9 +128,9 @@ def _state_tables(plan: ShardingPlan) -> list[str]:
             ],
         )
     else:
-        lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.placements.items()])
+        lines += _table(["name", "placements"], [[k, format_placements(v)] for k, v in plan.placements.items()])
     lines += ["", "Inputs"]
-    lines += _table(["name", "placements"], [[k, "(" + ", ".join(v) + ")"] for k, v in plan.inputs.items()])
+    lines += _table(["name", "placements"], [[k, format_placements(v)] for k, v in plan.inputs.items()])
     return lines
 
 
@@ -141,8 +147,8 @@ def _op_tables(plan: ShardingPlan) -> list[str]:
                 n.op.removeprefix("aten.").removesuffix(".default"),
                 n.name,
                 n.phase,
-                " ".join(n.inputs),
-                str(n.outputs[0]),
+                " ".join(format_placements(p) for p in n.inputs),
+                _layout(n.outputs[0]),
                 n.fmt or "-",
                 _time(n.compute_s),
             ]
@@ -184,7 +190,7 @@ def _collective_table(plan: ShardingPlan) -> list[str]:
                 _time(c.time_s),
                 c.tensor,
                 c.consumer,
-                f"{c.src} -> {c.dst}",
+                f"{format_layouts(c.src)} -> {format_layouts(c.dst)}",
             ]
             for c in plan.collectives
         ],
@@ -237,16 +243,17 @@ def annotated_graph(plan: ShardingPlan) -> str:
     moves: dict[str, list[str]] = {}
     for c in plan.collectives:
         moves.setdefault(c.consumer, []).append(
-            f"    <- {c.kind}[{c.axis}] {c.tensor} {c.src} -> {c.dst} ({format_bytes(c.bytes)})"
+            f"    <- {c.kind}[{c.axis}] {c.tensor} {format_layouts(c.src)} -> {format_layouts(c.dst)} "
+            f"({format_bytes(c.bytes)})"
         )
     lines = []
     for n in plan.nodes:
         lines.extend(moves.get(n.name, []))
-        outs = ", ".join(str(o) for o in n.outputs)
+        ins, outs = ", ".join(format_placements(p) for p in n.inputs), ", ".join(_layout(o) for o in n.outputs)
         where = f"  # {n.module}" if n.module else ""
         if n.activation:
             where += f"  [{n.activation} {format_bytes(n.activation_bytes)}]"
-        lines.append(f"{n.phase[:3]}  {n.name} = {n.op}({', '.join(n.inputs)}) -> {outs}{where}")
+        lines.append(f"{n.phase[:3]}  {n.name} = {n.op}({ins}) -> {outs}{where}")
     for consumer in moves:
         if consumer not in {n.name for n in plan.nodes}:
             lines.append(f"{consumer}:")

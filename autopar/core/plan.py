@@ -1,14 +1,44 @@
-"""The sharding plan: what the solver chose, what it costs, and how to read it."""
+"""The sharding plan: what the solver chose, what it costs, and how to read it.
+
+The plan holds placements as :data:`~autopar.core.placement.Placements` (``Shard``,
+``Replicate``, ``Partial`` per mesh axis), which lowering and the views read as they are; only
+its JSON writes them as text (``S(0)``, ``R``, ``P``), read back once by
+:meth:`ShardingPlan.from_json`.
+"""
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Literal, Mapping
 
 from autopar.core.kinds import Activation, CollectiveKind, CollectivePhase, Phase, SolverStatus
 from autopar.core.mesh import Link, Mesh
+from autopar.core.placement import (
+    Placements,
+    format_placement,
+    format_placements,
+    parse_placement,
+    parse_placements_text,
+)
 
 FORMAT_VERSION = 9
+
+
+def format_layouts(layouts: tuple[Placements, ...]) -> str:
+    """The placements of one or more tensors as text, ``(S(0), R)`` or ``(S(0)) | (S(1))``: how
+    the plan's JSON and its views write a collective's ``src`` and ``dst``."""
+    return " | ".join(format_placements(p) for p in layouts)
+
+
+def _parse_layouts(text: str) -> tuple[Placements, ...]:
+    """Inverse of :func:`format_layouts`."""
+    return tuple(parse_placements_text(p) for p in text.split(" | "))
+
+
+def _fields(obj) -> dict:
+    """The fields of a flat dataclass by name, unconverted (``asdict`` would copy placements
+    deeply)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +62,20 @@ class Collective:
     consumer: str
     """The node that needs it (``output`` for the step's results, ``gradients`` for a bucket of
     parameters' gradients)."""
-    src: str
-    dst: str
-    """Placements before and after the whole transition, e.g. ``(P, R)`` → ``(R, R)``; for a
-    bucket, those of its gradients (distinct ones joined by ``|``)."""
+    src: tuple[Placements, ...]
+    dst: tuple[Placements, ...]
+    """Placements before and after the whole transition: of the one tensor moved, e.g.
+    ``((P, R),)`` → ``((R, R),)``; for a bucket, the distinct ones of its tensors, in the order
+    they first appear (:func:`format_layouts` writes them joined by ``|``)."""
+
+    def to_dict(self) -> dict:
+        """Its JSON object, placements written as text."""
+        return {**_fields(self), "src": format_layouts(self.src), "dst": format_layouts(self.dst)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Collective":
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{**data, "src": _parse_layouts(data["src"]), "dst": _parse_layouts(data["dst"])})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +91,23 @@ class PlannedBucket:
     """For parameters: the layer whose ops first read them (``""``: the root module)."""
     members: tuple[str, ...]
     """The parameters, by qualified name, in the order the bucket packs them."""
-    placements: tuple[str, ...]
-    """Each one's placements after the move, formatted like ``(S(0), R)``."""
+    placements: tuple[Placements, ...]
+    """Each one's placements after the move."""
+
+    def to_dict(self) -> dict:
+        """Its JSON object, placements written as text."""
+        return {**_fields(self), "placements": [format_placements(p) for p in self.placements]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlannedBucket":
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            **{
+                **data,
+                "members": tuple(data["members"]),
+                "placements": tuple(parse_placements_text(p) for p in data["placements"]),
+            }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +120,9 @@ class NodePlan:
     """Qualified name of the module the op comes from (``""`` for the root or unknown)."""
     phase: Phase
     """``forward`` or ``backward``: the phase of the op in the joint graph."""
-    outputs: tuple[str | None, ...]
-    """Placements of each output, formatted like ``(S(0), R)``."""
-    inputs: tuple[str, ...]
+    outputs: tuple[Placements | None, ...]
+    """Placements of each output (``None`` where the output is not a tensor)."""
+    inputs: tuple[Placements, ...]
     """Placements required on each tensor input."""
     compute_s: float
     activation: Activation = ""
@@ -83,6 +138,25 @@ class NodePlan:
     flops: float = 0.0
     """For a matrix product: the FLOPs one rank runs, by :mod:`torch.utils.flop_counter`'s
     formulas on the rank's local shapes (what its compute is priced from)."""
+
+    def to_dict(self) -> dict:
+        """Its JSON object, placements written as text."""
+        return {
+            **_fields(self),
+            "outputs": [None if p is None else format_placements(p) for p in self.outputs],
+            "inputs": [format_placements(p) for p in self.inputs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NodePlan":
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            **{
+                **data,
+                "outputs": tuple(None if p is None else parse_placements_text(p) for p in data["outputs"]),
+                "inputs": tuple(parse_placements_text(p) for p in data["inputs"]),
+            }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +252,9 @@ class ShardingPlan:
     in the order these make cheapest, as the solver assumed."""
     graph_hash: str
     """Fingerprint of the captured graph; a plan is refused for any other graph."""
-    placements: Mapping[str, tuple[str, ...]]
-    """Parameter (and buffer) qualified name → one placement string per mesh axis."""
-    inputs: Mapping[str, tuple[str, ...]]
+    placements: Mapping[str, Placements]
+    """Parameter (and buffer) qualified name → one placement per mesh axis."""
+    inputs: Mapping[str, Placements]
     """Forward argument name → placements."""
     pinned: tuple[str, ...]
     """Names whose placements the user fixed."""
@@ -263,11 +337,11 @@ class ShardingPlan:
             "hardware": self.hardware,
             "links": [asdict(link) for link in self.links],
             "graph_hash": self.graph_hash,
-            "placements": {k: list(v) for k, v in self.placements.items()},
-            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "placements": {k: [format_placement(p) for p in v] for k, v in self.placements.items()},
+            "inputs": {k: [format_placement(p) for p in v] for k, v in self.inputs.items()},
             "pinned": list(self.pinned),
-            "nodes": [asdict(n) for n in self.nodes],
-            "collectives": [asdict(c) for c in self.collectives],
+            "nodes": [n.to_dict() for n in self.nodes],
+            "collectives": [c.to_dict() for c in self.collectives],
             "bucket_bytes": self.bucket_bytes,
             "compute_s": self.compute_s,
             "communication_s": self.communication_s,
@@ -282,7 +356,7 @@ class ShardingPlan:
             "host_optimizer": list(self.host_optimizer),
             "host_params": list(self.host_params),
             "prefetched": list(self.prefetched),
-            "buckets": [asdict(b) for b in self.buckets],
+            "buckets": [b.to_dict() for b in self.buckets],
             "graph_lines": list(self.graph_lines),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -303,13 +377,11 @@ class ShardingPlan:
             hardware=data["hardware"],
             links=tuple(Link.from_dict(link) for link in data["links"]),
             graph_hash=data["graph_hash"],
-            placements={k: tuple(v) for k, v in data["placements"].items()},
-            inputs={k: tuple(v) for k, v in data["inputs"].items()},
+            placements={k: tuple(parse_placement(p) for p in v) for k, v in data["placements"].items()},
+            inputs={k: tuple(parse_placement(p) for p in v) for k, v in data["inputs"].items()},
             pinned=tuple(data["pinned"]),
-            nodes=tuple(
-                NodePlan(**{**n, "outputs": tuple(n["outputs"]), "inputs": tuple(n["inputs"])}) for n in data["nodes"]
-            ),
-            collectives=tuple(Collective(**c) for c in data["collectives"]),
+            nodes=tuple(NodePlan.from_dict(n) for n in data["nodes"]),
+            collectives=tuple(Collective.from_dict(c) for c in data["collectives"]),
             bucket_bytes=data["bucket_bytes"],
             compute_s=data["compute_s"],
             communication_s=data["communication_s"],
@@ -324,10 +396,7 @@ class ShardingPlan:
             host_optimizer=tuple(data["host_optimizer"]),
             host_params=tuple(data["host_params"]),
             prefetched=tuple(data["prefetched"]),
-            buckets=tuple(
-                PlannedBucket(**{**b, "members": tuple(b["members"]), "placements": tuple(b["placements"])})
-                for b in data["buckets"]
-            ),
+            buckets=tuple(PlannedBucket.from_dict(b) for b in data["buckets"]),
             graph_lines=tuple(data["graph_lines"]),
         )
 

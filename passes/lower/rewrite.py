@@ -67,7 +67,7 @@ from autopar.core.errors import InputError, RewriteError
 from autopar.core.graph import segment_of
 from autopar.core.kinds import Phase
 from autopar.core.offload_ops import offload, reload, reload_wait
-from autopar.core.placement import Placements, R, format_placements, parse_placement, parse_placements_text
+from autopar.core.placement import Placements, R, format_placements
 from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
 
@@ -87,21 +87,13 @@ backward op of the first layer the backward reaches, then one more at each layer
 backward op, so that the backward can run layer by layer."""
 
 
-def _parse(text: str | None) -> Placements | None:
-    if text is None:
-        return None
-    return parse_placements_text(text)
-
-
 def plan_strategies(captured: Captured, plan: ShardingPlan) -> dict[str, Strategy]:
     """The plan's strategy of every op and placeholder of ``captured``."""
     mesh = plan.mesh
-    strategies = {
-        n.name: Strategy(tuple(_parse(o) for o in n.outputs), tuple(_parse(i) for i in n.inputs)) for n in plan.nodes
-    }
+    strategies = {n.name: Strategy(n.outputs, n.inputs) for n in plan.nodes}
     for node, kind in zip(captured.placeholders, captured.inputs):
         names = {"param": plan.placements, "buffer": plan.placements, "input": plan.inputs}.get(kind.kind)
-        layout = tuple(parse_placement(p) for p in names[kind.name]) if names is not None else (R,) * mesh.ndim
+        layout = names[kind.name] if names is not None else (R,) * mesh.ndim
         strategies[node.name] = Strategy((layout,), (layout,))
     return strategies
 
@@ -636,18 +628,18 @@ def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategie
     found = []
     for planned in (b for b in plan.buckets if b.of == "parameters"):
         keys, steps = [], []
-        for name, text in zip(planned.members, planned.placements):
+        for name, dst in zip(planned.members, planned.placements):
             if name not in states:
                 raise RewriteError(f"the plan gathers a parameter {name!r}, which the model has not. Fix: plan again")
-            param, dst = states[name], parse_placements_text(text)
+            param = states[name]
             src, val = strategies[param.name].outputs[0], param.meta["val"]
             moved = transition(
                 src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, plan.mesh, plan.links
             )
             if len(moved) != 1 or moved[0].kind != "all_gather" or (steps and moved[0].axis != steps[0].axis):
                 raise RewriteError(
-                    f"the plan gathers {name} in a bucket, but its move from {format_placements(src)} to {text} is "
-                    "not one all-gather. Fix: plan again"
+                    f"the plan gathers {name} in a bucket, but its move from {format_placements(src)} to "
+                    f"{format_placements(dst)} is not one all-gather. Fix: plan again"
                 )
             keys.append((planned.phase != "forward", (param.name, 0), dst))
             steps.append(moved[0])

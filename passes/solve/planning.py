@@ -13,7 +13,6 @@ from autopar.passes.solve.solver import Solution
 
 from autopar.core.kinds import Activation, CollectivePhase, NodeKind
 from autopar.core.mesh import Mesh
-from autopar.core.placement import format_placement, format_placements
 from autopar.core.plan import Collective, MemoryEstimate, NodePlan, PlannedBucket, ShardingPlan
 from autopar.core.strategy import Strategy, StrategySpace, ValueRef
 
@@ -94,8 +93,8 @@ def build_plan(
         links=costs.links,
         graph_hash=captured.graph_hash,
         graph_lines=captured.graph_lines,
-        placements={n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind in ("param", "buffer")},
-        inputs={n.target: _fmt(chosen[n.name]) for n in space.nodes if n.kind == "input"},
+        placements={n.target: chosen[n.name].outputs[0] for n in space.nodes if n.kind in ("param", "buffer")},
+        inputs={n.target: chosen[n.name].outputs[0] for n in space.nodes if n.kind == "input"},
         pinned=pinned,
         nodes=nodes,
         collectives=collectives,
@@ -149,8 +148,8 @@ def _node_plans(
             n.target,
             modules.get(n.name, ""),
             n.phase,
-            tuple(None if p is None else format_placements(p) for p in chosen[n.name].outputs),
-            tuple(format_placements(p) for p in chosen[n.name].inputs),
+            chosen[n.name].outputs,
+            chosen[n.name].inputs,
             compute[n.name][choice[n.name]],
             *activation(n.name),
             math_format(costs.graph_nodes[n.name]) or "",
@@ -345,10 +344,6 @@ def _host_capacity(host: Host | None) -> int:
     return int(host.capacity_bytes) if host is not None and host.capacity_bytes < float("inf") else 0
 
 
-def _fmt(strategy: Strategy) -> tuple[str, ...]:
-    return tuple(format_placement(p) for p in strategy.outputs[0])
-
-
 def _collectives(
     space: StrategySpace,
     chosen,
@@ -389,9 +384,7 @@ def _move_collectives(
         steps = costs.steps(ref, src, dst)
         bucketed = costs.gradient_chain(ref, src, dst) if consumer.kind == "param" else None
         if bucketed is not None:
-            gradients.append(
-                (bucketed, costs.value(ref).dtype, format_placements(src), format_placements(dst), consumer.target)
-            )
+            gradients.append((bucketed, costs.value(ref).dtype, src, dst, consumer.target))
             continue
         for step in steps:
             if step.is_collective:
@@ -403,8 +396,8 @@ def _move_collectives(
                     time_s=costs.step_s(step),
                     tensor=_ref_name(ref),
                     consumer=consumer.name,
-                    src=format_placements(src),
-                    dst=format_placements(dst),
+                    src=(src,),
+                    dst=(dst,),
                 )
 
 
@@ -412,7 +405,7 @@ def _split_collectives(space: StrategySpace, chosen, recomputed: frozenset[str],
     """The all-reduces ops make themselves, again when recomputed."""
     for n in space.nodes:
         steps = costs.split_steps(n.name, chosen[n.name]) if n.kind == "op" else ()
-        layout = format_placements(chosen[n.name].inputs[0]) if steps else ""
+        layout = (chosen[n.name].inputs[0],) if steps else ()
         phases: tuple[CollectivePhase, ...] = (n.phase, "recompute") if n.name in recomputed else (n.phase,)
         for phase in phases:
             for step in steps:
@@ -448,8 +441,8 @@ def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh, 
                 else costs.step_s(step),
                 tensor=f"bucket of {len(members)} gradients",
                 consumer="gradients",
-                src=" | ".join(dict.fromkeys(m[2] for m in members)),
-                dst=" | ".join(dict.fromkeys(m[3] for m in members)),
+                src=tuple(dict.fromkeys(m[2] for m in members)),
+                dst=tuple(dict.fromkeys(m[3] for m in members)),
             )
 
 
@@ -464,7 +457,7 @@ def _gather_collectives(
                 g.phase,
                 g.segment,
                 tuple(by_name[k[1][0]].target for k in g.keys),
-                tuple(format_placements(k[2]) for k in g.keys),
+                tuple(k[2] for k in g.keys),
             )
         )
         yield Collective(
@@ -475,8 +468,8 @@ def _gather_collectives(
             time_s=bucket_s((g.bucket.step,), [(s,) for s in g.steps], mesh, costs.links),
             tensor=f"bucket of {len(g.keys)} parameters",
             consumer=f"parameters of {g.segment or '(root)'}",
-            src=" | ".join(dict.fromkeys(format_placements(chosen[k[1][0]].outputs[0]) for k in g.keys)),
-            dst=" | ".join(dict.fromkeys(format_placements(k[2]) for k in g.keys)),
+            src=tuple(dict.fromkeys(chosen[k[1][0]].outputs[0] for k in g.keys)),
+            dst=tuple(dict.fromkeys(k[2] for k in g.keys)),
         )
 
 

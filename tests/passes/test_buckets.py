@@ -100,9 +100,9 @@ def test_the_rank_graph_runs_the_buckets_the_plan_lists(fake_world):
     plan, ran, _ = _plan_and_rank_graph(fake_world, mesh, pins, bucket_bytes=2 * (weight + bias))
     assert [len(b.members) for b in plan.buckets if b.of == "gradients"] == [4, 4, 4]
     alone = tuple(
-        dataclasses.replace(b, members=(name,), placements=(text,))
+        dataclasses.replace(b, members=(name,), placements=(placements,))
         for b in plan.buckets
-        for name, text in zip(b.members, b.placements)
+        for name, placements in zip(b.members, b.placements)
     )
     model = MLP(32, 32, num_layers=6)
     captured = capture(model, (torch.randn(256, 32), torch.randn(256, 32)))
@@ -143,7 +143,7 @@ def test_data_parallel_rank_graph_runs_one_all_reduce_per_bucket(fake_world):
     assert plan.solver.objective_s == pytest.approx(plan.predicted_step_s)  # the solver counted 3 buckets' latency
     buckets = [c for c in plan.collectives if c.tensor.startswith("bucket")]
     assert [c.tensor for c in buckets] == ["bucket of 4 gradients"] * 3
-    assert all(c.phase == "backward" and (c.src, c.dst) == ("(P)", "(R)") for c in buckets)
+    assert all(c.phase == "backward" and (c.src, c.dst) == (((P,),), ((R,),)) for c in buckets)
 
 
 def test_fully_sharded_rank_graph_reduce_scatters_buckets(fake_world):
@@ -338,8 +338,8 @@ def test_reduce_scattered_bucket_gives_each_rank_its_shards():
     # the bucket must come out contiguous and in place; a layer's weight and bias, split on dim
     # 1 and dim 0, gathered by one all-gather, each whole
     for result in run_ranks(4, reduce_scattered_gradients):
-        assert result["buckets"] == [("reduce_scatter", "(S(0)) | (S(1))")]
-        assert "(S(1)) | (S(0))" in result["gathered"]
+        assert result["buckets"] == [("reduce_scatter", ((S(0),), (S(1),)))]
+        assert ((S(1),), (S(0),)) in result["gathered"]
         assert all(result["matches"].values()), result["matches"]
 
 

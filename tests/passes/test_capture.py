@@ -14,6 +14,7 @@ from autopar.passes.analysis.capture import OutputKind, capture
 from torch import nn
 
 import autopar
+from autopar.core.placement import P, R
 from tests.cases import BYTES_DEAR
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -55,7 +56,7 @@ def test_batch_split_all_reduces_batch_norm_statistics():
             if c.kind == "all_reduce" and c.phase == "forward" and module_of.get(c.tensor) == bn
         ]
         assert len(synced) == 2, f"{bn}: {synced}"
-        assert all(c.bytes == 4 * channels and (c.src, c.dst) == ("(P)", "(R)") for c in synced)
+        assert all(c.bytes == 4 * channels and (c.src, c.dst) == (((P,),), ((R,),)) for c in synced)
 
 
 @dataclasses.dataclass

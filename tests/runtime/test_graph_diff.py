@@ -11,6 +11,7 @@ import collections
 import pytest
 
 import autopar
+from autopar.core.placement import P, R, S
 from tests.cases import (
     BYTES_DEAR,
     assert_matches_one_device,
@@ -123,7 +124,7 @@ def test_data_parallel_batch_norm_all_reduces_its_statistics(results):
     statistics, and the run executed these all-reduces (the collectives test)."""
     for r in results["convnet-4-adamw-dp"]:
         plan = autopar.ShardingPlan.from_json(r["plan"])
-        assert plan.inputs["images"] == ("S(0)",)
+        assert plan.inputs["images"] == (S(0),)
         module_of = {n.name: n.module for n in plan.nodes}
         synced = collections.Counter(
             module_of.get(c.tensor) for c in plan.collectives if c.kind == "all_reduce" and c.phase == "forward"
@@ -134,18 +135,16 @@ def test_data_parallel_batch_norm_all_reduces_its_statistics(results):
 @pytest.mark.slow
 def test_pins_are_kept_in_the_plan(results):
     plan = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-2d"][0]["plan"])
-    assert plan.placements["blocks.0.fc1.weight"] == ("R", "S(0)")
-    assert plan.placements["blocks.0.fc2.weight"] == ("R", "S(1)")
-    assert plan.inputs["idx"] == ("S(0)", "R")
+    assert plan.placements["blocks.0.fc1.weight"] == (R, S(0))
+    assert plan.placements["blocks.0.fc2.weight"] == (R, S(1))
+    assert plan.inputs["idx"] == (S(0), R)
     fsdp = autopar.ShardingPlan.from_json(results["gpt-4-adamw-fsdp"][0]["plan"])
-    assert all(p == ("S(0)",) for p in fsdp.placements.values())
+    assert all(p == (S(0),) for p in fsdp.placements.values())
     fsdp_2d = autopar.ShardingPlan.from_json(results["llama-2x2-adamw-fsdp"][0]["plan"])
     params = [n for n in fsdp_2d.pinned if n in fsdp_2d.placements]
-    assert len(params) > 10 and all(
-        fsdp_2d.placements[n] == ("S(0)", "S(0)") for n in params
-    )  # one dim cut by both axes
+    assert len(params) > 10 and all(fsdp_2d.placements[n] == (S(0), S(0)) for n in params)  # one dim cut by both axes
     ddp_2d = autopar.ShardingPlan.from_json(results["gpt-2x2-adamw-dp"][0]["plan"])
-    assert ddp_2d.inputs["idx"] == ("S(0)", "S(0)")
+    assert ddp_2d.inputs["idx"] == (S(0), S(0))
     reduced = [(c.kind, c.axis) for c in ddp_2d.collectives if c.consumer == "gradients"]
     assert set(reduced) == {("all_reduce", "dp"), ("all_reduce", "tp")}  # buckets reduced over both axes, as it ran
 
@@ -157,7 +156,7 @@ def test_expert_split_sends_tokens_to_their_experts_and_back_with_all_to_all(res
     dispatched = cfg.num_experts * groups * cfg.capacity * cfg.dim * 4 // 4  # [E, G, C, D] fp32, a quarter per rank
     for r in results["moe-4-adamw-experts"]:
         plan = autopar.ShardingPlan.from_json(r["plan"])
-        assert plan.placements["blocks.0.moe.w1"] == plan.placements["blocks.0.moe.w2"] == ("S(0)",)
+        assert plan.placements["blocks.0.moe.w1"] == plan.placements["blocks.0.moe.w2"] == (S(0),)
         moves = collections.Counter(
             c.phase for c in plan.collectives if c.kind == "all_to_all" and c.bytes == dispatched
         )
@@ -185,10 +184,10 @@ def test_vocabulary_parallel_lookups_and_cross_entropy_match_one_device(results)
     rank's piece of the vocabulary (and the parallel-training test checks the run)."""
     plan = autopar.ShardingPlan.from_json(results["llama-2x2-adamw-vocab"][0]["plan"])
     lookup = plan.node("embedding")
-    assert lookup.inputs[0] == "(R, S(0))" and lookup.outputs == ("(S(0), P)",)
+    assert lookup.inputs[0] == (R, S(0)) and lookup.outputs == ((S(0), P),)
     for name in ("_log_softmax", "scatter", "_log_softmax_backward_data"):
-        assert plan.node(name).outputs == ("(S(0), S(1))",), plan.node(name)
-    assert plan.node("gather").outputs == ("(S(0), P)",)
-    assert plan.node("embedding_dense_backward").outputs == ("(R, S(0))",)
+        assert plan.node(name).outputs == ((S(0), S(1)),), plan.node(name)
+    assert plan.node("gather").outputs == ((S(0), P),)
+    assert plan.node("embedding_dense_backward").outputs == ((R, S(0)),)
     own = collections.Counter((c.kind, c.phase) for c in plan.collectives if c.consumer.startswith("_log_softmax"))
     assert own == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 1}
