@@ -12,6 +12,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
+from autopar.passes.analysis.liveness import ADAM_SLOTS
 from autopar.planner import check_mesh, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
 
@@ -41,6 +42,7 @@ def compile(
     init_weights: "Callable[[torch.nn.Module], None] | None" = None,
     timeout: float | None = None,
     mixed_precision: MixedPrecision | None = None,
+    optimizer_slots: int = ADAM_SLOTS,
 ):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
@@ -81,6 +83,7 @@ def compile(
         init_weights=init_weights,
         timeout=timeout,
         mixed_precision=mixed_precision,
+        optimizer_slots=optimizer_slots,
     )
     if model is None:
         if mesh is None:

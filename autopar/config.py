@@ -10,6 +10,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.placement import Placement, Placements, parse_placements
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile, resolve_profile
+from autopar.passes.analysis.liveness import ADAM_SLOTS
 from autopar.passes.propagation.buckets import BUCKET_BYTES
 from autopar.passes.solve.remat import RECOMPUTE_OPTIONS
 
@@ -77,6 +78,7 @@ class PlanConfig:
     mixed_precision: MixedPrecision | None = None
     bucket_bytes: int = BUCKET_BYTES
     """Capacity of a gradient bucket (:mod:`autopar.passes.propagation.buckets`)."""
+    optimizer_slots: int = ADAM_SLOTS
     profile: Profile = dataclasses.field(init=False, repr=False)
     budget_bytes: int | None = dataclasses.field(init=False, repr=False)
 
@@ -88,6 +90,12 @@ class PlanConfig:
                 raise TypeError(f"pins must map parameter or input names to placements, got {type(self.pins).__name__}")
             object.__setattr__(self, "pins", MappingProxyType(dict(self.pins)))
         check_recompute(self.recompute)
+        slots = self.optimizer_slots
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 0:
+            raise ValueError(
+                f"optimizer_slots={slots!r}: give the tensors of a parameter's size the optimizer keeps "
+                "per parameter: 2 for Adam and AdamW, 1 for SGD with momentum, 0 for SGD without"
+            )
         check_gap(self.solver_gap)
         if not isinstance(self.solver_time_limit_s, (int, float)) or not self.solver_time_limit_s > 0:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s!r}: give the seconds the solver may take")

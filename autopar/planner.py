@@ -21,7 +21,7 @@ from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
 from autopar.cost_model.hardware import Profile
 from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, module_paths
-from autopar.passes.analysis.liveness import Liveness
+from autopar.passes.analysis.liveness import ADAM_SLOTS, Liveness
 from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.layers import LayerClasses, repeated_layers
@@ -141,7 +141,7 @@ class _Problem:
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
         t2 = time.perf_counter()
-        memory = memory_terms(space, costs)
+        memory = memory_terms(space, costs, optimizer_slots=config.optimizer_slots)
         activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
         classes = _layer_classes(captured, space, node_costs, memory, config.share_layers)
         if classes.num_classes:
@@ -504,6 +504,7 @@ def plan(
     share_layers: bool | None = None,
     recompute: str = "auto",
     mixed_precision: MixedPrecision | None = None,
+    optimizer_slots: int = ADAM_SLOTS,
 ) -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
@@ -531,6 +532,10 @@ def plan(
             input (activation checkpointing of every block) and chooses the rest as ``"auto"``.
         mixed_precision: compute with parameters and inputs cast to
             ``mixed_precision.param_dtype`` (:class:`~autopar.core.precision.MixedPrecision`).
+        optimizer_slots: the tensors of a parameter's size the optimizer keeps for each
+            parameter, which the plan's memory counts: 2 (default) for Adam and AdamW, 1 for SGD
+            with momentum, 0 for SGD without. The module warns at the first step of an optimizer
+            that keeps more.
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):

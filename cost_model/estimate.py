@@ -242,6 +242,8 @@ class MemoryTerms:
     """Per op, for each value it reads: the value, its bytes in the op's layout under each of
     the op's strategies, and its bytes as made under each of its producer's. A read in another
     layout than the value's holds a moved copy while the op runs."""
+    optimizer_slots: int = ADAM_SLOTS
+    """Tensors of its parameter's size the optimizer keeps per parameter, in ``optimizer``."""
 
     def moved_bytes(self, name: str, choice: dict[str, int]) -> float:
         """The bytes of the copies op ``name`` reads that are larger than the values they copy."""
@@ -333,4 +335,4 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
         for n in space.nodes
         if n.kind == "op"
     }
-    return MemoryTerms(params, grads, optimizer, activations, temporaries, moved)
+    return MemoryTerms(params, grads, optimizer, activations, temporaries, moved, optimizer_slots)

@@ -40,7 +40,7 @@ from autopar.runtime.state import (
     whole_fake_state,
     whole_of,
 )
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_unflatten
 
 from autopar.core.errors import InputError
@@ -280,6 +280,7 @@ class ParallelModule(torch.nn.Module):
         self._lower(captured, plan)
         self._shard_state(captured)
         self._built = True
+        _check_optimizer_state(self)
         log.info(
             "rank %d at %s runs %d collectives per step (%s backend)",
             dist.get_rank(),
@@ -560,6 +561,48 @@ def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
                 "the optimizer steps parameters whose gradients of micro-batches under pmodel.no_sync() were never "
                 "synchronised: only the backward of a call outside no_sync() adds them to .grad. Fix: run the last "
                 "micro-batch's forward and backward outside no_sync(), after the others' backward"
+            )
+
+
+_PLANNED: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
+"""Built modules, whose parameters' optimizers are checked at their first step."""
+_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+"""Optimizers whose state has been checked against the plans of the modules they step."""
+_state_hook = None
+
+
+def _check_optimizer_state(module: ParallelModule) -> None:
+    """Make the first step of every optimizer of ``module``'s parameters warn when it keeps more
+    tensors per parameter than the plan's memory counts (``optimizer_slots``)."""
+    global _state_hook
+    if _state_hook is None:
+        _state_hook = register_optimizer_step_post_hook(_warn_of_uncounted_state)
+    _PLANNED.add(module)
+
+
+def _warn_of_uncounted_state(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer in _CHECKED:
+        return
+    _CHECKED.add(optimizer)
+    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    for module in list(_PLANNED):
+        params = [stepped[id(p)] for p in module.parameters() if id(p) in stepped]
+        if not params:
+            continue
+        kept = max(
+            sum(torch.is_tensor(v) and v.shape == p.shape for v in optimizer.state.get(p, {}).values()) for p in params
+        )
+        planned = module.plan.optimizer_slots
+        if kept > planned:
+            log.warning(
+                "%s keeps %d tensors the size of each parameter, but the plan's memory counts %d "
+                "(optimizer_slots=%d): each device holds more than the plan predicts. Fix: plan with "
+                "optimizer_slots=%d",
+                type(optimizer).__name__,
+                kept,
+                planned,
+                planned,
+                kept,
             )
 
 

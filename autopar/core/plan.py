@@ -292,6 +292,9 @@ class ShardingPlan:
     host_params: tuple[str, ...] = ()
     """Parameters (among ``host_optimizer``) whose pieces live in host memory, copied to the
     device for the forward and again for the backward; their gradients go to the host."""
+    optimizer_slots: int = 2
+    """Tensors of its parameter's size the optimizer keeps per parameter, as the memory counts
+    them (2 for Adam and AdamW, 1 for SGD with momentum, 0 for SGD without)."""
     prefetched: tuple[str, ...] = ()
     """Segments (layers, or top-level modules) whose offloaded activations are copied back
     ahead, while the backward of the segment after them runs; the others' are copied back when
@@ -355,6 +358,7 @@ class ShardingPlan:
             "offload_s": self.offload_s,
             "host_optimizer": list(self.host_optimizer),
             "host_params": list(self.host_params),
+            "optimizer_slots": self.optimizer_slots,
             "prefetched": list(self.prefetched),
             "buckets": [b.to_dict() for b in self.buckets],
             "graph_lines": list(self.graph_lines),
@@ -395,6 +399,7 @@ class ShardingPlan:
             offload_s=data["offload_s"],
             host_optimizer=tuple(data["host_optimizer"]),
             host_params=tuple(data["host_params"]),
+            optimizer_slots=data.get("optimizer_slots", 2),
             prefetched=tuple(data["prefetched"]),
             buckets=tuple(PlannedBucket.from_dict(b) for b in data["buckets"]),
             graph_lines=tuple(data["graph_lines"]),
@@ -414,6 +419,7 @@ class ShardingPlan:
             self.bucket_bytes,
             self.host_optimizer,
             self.host_params,
+            self.optimizer_slots,
             self.prefetched,
             self.buckets,
         )

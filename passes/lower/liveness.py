@@ -24,4 +24,5 @@ def plan_liveness(captured, plan) -> Liveness:
         [k.kind for k in state],
         on_host=[k.name in plan.host_optimizer for k in state],
         host_inputs=[k.name in plan.host_params for k in state],
+        optimizer_slots=plan.optimizer_slots,
     )

@@ -112,6 +112,7 @@ def build_plan(
         offload_s=offload_s(activations, solution, memory, host, {n: c[choice[n]] for n, c in compute.items()}),
         host_optimizer=tuple(by_name[name].target for name in sorted(solution.host_optimizer)),
         host_params=tuple(by_name[name].target for name in sorted(solution.host_params)),
+        optimizer_slots=memory.optimizer_slots,
         prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
         buckets=tuple(buckets),
     )
