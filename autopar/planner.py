@@ -71,7 +71,10 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
         result,
         memory=dataclasses.replace(result.memory, liveness_peak_bytes=live.peak_bytes if live else 0),
         solver=dataclasses.replace(
-            result.solver, layer_classes=classes.num_classes, shared_layers=classes.num_shared_layers
+            result.solver,
+            layer_classes=classes.num_classes,
+            shared_layers=classes.num_shared_layers,
+            aligned_layers=classes.num_aligned_layers,
         ),
         stage_s={**problem.stages, **times},
     )

@@ -96,8 +96,13 @@ def _solver_line(plan: ShardingPlan) -> str:
         )
         + (
             f" ({plan.solver.shared_layers} repeated layers in {plan.solver.layer_classes} "
-            f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's, "
-            f"{plan.solver.shared_nodes} nodes)"
+            f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's"
+            + (
+                f", {plan.solver.aligned_layers} more the ops they have in common with it"
+                if plan.solver.aligned_layers
+                else ""
+            )
+            + f", {plan.solver.shared_nodes} nodes)"
             if plan.solver.shared_nodes
             else ""
         )

@@ -174,6 +174,8 @@ class SolverInfo:
     """Classes of two or more identical layers (:mod:`autopar.passes.solve.layers`)."""
     shared_layers: int = 0
     """Layers that took the choice of the first layer of their class."""
+    aligned_layers: int = 0
+    """Layers alike to no other whose ops that match a class's first layer took its choices."""
     layout: str = ""
     """With status ``LAYOUT``: the standard layout returned (``data parallel``, ``fully
     sharded``, ``sharded over <axis>``, :mod:`autopar.passes.solve.layouts`), predicted faster than

@@ -12,8 +12,19 @@ so a first layer whose input needs no gradient (it computes none), a last layer 
 output or the loss, or a layer with an extra op keeps its own variables while the others share.
 Every layer of a class takes the choice of the class's first layer (its representative), so the
 program grows with the distinct layers instead of all of them.
+
+A layer alike to no other of its stack (the first or the last, mostly) is aligned with the
+representative of the stack's largest class, op by op (:class:`difflib.SequenceMatcher` over
+each node's kind, phase, op, strategies and value shapes): each node of a matched run whose
+operands are the counterparts of its counterpart's (or both come from outside the layers) takes
+its counterpart's choice, and only the ops that differ keep their own. The costs and memory of
+every copy add up on the shared variables, whatever they are, so a node may share with one
+that costs otherwise; the program then asks the aligned ops to take the layouts of the layers
+they match, as the layers of a class do, and its size stays that of one layer and the ops
+that differ at every depth.
 """
 
+import difflib
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -37,6 +48,8 @@ class LayerClasses:
     """Classes of two or more identical layers."""
     num_shared_layers: int
     """Layers that take their representative's choice (the layers of those classes, less one each)."""
+    num_aligned_layers: int = 0
+    """Layers alike to no other whose ops that match a representative's take its choices."""
 
 
 def repeated_layers(
@@ -55,15 +68,53 @@ def repeated_layers(
     for (prefix, _), layer in sorted(groups.items()):
         classes[prefix, _layer_signature(layer, values, node_costs, memory)].append(layer)
     template: dict[str, str] = {}
-    num_classes = num_shared = 0
-    for layers in classes.values():
+    num_classes = num_shared = num_aligned = 0
+    largest: dict[str, list[NodeSpace]] = {}
+    for (prefix, _), layers in classes.items():
         if len(layers) < 2:
             continue
         num_classes += 1
         num_shared += len(layers) - 1
         for layer in layers[1:]:
             template.update((n.name, t.name) for n, t in zip(layer, layers[0]))
-    return LayerClasses(template, num_classes, num_shared)
+        if len(layers) > len(largest.get(prefix, ())):
+            largest[prefix] = layers
+    for (prefix, _), layers in classes.items():
+        if len(layers) == 1 and prefix in largest:
+            aligned = _aligned(layers[0], largest[prefix][0], values)
+            template.update(aligned)
+            num_aligned += bool(aligned)
+    return LayerClasses(template, num_classes, num_shared, num_aligned)
+
+
+def _aligned(layer: Sequence[NodeSpace], representative: Sequence[NodeSpace], values: dict) -> dict[str, str]:
+    """The nodes of ``layer`` that take a choice of ``representative``'s (see the module)."""
+
+    def key(n: NodeSpace) -> tuple:
+        return n.kind, n.phase, n.target if n.kind == "op" else None, n.strategies, _signature(values.get(n.name))
+
+    matcher = difflib.SequenceMatcher(None, [key(n) for n in representative], [key(n) for n in layer], autojunk=False)
+    pairs = {
+        layer[j].name: representative[i]
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+        if tag == "equal"
+        for i, j in zip(range(i1, i2), range(j1, j2))
+    }
+    inside, inside_rep = {n.name for n in layer}, {n.name for n in representative}
+    by_name = {n.name: n for n in layer}
+    changed = True
+    while changed:  # a node whose operand lost its counterpart loses its own
+        changed = False
+        for name, counterpart in list(pairs.items()):
+            for (operand, index), (theirs, their_index) in zip(by_name[name].args, counterpart.args):
+                if index != their_index or (
+                    (operand not in pairs or pairs[operand].name != theirs)
+                    and (operand in inside or theirs in inside_rep)
+                ):
+                    del pairs[name]
+                    changed = True
+                    break
+    return {name: counterpart.name for name, counterpart in pairs.items()}
 
 
 def _layer_signature(layer: Sequence[NodeSpace], values: dict, node_costs, memory: MemoryTerms) -> tuple:

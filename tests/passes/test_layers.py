@@ -129,11 +129,14 @@ def test_layers_that_differ_at_the_ends_keep_their_own_choice_and_the_rest_share
         plans[n] = autopar.plan(model, mesh, (x,), hardware="h100", share_layers=True)
     # the last block feeds the output; the first differs too when it computes no input gradient
     own = 1 if input_grad else 2
+    per_layer = (plans[6].solver.shared_nodes - plans[4].solver.shared_nodes) // 2
     for n, p in plans.items():
         assert p.solver.layer_classes == 1 and p.solver.shared_layers == n - own - 1
-        assert p.solver.status == "OPTIMAL"
+        assert p.solver.aligned_layers == own and p.solver.status == "OPTIMAL"
+        # and the layers alike to no other share the ops they have in common with the class's first
+        assert p.solver.shared_nodes >= (n - 1) * per_layer - per_layer // 4
     assert plans[4].solver.num_variables == plans[6].solver.num_variables
-    assert "repeated layers in 1 class share" in str(plans[6])
+    assert f"repeated layers in 1 class share their first layer's, {own} more the ops" in str(plans[6])
 
 
 def test_shared_classes_find_the_plan_of_unshared_layers():
