@@ -14,10 +14,11 @@ Every layer of a class takes the choice of the class's first layer (its represen
 program grows with the distinct layers instead of all of them.
 
 A layer alike to no other of its stack (the first or the last, mostly) is aligned with the
-representative of the stack's largest class, op by op (:class:`difflib.SequenceMatcher` over
-each node's kind, phase, op, strategies and value shapes): each node of a matched run whose
-operands are the counterparts of its counterpart's (or both come from outside the layers) takes
-its counterpart's choice, and only the ops that differ keep their own. The costs and memory of
+representative of the stack's largest class (the stack's first layer when no two are alike),
+op by op (:class:`difflib.SequenceMatcher` over each node's kind, phase, op, strategies and
+value shapes): each node of a matched run whose operands with a counterpart are its
+counterpart's operands takes its counterpart's choice, and only the ops that differ keep their
+own. The costs and memory of
 every copy add up on the shared variables, whatever they are, so a node may share with one
 that costs otherwise; the program then asks the aligned ops to take the layouts of the layers
 they match, as the layers of a class do, and its size stays that of one layer and the ops
@@ -79,9 +80,11 @@ def repeated_layers(
             template.update((n.name, t.name) for n, t in zip(layer, layers[0]))
         if len(layers) > len(largest.get(prefix, ())):
             largest[prefix] = layers
+    first = {prefix: layer for (prefix, _), layer in sorted(groups.items(), reverse=True)}
     for (prefix, _), layers in classes.items():
-        if len(layers) == 1 and prefix in largest:
-            aligned = _aligned(layers[0], largest[prefix][0], values)
+        representative = largest[prefix][0] if prefix in largest else first[prefix]
+        if len(layers) == 1 and layers[0] is not representative:
+            aligned = _aligned(layers[0], representative, values)
             template.update(aligned)
             num_aligned += bool(aligned)
     return LayerClasses(template, num_classes, num_shared, num_aligned)
@@ -100,21 +103,15 @@ def _aligned(layer: Sequence[NodeSpace], representative: Sequence[NodeSpace], va
         if tag == "equal"
         for i, j in zip(range(i1, i2), range(j1, j2))
     }
-    inside, inside_rep = {n.name for n in layer}, {n.name for n in representative}
     by_name = {n.name: n for n in layer}
-    changed = True
-    while changed:  # a node whose operand lost its counterpart loses its own
-        changed = False
-        for name, counterpart in list(pairs.items()):
-            for (operand, index), (theirs, their_index) in zip(by_name[name].args, counterpart.args):
-                if index != their_index or (
-                    (operand not in pairs or pairs[operand].name != theirs)
-                    and (operand in inside or theirs in inside_rep)
-                ):
-                    del pairs[name]
-                    changed = True
-                    break
-    return {name: counterpart.name for name, counterpart in pairs.items()}
+    return {
+        name: counterpart.name
+        for name, counterpart in pairs.items()
+        if all(  # an operand with a counterpart reads the counterpart's operand
+            index == their_index and (operand not in pairs or pairs[operand].name == theirs)
+            for (operand, index), (theirs, their_index) in zip(by_name[name].args, counterpart.args)
+        )
+    }
 
 
 def _layer_signature(layer: Sequence[NodeSpace], values: dict, node_costs, memory: MemoryTerms) -> tuple:

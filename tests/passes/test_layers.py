@@ -139,6 +139,23 @@ def test_layers_that_differ_at_the_ends_keep_their_own_choice_and_the_rest_share
     assert f"repeated layers in 1 class share their first layer's, {own} more the ops" in str(plans[6])
 
 
+def test_a_stack_of_layers_alike_to_no_other_aligns_them_with_its_first():
+    """Two blocks, the first computing no input gradient and the second feeding the output: no
+    two layers are alike, and the second takes the first's choices for the ops they share."""
+    from autopar.examples.stack import BlockStack, StackConfig
+
+    torch.manual_seed(0)
+    model = BlockStack(StackConfig(dim=32, hidden=64, num_heads=4, num_layers=2))
+    captured = capture(model, (torch.randn(8, 16, 32),))
+    mesh = Mesh((2,), ("dp",))
+    shared = plan_captured(captured, mesh, hardware="h100", share_layers=True)
+    alone = plan_captured(captured, mesh, hardware="h100", share_layers=False)
+    assert shared.solver.layer_classes == 0 and shared.solver.aligned_layers == 1
+    assert shared.solver.shared_nodes > 150 and shared.solver.num_variables < alone.solver.num_variables * 0.7
+    assert shared.placements["layers.1.wq.weight"] == shared.placements["layers.0.wq.weight"]
+    assert shared.predicted_step_s == pytest.approx(alone.predicted_step_s, rel=1e-2)
+
+
 def test_shared_classes_find_the_plan_of_unshared_layers():
     from autopar.examples.stack import BlockStack, StackConfig
 
