@@ -162,7 +162,9 @@ class Unsynced:
 
 
 _PEER_FAILURES = ("timed out", "timeout", "closed by peer", "connection reset")
-"""What gloo and NCCL say when a collective's peer stalls past the timeout or leaves the job."""
+"""What gloo and NCCL say when a collective's peer stalls past the timeout or leaves the job. gloo
+raises a bare ``RuntimeError`` for these as for any other failure (torch 2.13), so its text is all
+that tells them apart."""
 
 
 @contextlib.contextmanager
