@@ -26,11 +26,19 @@ from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.layers import LayerClasses, repeated_layers
 from autopar.passes.solve.layouts import standard_layouts
+from autopar.passes.solve.merged import lifted, merged_mesh
 from autopar.passes.solve.planning import build_plan, moment_bytes
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
 from autopar.passes.solve.solver import Problem, SearchOptions, Solution, least_memory_bound, program_size, solve
 
 log = logging.getLogger("autopar")
+
+WHOLE_MESH_BELOW = 1_000_000
+"""Program size (:func:`~autopar.passes.solve.solver.program_size`) of a mesh of three axes or
+more above which its own search is left out: the plan of the mesh with two axes merged (a
+program some twenty times smaller) or a standard layout, whichever is faster, is the plan.
+Building a program that large takes longer than solving the merged one, and its search
+seldom finishes in the time limit."""
 
 SHARE_ABOVE = 20_000
 """Program size (:func:`~autopar.passes.solve.solver.program_size`) from which repeated layers share
@@ -53,14 +61,10 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
-    try:
-        result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
-    except SolverTimeoutError as exc:
-        result, live, times = problem.no_plan_in_time(exc)
-    except _NoPlanUnderBudget:
-        raise InfeasiblePlanError(problem.over_budget()) from None
-    if result.solver.status == "FEASIBLE":
-        result, live = problem.no_slower_than_a_layout(result, live)
+    if problem.merged is not None and program_size(problem.space) > WHOLE_MESH_BELOW:
+        result, live, times = problem.merged_plan()
+    else:
+        result, live, times = _searched(problem, mesh)
     if math.isinf(result.predicted_step_s):
         raise InfeasiblePlanError(
             "no plan reduces every gradient in the parameters' dtype (MixedPrecision.reduce_dtype): an op between "
@@ -80,6 +84,20 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     )
     _report(result, problem)
     return result
+
+
+def _searched(problem: "_Problem", mesh: Mesh) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
+    """The plan the search finds, or the fastest standard layout when that is faster or the
+    search finds none in time; with its program's liveness and the stage times."""
+    try:
+        result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
+    except SolverTimeoutError as exc:
+        return problem.no_plan_in_time(exc)
+    except _NoPlanUnderBudget:
+        raise InfeasiblePlanError(problem.over_budget()) from None
+    if result.solver.status == "FEASIBLE":
+        result, live = problem.no_slower_than_a_layout(result, live)
+    return result, live, times
 
 
 def _report(result: ShardingPlan, problem: "_Problem") -> None:
@@ -132,6 +150,7 @@ class _Problem:
     segments: dict[str, str]
     stages: dict[str, float]
     """Seconds the stages before the search took: capture, propagate and cost."""
+    config: PlanConfig
 
     @classmethod
     def build(cls, captured: Captured, mesh: Mesh, config: PlanConfig) -> "_Problem":
@@ -177,6 +196,7 @@ class _Problem:
             classes,
             {name: segment_of(path) for name, path in module_paths(captured).items()},
             {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1},
+            config,
         )
 
     @property
@@ -235,6 +255,8 @@ class _Problem:
         liveness, stage times, solution)``; :class:`SolverTimeoutError` when it finds none in time."""
         if start is None and self.budget is not None:
             start = _sharded_parameters(self.space, self.memory)
+        if start is None and self.merged is not None:
+            start = self.merged[1]
         started = time.perf_counter()
         program = self.program(
             memory=self.memory if self.budget else None, budget_bytes=solver_budget, choose_recompute=self.chooses
@@ -254,12 +276,48 @@ class _Problem:
         times = {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}
         return plan, live, times, solution
 
+    @functools.cached_property
+    def merged(self) -> tuple[str, dict[str, int]] | None:
+        """On a mesh of three axes or more, without a budget: the fastest plan of the mesh with
+        two adjacent axes merged (:mod:`autopar.passes.solve.merged`), named, as a strategy of
+        every node of this mesh, which the search of this mesh starts from; ``None`` otherwise."""
+        if self.mesh.ndim < 3 or self.budget is not None:
+            return None
+        started, best, best_s = time.perf_counter(), None, math.inf
+        for axis in range(self.mesh.ndim - 1):
+            if any(p[axis] != p[axis + 1] for p in self.pins.values()):
+                continue  # a pin that differs over the two axes has no merged form
+            flat = merged_mesh(self.mesh, axis)
+            pins = {name: (*p[:axis], *p[axis + 1 :]) for name, p in self.pins.items()}
+            sub = _Problem.build(self.captured, flat, dataclasses.replace(self.config, pins=pins))
+            try:
+                solution = sub.solve(sub.program(choose_recompute=sub.chooses), relative_gap=self.gap)
+            except SolverTimeoutError:
+                continue
+            choice = lifted(sub.space, solution.choice, self.space, axis)
+            if len(choice) < len(self.space.nodes):
+                continue
+            plan = self.priced(Solution(choice, solution.info, recomputed=self.activations.param_views))
+            if plan.predicted_step_s < best_s:
+                best, best_s = (f"plan of {flat}", choice), plan.predicted_step_s
+        self.stages["merged"] = time.perf_counter() - started
+        return best
+
+    def merged_plan(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
+        """The fastest of the plan of a merged mesh and the standard layouts, without searching
+        this mesh's own program (``WHOLE_MESH_BELOW``); with its liveness and the stage times."""
+        log.info("the program of %s is large: planning it as %s", self.mesh, self.merged[0])
+        plan = self.best_layout(SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0))
+        return plan, plan_liveness(self.captured, plan) if self.chooses else None, {}
+
     def best_layout(self, solver: SolverInfo) -> ShardingPlan | None:
-        """The fastest standard layout (:mod:`autopar.passes.solve.layouts`) whose predicted peak
-        fits the budget, as a plan of status ``LAYOUT`` carrying the size and time of the search
-        that ``solver`` describes; ``None`` when none fits."""
+        """The fastest standard layout (:mod:`autopar.passes.solve.layouts`), or plan of a merged
+        mesh (:attr:`merged`), whose predicted peak fits the budget, as a plan of status
+        ``LAYOUT`` carrying the size and time of the search that ``solver`` describes; ``None``
+        when none fits."""
         best = None
-        for name, choice in standard_layouts(self.space, self.mesh, self.node_costs, self.costs.transition_s):
+        layouts = standard_layouts(self.space, self.mesh, self.node_costs, self.costs.transition_s)
+        for name, choice in [*layouts, *([self.merged] if self.merged is not None else [])]:
             info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
             plan = self.priced(Solution(choice, info, recomputed=self.activations.param_views))
             if (self.budget is None or plan.peak_memory_bytes <= self.budget) and (

@@ -88,7 +88,10 @@ def _step_line(plan: ShardingPlan) -> str:
 def _solver_line(plan: ShardingPlan) -> str:
     return (
         (
-            f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
+            f"solver: LAYOUT, the {plan.solver.layout}{'' if plan.solver.layout.startswith('plan of') else ' layout'} "
+            "(the mesh's own program is too large to search)"
+            if plan.solver.status == "LAYOUT" and plan.solver.num_variables == 0
+            else f"solver: LAYOUT, the {plan.solver.layout} layout (the search found no faster plan within its time "
             f"limit), {plan.solver.num_variables} variables"
             if plan.solver.status == "LAYOUT"
             else f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
