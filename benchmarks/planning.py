@@ -138,16 +138,12 @@ def run(
     budget: str | None = None,
     gap: float = 1e-3,
 ) -> dict:
-    from autopar.planner import LIVENESS_TRIES
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_plan_one, args=(model_spec, shape, hardware, limit_s, budget, gap, queue))
     started = time.perf_counter()
     proc.start()
-    proc.join(
-        limit_s * (1.5 if budget is None else LIVENESS_TRIES + 1) + 120
-    )  # under a budget, a solve per liveness try
+    proc.join(limit_s * (1.5 if budget is None else 3) + 120)  # under a budget: a solve, its correction, least memory
     if proc.is_alive():
         proc.kill()
         proc.join()

@@ -206,9 +206,10 @@ class MemoryEstimate:
     liveness_peak_bytes: int = 0
     """The peak of the per-rank program itself, every tensor alive from the op making it to its
     last reader (:mod:`autopar.passes.analysis.liveness`), measured for plans that recompute (under a
-    memory budget, or with ``recompute="layers"``): the solver counts a segment's recomputed
-    values one segment at a time, which the program can exceed. 0 when not measured: without
-    recomputation the solver's count is within a few percent of the program's peak, as the
+    memory budget, or with ``recompute="layers"``): the program gathers a layer's parameters in
+    one bucket, whose packed copy the solver does not count, so it can exceed the solver's figure
+    (planning then solves once more, :func:`autopar.planner._within_budget`). 0 when not measured:
+    without a budget the solver's count is within a few percent of the program's peak, as the
     tests check."""
     bucket_bytes: int = 0
     """The packed copy of the largest gradient bucket, alive while its collective runs beside
