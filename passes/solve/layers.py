@@ -22,7 +22,7 @@ own. The costs and memory of
 every copy add up on the shared variables, whatever they are, so a node may share with one
 that costs otherwise; the program then asks the aligned ops to take the layouts of the layers
 they match, as the layers of a class do, and its size stays that of one layer and the ops
-that differ at every depth.
+that differ at every depth. A layer shares so only when most of its ops match (``ALIGNED_AT_LEAST``).
 """
 
 import difflib
@@ -35,6 +35,11 @@ from autopar.cost_model.estimate import MemoryTerms
 from autopar.passes.analysis.capture import Captured, module_paths
 
 from autopar.core.strategy import NodeSpace, StrategySpace
+
+ALIGNED_AT_LEAST = 0.9
+"""The share of a layer's nodes that must match its representative's for them to share: a layer
+matching in a few ops only (an MLP's first layer, whose matmuls differ in shape from the others')
+would gain little from sharing them and lose the plan that suits its own shapes."""
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -85,8 +90,9 @@ def repeated_layers(
         representative = largest[prefix][0] if prefix in largest else first[prefix]
         if len(layers) == 1 and layers[0] is not representative:
             aligned = _aligned(layers[0], representative, values)
-            template.update(aligned)
-            num_aligned += bool(aligned)
+            if len(aligned) >= ALIGNED_AT_LEAST * len(layers[0]):
+                template.update(aligned)
+                num_aligned += 1
     return LayerClasses(template, num_classes, num_shared, num_aligned)
 
 
