@@ -93,6 +93,12 @@ def _searched(problem: "_Problem", mesh: Mesh) -> tuple[ShardingPlan, Liveness |
         result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
         return problem.no_plan_in_time(exc)
+    except _OverByLiveness as exc:
+        fallback = problem.layout_within_budget()
+        if fallback is None:
+            raise InfeasiblePlanError(str(exc)) from None
+        log.warning("no searched plan's program fits the budget; returning the %s layout", fallback[0].solver.layout)
+        return fallback
     except _NoPlanUnderBudget:
         raise InfeasiblePlanError(problem.over_budget()) from None
     if result.solver.status == "FEASIBLE":
@@ -280,16 +286,21 @@ class _Problem:
     def merged(self) -> tuple[str, dict[str, int]] | None:
         """On a mesh of three axes or more, without a budget: the fastest plan of the mesh with
         two adjacent axes merged (:mod:`autopar.passes.solve.merged`), named, as a strategy of
-        every node of this mesh, which the search of this mesh starts from; ``None`` otherwise."""
-        if self.mesh.ndim < 3 or self.budget is not None:
+        every node of this mesh, which the search of this mesh starts from; ``None`` otherwise,
+        and with ``recompute="layers"``, whose choices of what to recompute the lifted plan would
+        not carry. A merged mesh of three axes or more is planned only when its own program is
+        small enough to search (``WHOLE_MESH_BELOW``)."""
+        if self.mesh.ndim < 3 or self.budget is not None or self.chooses:
             return None
         started, best, best_s = time.perf_counter(), None, math.inf
         for axis in range(self.mesh.ndim - 1):
-            if any(p[axis] != p[axis + 1] for p in self.pins.values()):
-                continue  # a pin that differs over the two axes has no merged form
+            if any(p[axis] != p[axis + 1] for p in self.pins.values()) or 1 in self.mesh.shape[axis : axis + 2]:
+                continue  # a pin that differs over the two axes has no merged form; an axis of 1 merges to itself
             flat = merged_mesh(self.mesh, axis)
             pins = {name: (*p[:axis], *p[axis + 1 :]) for name, p in self.pins.items()}
             sub = _Problem.build(self.captured, flat, dataclasses.replace(self.config, pins=pins))
+            if flat.ndim >= 3 and program_size(sub.space) > WHOLE_MESH_BELOW:
+                continue
             try:
                 solution = sub.solve(sub.program(choose_recompute=sub.chooses), relative_gap=self.gap)
             except SolverTimeoutError:
@@ -306,9 +317,18 @@ class _Problem:
     def merged_plan(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
         """The fastest of the plan of a merged mesh and the standard layouts, without searching
         this mesh's own program (``WHOLE_MESH_BELOW``); with its liveness and the stage times."""
-        log.info("the program of %s is large: planning it as %s", self.mesh, self.merged[0])
         plan = self.best_layout(SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0))
+        log.info("the program of %s is too large to search: its plan is the %s", self.mesh, plan.solver.layout)
         return plan, plan_liveness(self.captured, plan) if self.chooses else None, {}
+
+    def layout_within_budget(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]] | None:
+        """The fastest standard layout whose program fits the budget by its liveness, with that
+        liveness and no stage times; ``None`` when none does."""
+        layout = self.best_layout(SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0))
+        if layout is None:
+            return None
+        live = plan_liveness(self.captured, layout)
+        return (layout, live, {}) if live.peak_bytes <= self.budget else None
 
     def best_layout(self, solver: SolverInfo) -> ShardingPlan | None:
         """The fastest standard layout (:mod:`autopar.passes.solve.layouts`), or plan of a merged
@@ -473,6 +493,10 @@ for 0.69-0.81 of it (2.1 times at most; the GPT-2 XL shape on 2x2 under 60% of i
 times); at twice, the plan was still 1% over."""
 
 
+class _OverByLiveness(InfeasiblePlanError):
+    """The searched plans' programs hold more than the budget, after the one correction."""
+
+
 class _NoPlanUnderBudget(Exception):
     """The solver finds no plan under the budget at all."""
 
@@ -487,18 +511,16 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
     (:func:`~autopar.passes.propagation.buckets.parameter_gathers`): a layer's gathered parameters
     are all alive from the read of its first one, beside the packed copy until they are unpacked,
     where the solver counts each only while the op that reads it runs. The buckets are made from
-    the plan the solver returns, so its rows cannot count them. Plans that gather parameters again
-    for the backward's recomputation are those this puts over a budget (on 4 ranks in the tests,
-    1.7% and 11% over; with buckets of one parameter the gaps of 5% and 13% of the budget fell to
-    none and 1%). A recomputing or offloading backward also holds up to 2% of the budget more than
-    the solver counts on one device, where nothing is gathered.
+    the plan the solver returns, so its rows cannot count them: plans that gather parameters again
+    for the backward's recomputation are those this puts over a budget. A recomputing or offloading
+    backward also holds a little more than the solver counts where nothing is gathered.
 
     A plan whose program is over the budget is solved once more, the solver asked for the budget
     less ``LIVENESS_MARGIN`` times what the program held beyond its count (or beyond the budget,
     where its count is over it). When that plan's program is over the budget too, or
-    the solver finds no plan under the lower ask, :class:`InfeasiblePlanError` says what the
-    program holds; a :class:`SolverTimeoutError` goes up as it is, for the standard layouts to
-    answer. The stage times returned add up both solves'."""
+    the solver finds no plan under the lower ask, :class:`_OverByLiveness` says what the
+    program holds, and the standard layouts are tried; a :class:`SolverTimeoutError` goes up as
+    it is, for the standard layouts to answer. The stage times returned add up both solves'."""
     if budget is None:
         return attempt(None)
     try:
@@ -523,9 +545,9 @@ def _within_budget(attempt, budget: int | None, mesh: Mesh):
     except SolverTimeoutError:
         raise
     except InfeasiblePlanError as exc:
-        raise InfeasiblePlanError(_over_by_liveness(budget, live, mesh)) from exc
+        raise _OverByLiveness(_over_by_liveness(budget, live, mesh)) from exc
     if corrected.peak_bytes > budget:
-        raise InfeasiblePlanError(_over_by_liveness(budget, corrected, mesh))
+        raise _OverByLiveness(_over_by_liveness(budget, corrected, mesh))
     return plan, corrected, {k: times.get(k, 0.0) + again.get(k, 0.0) for k in {**times, **again}}, solution
 
 

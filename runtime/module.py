@@ -586,7 +586,7 @@ def _warn_of_uncounted_state(optimizer: torch.optim.Optimizer, args, kwargs) -> 
     _CHECKED.add(optimizer)
     stepped = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     for module in list(_PLANNED):
-        params = [stepped[id(p)] for p in module.parameters() if id(p) in stepped]
+        params = [stepped[id(p)] for p in module.parameters() if id(p) in stepped and p.dim() > 0]  # not Adam's step
         if not params:
             continue
         kept = max(

@@ -85,6 +85,28 @@ def _step_line(plan: ShardingPlan) -> str:
     )
 
 
+def _shared(solver) -> str:
+    """Which layers took another layer's choices: those of classes of identical layers, and those
+    alike to no other that share the ops they have in common with one."""
+    parts = []
+    if solver.layer_classes:
+        parts.append(
+            f"{solver.shared_layers} repeated layers in {solver.layer_classes} "
+            f"class{'es' if solver.layer_classes != 1 else ''} share their first layer's"
+        )
+    if solver.aligned_layers:
+        parts.append(
+            f"{solver.aligned_layers} {'more ' if parts else ''}"
+            + (
+                "layers alike to no other share the ops they have"
+                if solver.aligned_layers != 1
+                else "layer alike to no other shares the ops it has"
+            )
+            + " in common with their stack's"
+        )
+    return ", ".join(parts)
+
+
 def _solver_line(plan: ShardingPlan) -> str:
     return (
         (
@@ -97,18 +119,7 @@ def _solver_line(plan: ShardingPlan) -> str:
             else f"solver: {plan.solver.status}, objective {_time(plan.solver.objective_s)}, bound "
             f"{_time(plan.solver.bound_s)}, {plan.solver.num_variables} variables"
         )
-        + (
-            f" ({plan.solver.shared_layers} repeated layers in {plan.solver.layer_classes} "
-            f"class{'es' if plan.solver.layer_classes != 1 else ''} share their first layer's"
-            + (
-                f", {plan.solver.aligned_layers} more the ops they have in common with it"
-                if plan.solver.aligned_layers
-                else ""
-            )
-            + f", {plan.solver.shared_nodes} nodes)"
-            if plan.solver.shared_nodes
-            else ""
-        )
+        + (f" ({_shared(plan.solver)}, {plan.solver.shared_nodes} nodes)" if plan.solver.shared_nodes else "")
         + f", solved in {plan.solver.solve_s:.2f} s; "
         f"planning took {sum(plan.stage_s.values()):.2f} s ("
         + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_s.items())

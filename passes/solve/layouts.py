@@ -33,12 +33,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from autopar.core.mesh import Mesh
-from autopar.core.placement import Placements, Replicate, Shard
+from autopar.core.placement import Partial, Placements, Replicate, Shard
 from autopar.core.strategy import NodeSpace, StrategySpace, ValueRef
 
-_MATMULS = frozenset(
-    f"aten.{op}.default" for op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm")
-)
+_MATMULS = frozenset(f"aten.{op}.default" for op in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm"))
 """The ops whose reading of a parameter split over the tensor-parallel axis splits their work:
 every other op reads an open parameter replicated over it (norm scales, embeddings)."""
 
@@ -197,8 +195,11 @@ class _Completion:
                 elif name in self.open:
                     moved = {
                         j: s + self.move_s(ref, self.made(name, j, index), needed, strict)
-                        for j, s in self.candidates(name, index, splits=keep_all or n.target in _MATMULS)
+                        for j, s in self.candidates(name, index, splits=keep_all or self.splits(n))
                     }
+                    if not moved:
+                        seconds = math.inf
+                        continue
                     operands[name] = min(moved, key=moved.__getitem__)
                     seconds += moved[operands[name]]
             if seconds < math.inf and (keep_all or not found.costs or seconds < min(found.costs.values())):
@@ -217,16 +218,30 @@ class _Completion:
         whole = [(k, s) for k, s in options if isinstance(self.made(name, k, index)[self.tp], Replicate)]
         return whole or options
 
+    def splits(self, n: NodeSpace) -> bool:
+        """Whether ``n`` may read an open parameter split over the tensor-parallel axis: a matmul,
+        or an op reading a value already split there (a bias added to a column split's output)."""
+        return n.target in _MATMULS or any(
+            name in self.choice and isinstance(self.made(name, self.choice[name], index)[self.tp], Shard)
+            for name, index in n.args
+        )
+
     def made(self, name: str, k: int, index: int) -> Placements | None:
         return self.by_name[name].strategies[k].outputs[index]
 
     def move_s(self, ref: ValueRef, made: Placements | None, needed: Placements, strict: bool) -> float:
         """The seconds of moving ``ref`` from ``made`` to ``needed``; when ``strict`` in a
         tensor-parallel layout, infinite for a move over its axis to anything but whole or
-        another split of a split tensor: nothing is sliced or made partial there."""
+        another split of a split tensor: nothing is sliced or made partial there, but a
+        parameter's value, made partial for a row split's bias (no communication)."""
         if made == needed:
             return 0.0
-        if strict and self.tp is not None and not isinstance(needed[self.tp], (Replicate, type(made[self.tp]))):
+        if (
+            strict
+            and self.tp is not None
+            and not isinstance(needed[self.tp], (Replicate, type(made[self.tp])))
+            and not (ref[0] in self.of_params and isinstance(needed[self.tp], Partial))
+        ):
             return math.inf
         return self.transition_s(ref, made, needed)
 

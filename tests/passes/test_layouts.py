@@ -41,6 +41,14 @@ def test_standard_layouts_place_the_parameters_as_ddp_fsdp_and_hsdp_and_data_par
     for name, choice in layouts.items():
         assert set(choice) == {n.name for n in space.nodes}  # every node has a strategy
         assert weight.strategies[choice[weight.name]].outputs[0] == placed[name], name
+    tensor = layouts["tensor parallel over tp"]
+    for name, placed in {
+        "layers.0.bias": (R, Shard(0)),
+        "layers.1.weight": (R, Shard(1)),
+        "layers.1.bias": (R, R),
+    }.items():
+        node = next(n for n in space.nodes if n.target == name)
+        assert node.strategies[tensor[node.name]].outputs[0] == placed, name  # Megatron's pair, biases included
     ddp = layouts["data parallel"]
     assert first.strategies[ddp[first.name]].outputs[0] == (Shard(0), Shard(0))  # the batch sliced from the input
 
