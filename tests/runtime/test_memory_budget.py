@@ -34,9 +34,10 @@ def _model(num_layers: int = 2):
     return model, batches
 
 
-def _reference(model, batches) -> tuple[list[float], dict]:
+def _reference(model, batches, optimizer=lambda params: make_optimizer("adamw", params)) -> tuple[list[float], dict]:
+    """Losses and final state of a copy of ``model`` trained on one device with ``optimizer``."""
     reference = copy.deepcopy(model)
-    ref_opt = make_optimizer("adamw", reference.parameters())
+    ref_opt = optimizer(reference.parameters())
     ref_losses = []
     for batch in batches:
         ref_opt.zero_grad()
@@ -153,15 +154,8 @@ def meta_model_under_a_cap() -> dict:
         model, MESH, batches[0], hardware=SYNTHETIC, memory_budget=cap, optimizer_slots=0, recompute="none"
     )
     losses, peak, _ = _train(pmodel, pmodel.optimizer(torch.optim.SGD, lr=0.1), batches)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ref_losses = []
-    for batch in batches:
-        ref_opt.zero_grad()
-        loss = reference(*batch)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(float(loss))
-    matches = _matches(pmodel, losses, ref_losses, reference.state_dict())
+    ref_losses, ref_params = _reference(reference, batches, lambda params: torch.optim.SGD(params, lr=0.1))
+    matches = _matches(pmodel, losses, ref_losses, ref_params)
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
