@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -61,7 +62,7 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
-    if problem.merged is not None and program_size(problem.space) > WHOLE_MESH_BELOW:
+    if problem.merges and program_size(problem.space) > WHOLE_MESH_BELOW:
         result, live, times = problem.merged_plan()
     else:
         result, live, times = _searched(problem, mesh)
@@ -262,7 +263,7 @@ class _Problem:
         none in time."""
         start = _sharded_parameters(self.space, self.memory) if self.budget is not None else None
         if start is None and self.merged is not None:
-            start = self.merged[1]
+            start = self.merged.solution.choice
         started = time.perf_counter()
         program = self.program(
             memory=self.memory if self.budget else None, budget_bytes=solver_budget, choose_recompute=self.chooses
@@ -282,17 +283,25 @@ class _Problem:
         times = {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}
         return plan, live, times, solution
 
+    @property
+    def merges(self) -> bool:
+        """Whether :attr:`merged` plans merged meshes: on three axes or more, unless
+        ``recompute="layers"``, whose choices of what to recompute a lifted plan would not carry."""
+        return self.mesh.ndim >= 3 and self.recompute != "layers"
+
     @functools.cached_property
-    def merged(self) -> tuple[str, dict[str, int]] | None:
-        """On a mesh of three axes or more, without a budget: the fastest plan of the mesh with
-        two adjacent axes merged (:mod:`autopar.passes.solve.merged`), named, as a strategy of
-        every node of this mesh, which the search of this mesh starts from; ``None`` otherwise,
-        and with ``recompute="layers"``, whose choices of what to recompute the lifted plan would
-        not carry. A merged mesh of three axes or more is planned only when its own program is
-        small enough to search (``WHOLE_MESH_BELOW``)."""
-        if self.mesh.ndim < 3 or self.budget is not None or self.chooses:
+    def merged(self) -> "_Merged | None":
+        """On a mesh of three axes or more: the fastest plan of the mesh with two adjacent axes
+        merged (:mod:`autopar.passes.solve.merged`), named, as a solution for this mesh (each
+        node's strategy and, under a budget, what it recomputes and offloads), which the search
+        of this mesh starts from; ``None`` when none is found or :attr:`merges` is false. Under
+        a budget each merged mesh is planned as :func:`_searched` plans, its program's liveness
+        within the budget (skipped when the relaxation shows no plan of it fits). A merged mesh
+        of three axes or more is planned only when its own program is small enough to search
+        (``WHOLE_MESH_BELOW``)."""
+        if not self.merges:
             return None
-        started, best, best_s = time.perf_counter(), None, math.inf
+        started, best, best_s, solved = time.perf_counter(), None, math.inf, set()
         for axis in range(self.mesh.ndim - 1):
             if any(p[axis] != p[axis + 1] for p in self.pins.values()) or 1 in self.mesh.shape[axis : axis + 2]:
                 continue  # a pin that differs over the two axes has no merged form; an axis of 1 merges to itself
@@ -302,24 +311,45 @@ class _Problem:
             if flat.ndim >= 3 and program_size(sub.space) > WHOLE_MESH_BELOW:
                 continue
             try:
-                solution = sub.solve(sub.program(choose_recompute=sub.chooses), relative_gap=self.gap)
-            except SolverTimeoutError:
+                if self.budget is None:
+                    solution = sub.solve(sub.program(), relative_gap=self.gap)
+                elif sub.budget < sub.least_memory_bound:
+                    continue
+                else:
+                    solution = _within_budget(sub.attempt, sub.budget, flat)[3]
+            except (SolverTimeoutError, InfeasiblePlanError, _NoPlanUnderBudget):
                 continue
             choice = lifted(sub.space, solution.choice, self.space, axis)
             if len(choice) < len(self.space.nodes):
                 continue
-            plan = self.priced(Solution(choice, solution.info, recomputed=self.activations.param_views))
-            if plan.predicted_step_s < best_s:
-                best, best_s = (f"plan of {flat}", choice), plan.predicted_step_s
+            if self.budget is None:
+                solution = Solution(choice, solution.info, recomputed=self.activations.param_views)
+            else:
+                solution = dataclasses.replace(solution, choice=choice)
+            plan = self.priced(solution)
+            if self.budget is None or plan.peak_memory_bytes <= self.budget:
+                solved |= {axis} if solution.info.status == "OPTIMAL" else set()
+                if plan.predicted_step_s < best_s:
+                    best, best_s = (f"plan of {flat}", solution), plan.predicted_step_s
         self.stages["merged"] = time.perf_counter() - started
-        return best
+        return None if best is None else _Merged(*best, frozenset(solved))
 
     def merged_plan(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
         """The fastest of the plan of a merged mesh and the standard layouts, without searching
-        this mesh's own program (``WHOLE_MESH_BELOW``); with its liveness and the stage times."""
+        this mesh's own program (``WHOLE_MESH_BELOW``); with its liveness and the stage times.
+        Under a budget, :class:`InfeasiblePlanError` when none fits it."""
         plan = self.best_layout(SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0))
+        if plan is None:
+            raise InfeasiblePlanError(
+                f"no plan of a mesh with two of the axes of {self.mesh} merged, and no standard layout, fits "
+                f"memory_budget={format_bytes(self.budget)} per device (the mesh's own program is too large to "
+                "search).\nFix: raise memory_budget, plan for a larger mesh, or shrink the batch"
+            )
         log.info("the program of %s is too large to search: its plan is the %s", self.mesh, plan.solver.layout)
-        return plan, plan_liveness(self.captured, plan) if self.chooses else None, {}
+        live = plan_liveness(self.captured, plan) if self.chooses else None
+        if self.budget is not None and live.peak_bytes > self.budget:
+            raise InfeasiblePlanError(_over_by_liveness(self.budget, live, self.mesh))
+        return plan, live, {}
 
     def layout_within_budget(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]] | None:
         """The fastest standard layout whose program fits the budget by its liveness, with that
@@ -336,10 +366,16 @@ class _Problem:
         ``LAYOUT`` carrying the size and time of the search that ``solver`` describes; ``None``
         when none fits."""
         best = None
-        layouts = standard_layouts(self.space, self.mesh, self.node_costs, self.costs.transition_s)
-        for name, choice in [*layouts, *([self.merged] if self.merged is not None else [])]:
+        merged = self.merged
+        layouts = standard_layouts(
+            self.space, self.mesh, self.node_costs, self.costs.transition_s, merged.solved if merged else ()
+        )
+        solutions = [
+            (name, Solution(choice, solver, recomputed=self.activations.param_views)) for name, choice in layouts
+        ]
+        for name, solution in [*solutions, *([merged[:2]] if merged is not None else [])]:
             info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
-            plan = self.priced(Solution(choice, info, recomputed=self.activations.param_views))
+            plan = self.priced(dataclasses.replace(solution, info=info))
             if (self.budget is None or plan.peak_memory_bytes <= self.budget) and (
                 best is None or plan.predicted_step_s < best.predicted_step_s
             ):
@@ -455,6 +491,16 @@ class _Problem:
                 memory, activations, least.choice, *chosen, least.host_optimizer, least.host_params
             ),
         )
+
+
+class _Merged(NamedTuple):
+    """The fastest plan of a merged mesh, lifted (:attr:`_Problem.merged`)."""
+
+    name: str
+    solution: Solution
+    solved: frozenset[int]
+    """Each ``a`` whose mesh with axes ``a`` and ``a + 1`` merged was solved to optimality (within
+    the gap), with a plan that fits: the standard layouts that treat the two alike are its plans."""
 
 
 def _reduced_after_cast(captured: Captured, policy: MixedPrecision | None) -> frozenset[str]:

@@ -29,7 +29,7 @@ column and row pairs, with its one all-reduce per pair.
 """
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from autopar.core.mesh import Mesh
@@ -44,20 +44,34 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
 def standard_layouts(
-    space: StrategySpace, mesh: Mesh, node_costs: dict[str, list[float]], transition_s: TransitionCost
+    space: StrategySpace,
+    mesh: Mesh,
+    node_costs: dict[str, list[float]],
+    transition_s: TransitionCost,
+    solved_merged: Collection[int] = (),
 ) -> Iterator[tuple[str, dict[str, int]]]:
-    """``(name, strategy index of every node)`` of each standard layout the pins allow."""
+    """``(name, strategy index of every node)`` of each standard layout the pins allow, but
+    those that treat axes ``a`` and ``a + 1`` alike for an ``a`` in ``solved_merged``: each is
+    a plan of the mesh with those two axes merged (:mod:`autopar.passes.solve.merged`), which
+    the caller has solved to optimality already."""
     axes = tuple(range(mesh.ndim))
+    moves: dict[tuple[str, int, int, int], float] = {}  # priced once for all layouts
+
+    def merges(roles: list[object]) -> bool:
+        return any(roles[a] == roles[a + 1] for a in solved_merged)
+
     splits = [("data parallel", ()), ("fully sharded", axes)]
     if mesh.ndim > 1:
         splits += [(f"sharded over {mesh.axis_names[a]}", (a,)) for a in axes]
     for name, split in splits:
+        if merges([a in split for a in axes]):
+            continue
         fixed = {
             n.name: _closest(n, split if n.kind == "param" else ())
             for n in space.nodes
             if n.kind in ("param", "buffer", "input")
         }
-        choice = _Completion(space, node_costs, transition_s, fixed, gathered=split).run()
+        choice = _Completion(space, node_costs, transition_s, fixed, gathered=split, moves=moves).run()
         if choice is not None:
             yield name, choice
     for tp in axes:
@@ -67,9 +81,11 @@ def standard_layouts(
             [(f"fully sharded over {_names(mesh, others)}, {tensor}", others)] if others else []
         )
         for name, split in variants:
+            if merges(["tp" if a == tp else a in split for a in axes]):
+                continue
             fixed = {n.name: _closest(n, ()) for n in space.nodes if n.kind in ("buffer", "input")}
             open_params = {n.name: _splits_over(n, tp, split) for n in space.nodes if n.kind == "param"}
-            choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp).run()
+            choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp, moves).run()
             if choice is not None:
                 yield name, choice
 
@@ -145,6 +161,7 @@ class _Completion:
     gathered: tuple[int, ...] = ()
     open_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tp: int | None = None
+    moves: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
 
     def __post_init__(self):
         self.by_name = self.space.index()
@@ -179,10 +196,14 @@ class _Completion:
         """The seconds of each strategy of ``n`` (all of them, or the cheapest), with its open
         operands' cheapest strategies for it. ``strict`` leaves out the strategies that move an
         operand against the layout's form (:meth:`move_s`)."""
-        found = _Open({})
-        for k, strategy in enumerate(n.strategies):
-            seconds, operands = self.node_costs[n.name][k], {}
-            for ref, needed in zip(n.args, strategy.inputs):
+        found, best, costs = _Open({}), math.inf, self.node_costs[n.name]
+        for k in sorted(range(len(n.strategies)), key=costs.__getitem__):
+            seconds, operands, strategy = costs[k], {}, n.strategies[k]
+            if not keep_all and seconds > best:
+                break  # moves cost nothing or more: no strategy from here on is cheaper
+            for i, (ref, needed) in enumerate(zip(n.args, strategy.inputs)):
+                if not keep_all and seconds > best:
+                    break
                 name, index = ref
                 if (
                     strict
@@ -191,10 +212,11 @@ class _Completion:
                 ):
                     seconds = math.inf
                 elif name in self.choice:
-                    seconds += self.move_s(ref, self.made(name, self.choice[name], index), needed, strict)
+                    j = self.choice[name]
+                    seconds += self.move_s(ref, self.made(name, j, index), needed, strict, (n.name, k, i, j))
                 elif name in self.open:
                     moved = {
-                        j: s + self.move_s(ref, self.made(name, j, index), needed, strict)
+                        j: s + self.move_s(ref, self.made(name, j, index), needed, strict, (n.name, k, i, j))
                         for j, s in self.candidates(name, index, splits=keep_all or self.splits(n))
                     }
                     if not moved:
@@ -202,10 +224,10 @@ class _Completion:
                         continue
                     operands[name] = min(moved, key=moved.__getitem__)
                     seconds += moved[operands[name]]
-            if seconds < math.inf and (keep_all or not found.costs or seconds < min(found.costs.values())):
-                if not keep_all:
-                    found = _Open({})
+            if keep_all and seconds < math.inf:
                 found.costs[k], found.operands[k] = seconds, operands
+            elif seconds < best or (seconds == best < math.inf and k < min(found.costs)):
+                found, best = _Open({k: seconds}, {k: operands}), seconds
         return found
 
     def candidates(self, name: str, index: int, splits: bool) -> list[tuple[int, float]]:
@@ -229,11 +251,15 @@ class _Completion:
     def made(self, name: str, k: int, index: int) -> Placements | None:
         return self.by_name[name].strategies[k].outputs[index]
 
-    def move_s(self, ref: ValueRef, made: Placements | None, needed: Placements, strict: bool) -> float:
+    def move_s(
+        self, ref: ValueRef, made: Placements | None, needed: Placements, strict: bool, key: tuple[str, int, int, int]
+    ) -> float:
         """The seconds of moving ``ref`` from ``made`` to ``needed``; when ``strict`` in a
         tensor-parallel layout, infinite for a move over its axis to anything but whole or
         another split of a split tensor: nothing is sliced or made partial there, but a
-        parameter's value, made partial for a row split's bias (no communication)."""
+        parameter's value, made partial for a row split's bias (no communication). ``key``
+        (the reading node, its strategy, the argument's position, the operand's strategy)
+        names the move in :attr:`moves`, which the layouts share."""
         if made == needed:
             return 0.0
         if (
@@ -243,7 +269,10 @@ class _Completion:
             and not (ref[0] in self.of_params and isinstance(needed[self.tp], Partial))
         ):
             return math.inf
-        return self.transition_s(ref, made, needed)
+        seconds = self.moves.get(key)
+        if seconds is None:
+            seconds = self.moves[key] = self.transition_s(ref, made, needed)
+        return seconds
 
     def settle(self, name: str, options: _Open, k: int) -> None:
         """Fix ``name`` at strategy ``k`` and its open operands at theirs for it."""

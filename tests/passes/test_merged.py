@@ -1,5 +1,6 @@
 """Meshes of three axes planned through the mesh with two adjacent axes merged."""
 
+import pytest
 import torch
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.analysis.capture import capture
@@ -45,3 +46,16 @@ def test_a_three_axis_mesh_too_large_to_search_gets_the_plan_of_a_merged_mesh():
         assert plan.solver.layout in {f"plan of {p.mesh}" for p in flat.values()}
     # the plan runs on the three axes as planned
     assert all(len(p) == 3 for p in plan.placements.values())
+
+
+def test_a_three_axis_mesh_too_large_to_search_plans_under_a_budget_through_a_merged_mesh():
+    model, inputs = _gpt()
+    mesh = autopar.Mesh((2, 2, 2), ("a", "b", "c"))
+    whole = autopar.plan(model, mesh, inputs, hardware="cpu")
+    budget = int(0.7 * whole.peak_memory_bytes)
+    plan = autopar.plan(model, mesh, inputs, hardware="cpu", memory_budget=budget, solver_time_limit_s=10)
+    assert plan.solver.status == "LAYOUT" and "merged" in plan.stage_s  # a merged mesh's plan, or a layout
+    assert plan.peak_memory_bytes <= budget and 0 < plan.memory.liveness_peak_bytes <= budget
+    assert plan.peak_memory_bytes < whole.peak_memory_bytes
+    with pytest.raises(autopar.InfeasiblePlanError, match="no plan of a mesh with two of the axes"):
+        autopar.plan(model, mesh, inputs, hardware="cpu", memory_budget=budget // 20, solver_time_limit_s=10)
