@@ -5,7 +5,8 @@ that fits), and the block stack meta-pytorch/autoparallel benchmarks its planner
 (:mod:`autopar.examples.stack`: 8, 32 and 80 LLaMA-dimension blocks, batch 16 x sequence 1024, its
 input needing a gradient and not) for 8x8 H100s; and, on 4 local gloo ranks (2x2), how long a
 compiled example takes to lower its plan to a batch of half the size on the first call with it,
-against the time ``autopar.compile`` took to plan it.
+against the time ``autopar.compile`` took to plan it. ``--only 3d`` plans the 8B shape at 8 layers
+on 2x4x8 and the LLaMA-3-70B shape (80 layers, batch 1,024 x 8,192) on 16x8x8 under ``--budget``.
 
 The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
 global batch 64 x sequence 8192) is built under ``torch.device("meta")`` with meta inputs, as
@@ -15,7 +16,7 @@ stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.j
 
     python -m benchmarks.planning [--limit-s 120] [--hardware h100] [--layers 2,8,32,64]
                                   [--budget 80GB] [--budget-layers 32] [--budget-gap 0.01]
-                                  [--stack-layers 8,32,80] [--only {stack,relower}]
+                                  [--stack-layers 8,32,80] [--only {stack,relower,3d}]
 """
 
 import argparse
@@ -34,25 +35,32 @@ SCALE_MESH = (8, 8)
 RESULTS = Path(__file__).parent / "results" / "planning.json"
 
 
-def llama3_8b_shaped(num_layers: int):
-    """The LLaMA-3-8B-shaped model and a global batch, on the meta device."""
+def llama3_8b_shaped(num_layers: int, batch: int = 64, dim: int = 4096, heads: int = 32, hidden: int = 14336):
+    """The LLaMA-3-8B-shaped model (or, with other dims, another of its family) and a global
+    batch, on the meta device."""
     import torch
     from autopar.examples.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=128256,
-        dim=4096,
-        num_heads=32,
+        dim=dim,
+        num_heads=heads,
         num_kv_heads=8,
-        hidden=14336,
+        hidden=hidden,
         num_layers=num_layers,
         max_seq=8192,
         rope_theta=500000.0,
     )
     with torch.device("meta"):
         model = Llama(cfg)
-        tokens = torch.randint(0, cfg.vocab_size, (64, cfg.max_seq))
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq))
     return model, (tokens, tokens)
+
+
+def llama3_70b_shaped(num_layers: int):
+    """The LLaMA-3-70B shape (hidden 8192, 64 query / 8 key-value heads, MLP 28672) with a global
+    batch of 1,024 x 8,192 tokens, on the meta device."""
+    return llama3_8b_shaped(num_layers, batch=1024, dim=8192, heads=64, hidden=28672)
 
 
 AUTOPARALLEL_STACK_S = 136.0
@@ -76,6 +84,8 @@ def _build(name: str, layers: int):
 
     if name == "llama3-8b":
         return llama3_8b_shaped(layers)
+    if name == "llama3-70b":
+        return llama3_70b_shaped(layers)
     if name.startswith("stack"):
         return block_stack(layers, input_grad=name == "stack+grad")
     return make_example(name)
@@ -96,7 +106,7 @@ def _plan_one(
     name, layers = model_spec
     started = time.perf_counter()
     model, inputs = _build(name, layers)
-    names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
+    names = ("pp", "dp", "tp")[-len(shape) :] if len(shape) > 1 else ("dp",)
     try:
         plan = autopar.plan(
             model,
@@ -125,6 +135,7 @@ def _plan_one(
             "nodes": len(plan.nodes),
             "predicted_step_s": plan.predicted_step_s,
             "peak_memory_bytes": plan.peak_memory_bytes,
+            "layout": plan.solver.layout,
             "collectives": len(plan.collectives),
         }
     )
@@ -249,6 +260,32 @@ def relower_table(models: list[str]) -> list[dict]:
     return rows
 
 
+def three_axes_table(args) -> list[dict]:
+    """The 8B shape at 8 layers on 2x4x8 without a budget, and the 70B shape on 16x8x8 (1,024
+    H100s) under ``--budget``: meshes of three axes, planned through their merged meshes."""
+    rows = _table(
+        f"The 8B shape on 2x4x8 {args.hardware}, unbudgeted",
+        [(("llama3-8b", 8), (2, 4, 8))],
+        args.hardware,
+        args.limit_s,
+    ) + _table(
+        f"The 70B shape (batch 1024 x 8192) on 16x8x8 {args.hardware} under memory_budget={args.budget!r}, "
+        f"solver_gap={args.budget_gap}",
+        [(("llama3-70b", 80), (16, 8, 8))],
+        args.hardware,
+        args.limit_s,
+        args.budget,
+        args.budget_gap,
+    )
+    for r in rows:
+        if "peak_memory_bytes" in r:
+            print(
+                f"{r['model']} on {r['mesh']}: the {r['layout'] or 'searched plan'}, predicted step "
+                f"{r['predicted_step_s']:.3f} s, peak {r['peak_memory_bytes'] / 2**30:.1f} GiB per device"
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per configuration")
@@ -262,8 +299,9 @@ def main() -> None:
     parser.add_argument("--stack-layers", default="8,32,80", help="block counts of autoparallel's stack")
     parser.add_argument(
         "--only",
-        choices=("stack", "relower"),
-        help="plan only autoparallel's stack, or time only the re-lowering (results to planning-<only>.json)",
+        choices=("stack", "relower", "3d"),
+        help="plan only autoparallel's stack, only the 8B and 70B shapes on meshes of three axes, or time only the "
+        "re-lowering (results to planning-<only>.json)",
     )
     parser.add_argument("--relower-worker", nargs=2, metavar=("MODELS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -272,6 +310,15 @@ def main() -> None:
     if args.only == "relower":
         write_results(
             RESULTS.with_name("planning-relower.json"), mesh=list(RELOWER_MESH), relower=relower_table(list(MODELS))
+        )
+        return
+    if args.only == "3d":
+        write_results(
+            RESULTS.with_name("planning-3d.json"),
+            hardware_profile=args.hardware,
+            float32_matmul_precision=FLOAT32_MATMULS,
+            solver_time_limit_s=args.limit_s,
+            three_axes=three_axes_table(args),
         )
         return
     stack = _table(
