@@ -12,6 +12,12 @@ optimizer (SGD) trained with:
   by its global head count, which torch's tensor parallelism needs rewritten by hand);
 - ``auto``: autopar's own plan, with the batch given to each rank in pieces as above.
 
+Each autopar module also runs a third way, ``local``: the same module and steps, but the
+optimizer steps the parameters' local pieces (plain tensors sharing the DTensors' storage, the
+gradients' pieces handed to them) instead of the DTensor parameters themselves. The two differ
+only in DTensor's dispatch in ``zero_grad`` and the optimizer step: the cost of autopar's
+parameters being DTensors.
+
 autopar plans with this machine's profile, calibrated for the rank count just before
 (``autopar calibrate``): with the generic ``cpu`` profile (α of 50 µs against the 0.3–6 ms
 calibrated for gloo here) it splits the MLP's loss over the ranks in the tensor-parallel
@@ -79,6 +85,29 @@ def _stepper(model, batch):
     return step
 
 
+def _local_stepper(pmodel, batch):
+    """As :func:`_stepper` for autopar's module, the optimizer stepping each parameter's local
+    piece (a plain tensor on the DTensor's storage) with its gradient's piece."""
+    import torch.distributed as dist
+
+    params = list(pmodel.parameters())
+    pieces = [p.to_local().detach() for p in params]
+    opt = torch.optim.SGD(pieces, lr=1e-3)
+
+    def step() -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        for p in params:
+            p.grad = None
+        pmodel(*batch).backward()
+        for p, piece in zip(params, pieces):
+            piece.grad = None if p.grad is None else p.grad.to_local()
+        opt.step()
+        return time.perf_counter() - started
+
+    return step
+
+
 def _rounds(steppers: list, steps: int) -> list[list[list[float]]]:
     """Per stepper, the step times of each of ``ROUNDS`` rounds of ``steps`` steps, the steppers
     taking turns round by round, after ``WARMUP`` untimed steps of each."""
@@ -138,16 +167,17 @@ def worker(models: list[str], steps: int, profile: str, out: str) -> None:
             pmodel = autopar.compile(model, mesh, batch, hardware=profile, pins=pins)
             kinds = collections.Counter(c.kind for c in pmodel.plan.collectives if c.bytes > 64)
             row["autopar_collectives"] = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-            steppers = [_stepper(pmodel, local)]
+            steppers = [_stepper(pmodel, local), _local_stepper(pmodel, local)]
             if kind != "auto":
                 model, batch, _ = _model(name)
                 shard = [x.chunk(world)[rank] for x in batch] if kind != "tp" else batch
                 steppers.append(_stepper(_torch_variant(kind, model, mesh_1d), shard))
             rounds = _rounds(steppers, steps)
             row["autopar_s"] = _mean(rounds[0])
+            row["local_s"] = _mean(rounds[1])
             if kind != "auto":
-                row["torch_s"] = _mean(rounds[1])
-                row["round_ratios"] = [statistics.mean(a) / statistics.mean(t) for a, t in zip(*rounds)]
+                row["torch_s"] = _mean(rounds[2])
+                row["round_ratios"] = [statistics.mean(a) / statistics.mean(t) for a, t in zip(rounds[0], rounds[2])]
             rows.append(row)
             if rank == 0:
                 print(f"  {name} {kind} on {world} ranks done", file=sys.stderr, flush=True)
@@ -191,11 +221,12 @@ def main() -> None:
             rows += json.loads(Path(out).read_text())
     header = (
         f"{'model':5} {'ranks':>5} {'layout':6} {'torch ms':>9} {'autopar ms':>10} {'autopar/torch':>13} "
-        f"{'by round':>11}  "
+        f"{'by round':>11} {'local ms':>8} {'autopar/local':>13}  "
         f"autopar's collectives over 64 bytes"
     )
     print(
-        f"\nmean step time of {ROUNDS} rounds of {args.steps} steps, torch's and autopar's module taking turns, "
+        f"\nmean step time of {ROUNDS} rounds of {args.steps} steps, autopar's module (its optimizer stepping the "
+        "DTensors, or their local pieces) and torch's taking turns, "
         f"after {WARMUP} warm-up steps each, gloo on this machine\n{header}\n{'-' * len(header)}"
     )
     for r in rows:
@@ -204,7 +235,7 @@ def main() -> None:
         spread = f"{min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}" if "torch_s" in r else "-"
         print(
             f"{r['model']:5} {r['ranks']:>5} {r['layout']:6} {torch_ms:>9.2f} {r['autopar_s'] * 1e3:>10.2f} "
-            f"{ratio:>13} {spread:>11}  "
+            f"{ratio:>13} {spread:>11} {r['local_s'] * 1e3:>8.2f} {r['autopar_s'] / r['local_s']:>13.2f}  "
             f"{r['autopar_collectives']}"
         )
     write_results(RESULTS, steps=args.steps, rounds=ROUNDS, warmup=WARMUP, rows=rows)
