@@ -346,10 +346,11 @@ class _Problem:
         Under a budget, :class:`InfeasiblePlanError` when none fits it."""
         plan = self.best_layout(SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0))
         if plan is None:
+            fits = "" if self.budget is None else f" fits memory_budget={format_bytes(self.budget)} per device"
             raise InfeasiblePlanError(
-                f"no plan of a mesh with two of the axes of {self.mesh} merged, and no standard layout, fits "
-                f"memory_budget={format_bytes(self.budget)} per device (the mesh's own program is too large to "
-                "search).\nFix: raise memory_budget, plan for a larger mesh, or shrink the batch"
+                f"no plan of a mesh with two of the axes of {self.mesh} merged, and no standard layout,{fits} "
+                "(the mesh's own program is too large to search).\nFix: raise memory_budget, plan for a larger mesh, "
+                "shrink the batch, or pin the large tensors"
             )
         log.info("the program of %s is too large to search: its plan is the %s", self.mesh, plan.solver.layout)
         live = plan_liveness(self.captured, plan) if self.chooses else None
