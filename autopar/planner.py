@@ -6,7 +6,6 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -263,7 +262,7 @@ class _Problem:
         none in time."""
         start = _sharded_parameters(self.space, self.memory) if self.budget is not None else None
         if start is None and self.merged is not None:
-            start = self.merged.solution.choice
+            start = self.merged[1].choice
         started = time.perf_counter()
         program = self.program(
             memory=self.memory if self.budget else None, budget_bytes=solver_budget, choose_recompute=self.chooses
@@ -290,18 +289,18 @@ class _Problem:
         return self.mesh.ndim >= 3 and self.recompute != "layers"
 
     @functools.cached_property
-    def merged(self) -> "_Merged | None":
+    def merged(self) -> tuple[str, Solution] | None:
         """On a mesh of three axes or more: the fastest plan of the mesh with two adjacent axes
         merged (:mod:`autopar.passes.solve.merged`), named, as a solution for this mesh (each
-        node's strategy and, under a budget, what it recomputes and offloads), which the search
-        of this mesh starts from; ``None`` when none is found or :attr:`merges` is false. Under
-        a budget each merged mesh is planned as :func:`_searched` plans, its program's liveness
-        within the budget (skipped when the relaxation shows no plan of it fits). A merged mesh
-        of three axes or more is planned only when its own program is small enough to search
-        (``WHOLE_MESH_BELOW``)."""
+        node's strategy and, under a budget, what it recomputes and offloads); without a budget
+        the search of this mesh starts from it. ``None`` when none is found or :attr:`merges`
+        is false. Under a budget each merged mesh is planned as :func:`_searched` plans, its
+        program's liveness within the budget (skipped when the relaxation shows no plan of it
+        fits). A merged mesh of three axes or more is planned only when its own program is small
+        enough to search (``WHOLE_MESH_BELOW``)."""
         if not self.merges:
             return None
-        started, best, best_s, solved = time.perf_counter(), None, math.inf, set()
+        started, best, best_s = time.perf_counter(), None, math.inf
         for axis in range(self.mesh.ndim - 1):
             if any(p[axis] != p[axis + 1] for p in self.pins.values()) or 1 in self.mesh.shape[axis : axis + 2]:
                 continue  # a pin that differs over the two axes has no merged form; an axis of 1 merges to itself
@@ -310,19 +309,13 @@ class _Problem:
             sub = _Problem.build(self.captured, flat, dataclasses.replace(self.config, pins=pins))
             if flat.ndim >= 3 and program_size(sub.space) > WHOLE_MESH_BELOW:
                 continue
-            asked = []  # the budgets the solver was given: more than one after a correction
-
-            def attempt(solver_budget, sub=sub):
-                asked.append(solver_budget)
-                return sub.attempt(solver_budget)
-
             try:
                 if self.budget is None:
                     solution = sub.solve(sub.program(), relative_gap=self.gap)
                 elif sub.budget < sub.least_memory_bound:
                     continue
                 else:
-                    solution = _within_budget(attempt, sub.budget, flat)[3]
+                    solution = _within_budget(sub.attempt, sub.budget, flat)[3]
             except (SolverTimeoutError, InfeasiblePlanError, _NoPlanUnderBudget):
                 continue
             choice = lifted(sub.space, solution.choice, self.space, axis)
@@ -333,30 +326,32 @@ class _Problem:
             else:
                 solution = dataclasses.replace(solution, choice=choice)
             plan = self.priced(solution)
-            if self.budget is None or plan.peak_memory_bytes <= self.budget:
-                solved |= {axis} if solution.info.status == "OPTIMAL" and len(asked) <= 1 else set()
-                if plan.predicted_step_s < best_s:
-                    best, best_s = (f"plan of {flat}", solution), plan.predicted_step_s
+            if plan.predicted_step_s < best_s and (self.budget is None or plan.peak_memory_bytes <= self.budget):
+                best, best_s = (f"plan of {flat}", solution), plan.predicted_step_s
         self.stages["merged"] = time.perf_counter() - started
-        return None if best is None else _Merged(*best, frozenset(solved))
+        return best
 
     def merged_plan(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
-        """The fastest of the plan of a merged mesh and the standard layouts, without searching
-        this mesh's own program (``WHOLE_MESH_BELOW``); with its liveness and the stage times.
-        Under a budget, :class:`InfeasiblePlanError` when none fits it."""
-        plan = self.best_layout(SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0))
-        if plan is None:
-            fits = "" if self.budget is None else f" fits memory_budget={format_bytes(self.budget)} per device"
-            raise InfeasiblePlanError(
-                f"no plan of a mesh with two of the axes of {self.mesh} merged, and no standard layout,{fits} "
-                "(the mesh's own program is too large to search).\nFix: raise memory_budget, plan for a larger mesh, "
-                "shrink the batch, or pin the large tensors"
-            )
-        log.info("the program of %s is too large to search: its plan is the %s", self.mesh, plan.solver.layout)
-        live = plan_liveness(self.captured, plan) if self.chooses else None
-        if self.budget is not None and live.peak_bytes > self.budget:
+        """The fastest of the plan of a merged mesh and the standard layouts whose program fits
+        (under a budget, by its liveness), without searching this mesh's own program
+        (``WHOLE_MESH_BELOW``); with its liveness and the stage times. :class:`InfeasiblePlanError`
+        when none fits."""
+        info = SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0)
+        live = None
+        for plan in self.layouts_by_speed(info, with_merged=True):
+            live = plan_liveness(self.captured, plan) if self.chooses else None
+            if self.budget is None or live.peak_bytes <= self.budget:
+                log.info("the program of %s is too large to search: its plan is the %s", self.mesh, plan.solver.layout)
+                return plan, live, {}
+        if live is not None:
             raise InfeasiblePlanError(_over_by_liveness(self.budget, live, self.mesh))
-        return plan, live, {}
+        fits = "" if self.budget is None else f" fits memory_budget={format_bytes(self.budget)} per device"
+        raise InfeasiblePlanError(
+            f"no plan of a mesh with two of the axes of {self.mesh} merged, and no standard layout{fits} (the "
+            "mesh's own program is too large to search).\nFix: "
+            + ("raise memory_budget, plan for a larger mesh, shrink the batch, or " if self.budget is not None else "")
+            + "pin the large tensors"
+        )
 
     def layout_within_budget(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]] | None:
         """The fastest standard layout whose program fits the budget by its liveness, with that
@@ -368,26 +363,28 @@ class _Problem:
         return (layout, live, {}) if live.peak_bytes <= self.budget else None
 
     def best_layout(self, solver: SolverInfo) -> ShardingPlan | None:
-        """The fastest standard layout (:mod:`autopar.passes.solve.layouts`), or plan of a merged
-        mesh (:attr:`merged`), whose predicted peak fits the budget, as a plan of status
-        ``LAYOUT`` carrying the size and time of the search that ``solver`` describes; ``None``
-        when none fits."""
-        best = None
-        merged = self.merged
-        layouts = standard_layouts(
-            self.space, self.mesh, self.node_costs, self.costs.transition_s, merged.solved if merged else ()
-        )
+        """The fastest of :meth:`layouts_by_speed` (with the merged meshes' plan without a budget:
+        under one, planning them costs searches this fallback does not wait for); ``None`` when
+        none fits."""
+        return next(iter(self.layouts_by_speed(solver, with_merged=self.budget is None)), None)
+
+    def layouts_by_speed(self, solver: SolverInfo, with_merged: bool) -> list[ShardingPlan]:
+        """The standard layouts (:mod:`autopar.passes.solve.layouts`) and, ``with_merged``, the
+        plan of a merged mesh (:attr:`merged`) whose predicted peak fits the budget, fastest
+        first, as plans of status ``LAYOUT`` carrying the size and time of the search that
+        ``solver`` describes."""
+        layouts = standard_layouts(self.space, self.mesh, self.node_costs, self.costs.transition_s)
         solutions = [
             (name, Solution(choice, solver, recomputed=self.activations.param_views)) for name, choice in layouts
         ]
-        for name, solution in [*solutions, *([merged[:2]] if merged is not None else [])]:
+        merged = self.merged if with_merged else None
+        plans = []
+        for name, solution in [*solutions, *([merged] if merged is not None else [])]:
             info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
             plan = self.priced(dataclasses.replace(solution, info=info))
-            if (self.budget is None or plan.peak_memory_bytes <= self.budget) and (
-                best is None or plan.predicted_step_s < best.predicted_step_s
-            ):
-                best = plan
-        return best
+            if self.budget is None or plan.peak_memory_bytes <= self.budget:
+                plans.append(plan)
+        return sorted(plans, key=lambda plan: plan.predicted_step_s)
 
     def no_plan_in_time(self, exc: SolverTimeoutError):
         """The fastest standard layout that fits, when the search found no plan in its time
@@ -498,17 +495,6 @@ class _Problem:
                 memory, activations, least.choice, *chosen, least.host_optimizer, least.host_params
             ),
         )
-
-
-class _Merged(NamedTuple):
-    """The fastest plan of a merged mesh, lifted (:attr:`_Problem.merged`)."""
-
-    name: str
-    solution: Solution
-    solved: frozenset[int]
-    """Each ``a`` whose mesh with axes ``a`` and ``a + 1`` merged was solved to optimality (within
-    the gap) under the budget itself, not a corrected one, with a plan that fits: the standard
-    layouts that treat the two alike are plans of that mesh, so none is faster."""
 
 
 def _reduced_after_cast(captured: Captured, policy: MixedPrecision | None) -> frozenset[str]:

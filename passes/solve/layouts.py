@@ -29,7 +29,7 @@ column and row pairs, with its one all-reduce per pair.
 """
 
 import math
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from autopar.core.mesh import Mesh
@@ -44,28 +44,15 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
 def standard_layouts(
-    space: StrategySpace,
-    mesh: Mesh,
-    node_costs: dict[str, list[float]],
-    transition_s: TransitionCost,
-    solved_merged: Collection[int] = (),
+    space: StrategySpace, mesh: Mesh, node_costs: dict[str, list[float]], transition_s: TransitionCost
 ) -> Iterator[tuple[str, dict[str, int]]]:
-    """``(name, strategy index of every node)`` of each standard layout the pins allow, but
-    those that treat axes ``a`` and ``a + 1`` alike for an ``a`` in ``solved_merged``: each is
-    a plan of the mesh with those two axes merged (:mod:`autopar.passes.solve.merged`), which
-    the caller has solved to optimality already."""
+    """``(name, strategy index of every node)`` of each standard layout the pins allow."""
     axes = tuple(range(mesh.ndim))
     moves: dict[tuple[str, int, int, int], float] = {}  # priced once for all layouts
-
-    def merges(roles: list[object]) -> bool:
-        return any(roles[a] == roles[a + 1] for a in solved_merged)
-
     splits = [("data parallel", ()), ("fully sharded", axes)]
     if mesh.ndim > 1:
         splits += [(f"sharded over {mesh.axis_names[a]}", (a,)) for a in axes]
     for name, split in splits:
-        if merges([a in split for a in axes]):
-            continue
         fixed = {
             n.name: _closest(n, split if n.kind == "param" else ())
             for n in space.nodes
@@ -81,13 +68,16 @@ def standard_layouts(
             [(f"fully sharded over {_names(mesh, others)}, {tensor}", others)] if others else []
         )
         for name, split in variants:
-            if merges(["tp" if a == tp else a in split for a in axes]):
-                continue
             fixed = {n.name: _closest(n, ()) for n in space.nodes if n.kind in ("buffer", "input")}
             open_params = {n.name: _splits_over(n, tp, split) for n in space.nodes if n.kind == "param"}
             choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp, moves).run()
             if choice is not None:
                 yield name, choice
+
+
+def _or_inf(seconds: float) -> float:
+    """``seconds``, or infinity for NaN, so that strategies sort by their own cost."""
+    return math.inf if math.isnan(seconds) else seconds
 
 
 def _names(mesh: Mesh, axes: tuple[int, ...]) -> str:
@@ -197,7 +187,8 @@ class _Completion:
         operands' cheapest strategies for it. ``strict`` leaves out the strategies that move an
         operand against the layout's form (:meth:`move_s`)."""
         found, best, costs = _Open({}), math.inf, self.node_costs[n.name]
-        for k in sorted(range(len(n.strategies)), key=costs.__getitem__):
+        order = range(len(costs)) if keep_all else sorted(range(len(costs)), key=lambda k: _or_inf(costs[k]))
+        for k in order:
             seconds, operands, strategy = costs[k], {}, n.strategies[k]
             if not keep_all and seconds > best:
                 break  # moves cost nothing or more: no strategy from here on is cheaper
