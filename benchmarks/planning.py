@@ -316,6 +316,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.relower_worker:
         return relower_worker(args.relower_worker[0].split(","), args.relower_worker[1])
+    settings = {  # what every planning table's results record
+        "hardware_profile": args.hardware,
+        "float32_matmul_precision": FLOAT32_MATMULS,
+        "solver_time_limit_s": args.limit_s,
+    }
     if args.only == "relower":
         write_results(
             RESULTS.with_name("planning-relower.json"), mesh=list(RELOWER_MESH), relower=relower_table(list(MODELS))
@@ -324,9 +329,7 @@ def main() -> None:
     if args.only == "3d":
         write_results(
             RESULTS.with_name("planning-3d.json"),
-            hardware_profile=args.hardware,
-            float32_matmul_precision=FLOAT32_MATMULS,
-            solver_time_limit_s=args.limit_s,
+            **settings,
             three_axes=three_axes_table(args),
         )
         return
@@ -340,9 +343,7 @@ def main() -> None:
     if args.only == "stack":
         write_results(
             RESULTS.with_name("planning-stack.json"),
-            hardware_profile=args.hardware,
-            float32_matmul_precision=FLOAT32_MATMULS,
-            solver_time_limit_s=args.limit_s,
+            **settings,
             stack=stack,
             autoparallel_stack_s=AUTOPARALLEL_STACK_S,
         )
@@ -376,9 +377,7 @@ def main() -> None:
             )
     write_results(
         RESULTS,
-        hardware_profile=args.hardware,
-        float32_matmul_precision=FLOAT32_MATMULS,
-        solver_time_limit_s=args.limit_s,
+        **settings,
         examples=zoo,
         llama3_8b_shaped=scale,
         llama3_8b_shaped_budget=budgeted,
