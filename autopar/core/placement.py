@@ -14,6 +14,8 @@ __all__ = [
     "Partial",
     "Placement",
     "Placements",
+    "Layout",
+    "layout",
     "Replicate",
     "Shard",
     "R",
@@ -28,6 +30,37 @@ __all__ = [
 
 Placements = tuple[Placement, ...]
 """A tensor's placement on each mesh axis, in mesh-axis order."""
+
+
+class Layout(tuple):
+    """Placements that hash in constant time, one object per distinct value (:func:`layout`).
+    torch's placements hash in Python, and building the plan's program keys its tables by the
+    layouts of strategies millions of times. Equal to, and hashed as, the plain tuple."""
+
+    _hash: int
+
+    def __new__(cls, placements: Placements) -> "Layout":
+        self = super().__new__(cls, placements)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return layout, (tuple(self),)  # hashed again where it is loaded: a Partial's hash is a string's
+
+
+_LAYOUTS: dict[Placements, Layout] = {}
+
+
+def layout(placements: Placements) -> Layout:
+    """The one :class:`Layout` equal to ``placements``."""
+    found = _LAYOUTS.get(placements)
+    if found is None:
+        found = _LAYOUTS[placements] = Layout(placements)
+    return found
+
 
 R = Replicate()
 P = Partial("sum")

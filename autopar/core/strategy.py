@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from autopar.core.kinds import NodeKind, Phase
-from autopar.core.placement import Placements
+from autopar.core.placement import Placements, layout
 
 ValueRef = tuple[str, int]
 """A tensor of the graph: (name of the node producing it, index among that node's outputs)."""
@@ -28,6 +28,10 @@ class Strategy:
     """One entry per output of the op (``None`` where the output is not a tensor)."""
     inputs: tuple[Placements, ...]
     """One entry per tensor argument, in the order of ``NodeSpace.args``."""
+
+    def __post_init__(self):  # as :class:`~autopar.core.placement.Layout`s, which hash in constant time
+        object.__setattr__(self, "outputs", tuple(None if p is None else layout(p) for p in self.outputs))
+        object.__setattr__(self, "inputs", tuple(layout(p) for p in self.inputs))
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ from autopar.passes.solve.mip import (
     DEFAULT_HEURISTIC_EFFORT,
     MEMORY_SCALE,
     SCALE,
+    add_row,
     solve_before_deadline,
 )
 from autopar.passes.solve.remat import ActivationSpace, backward_view_reads
@@ -463,6 +464,7 @@ def _search(built: Program, options: SearchOptions, started: float, hint: list[t
         give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
         heuristic_effort=effort,
         dive=strategy_vars,
+        plain=built.peak is None,
     )
     status = _status(outcome)
     left = started + time_limit_s - time.perf_counter()
@@ -578,7 +580,7 @@ def _complete_start(start: "Solution | Mapping[str, int] | None", ind: dict) -> 
 
 def _one_strategy_per_node(solver, node: NodeSpace) -> list[list]:
     variables = [solver.BoolVar(f"x[{node.name},{k}]") for k in range(len(node.strategies))]
-    solver.Add(sum(variables) == 1)
+    add_row(solver, 1.0, 1.0, [(v, 1.0) for v in variables])
     return [[v] for v in variables]
 
 

@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 from autopar.passes.propagation.buckets import BucketShare
+from autopar.passes.solve.mip import add_row
 
 from autopar.core.kinds import Phase
 from autopar.core.placement import Placements
@@ -150,9 +151,9 @@ def _transport(solver, src: dict, dst: dict) -> dict:
     reader's ``q``, given each side's one-hot sums by layout."""
     t = {(p, q): solver.NumVar(0.0, 1.0, "") for p in src for q in dst}
     for p, terms in src.items():  # the reader's copy leaves the producer's layout
-        solver.Add(sum(t[p, q] for q in dst) == sum(terms))
+        add_row(solver, 0.0, 0.0, [*((t[p, q], 1.0) for q in dst), *((v, -1.0) for v in terms)])
     for q, terms in dst.items():  # and arrives in the layout the reader needs
-        solver.Add(sum(t[p, q] for p in src) == sum(terms))
+        add_row(solver, 0.0, 0.0, [*((t[p, q], 1.0) for p in src), *((v, -1.0) for v in terms)])
     return t
 
 
@@ -252,10 +253,10 @@ def layout_flow(solver, costs: dict, arcs, src: dict, dst: dict, count: int) -> 
         into[v].append(f)
         costs[f] += count * cost
         priced.append((f, cost))
-    for (
-        u
-    ) in layouts:  # what leaves a layout is what the producer gives it plus what arrives, less what the reader keeps
-        solver.Add(sum(out[u]) - sum(into[u]) == sum(src.get(u, [])) - sum(dst.get(u, [])))
+    for u in layouts:  # leaving a layout: what the producer gives it plus what arrives, less what the reader keeps
+        terms = [(f, 1.0) for f in out[u]] + [(f, -1.0) for f in into[u]]
+        terms += [(v, -1.0) for v in src.get(u, ())] + [(v, 1.0) for v in dst.get(u, ())]
+        add_row(solver, 0.0, 0.0, terms)
     return priced
 
 
@@ -278,4 +279,7 @@ def _move(
         costs[moves[p, q]] += count * transition_s(ref, p, q)
         if joined is not None:
             joined(p, q, moves[p, q])
-    solver.Add(moves[p, q] >= (1 if need is None else need))  # one copy serves every reader
+    if need is None:  # one copy serves every reader
+        moves[p, q].SetLb(1.0)
+    else:
+        add_row(solver, 0.0, solver.infinity(), [(moves[p, q], 1.0), (need, -1.0)])
