@@ -51,10 +51,15 @@ class CostModel:
         self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
         self._local_bytes: dict[tuple, int] = {}
         self._bytes_of: dict[tuple, int] = {}  # by value and layout, before the shape is looked up
+        self._moved: dict[tuple, float] = {}  # transitions by value and layouts, likewise
+        self._values: dict[ValueRef, torch.Tensor] = {}
 
     def value(self, ref: ValueRef) -> torch.Tensor:
-        val = self.graph_nodes[ref[0]].meta["val"]
-        return val[ref[1]] if isinstance(val, (list, tuple)) else val
+        found = self._values.get(ref)
+        if found is None:
+            val = self.graph_nodes[ref[0]].meta["val"]
+            found = self._values[ref] = val[ref[1]] if isinstance(val, (list, tuple)) else val
+        return found
 
     def compute_costs(self, space: StrategySpace) -> dict[str, list[float]]:
         """Node → compute seconds under each of its strategies: timed on this host when the
@@ -143,6 +148,12 @@ class CostModel:
         return step_s(step, self.mesh, self.links)
 
     def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
+        found = self._moved.get((ref, src, dst))
+        if found is None:
+            found = self._moved[ref, src, dst] = self._priced_transition_s(ref, src, dst)
+        return found
+
+    def _priced_transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
         if ref[0] in self.unreduced and _reduces(src, dst):
             return math.inf
         value = self.value(ref)
