@@ -1,6 +1,8 @@
 """Planning models written by others: each Hugging Face architecture of
-:func:`autopar.examples.hf.zoo` (built from a small configuration: 2 layers, hidden 64, batch 8 x
-sequence 16), captured once and planned for 2x2 and 8x8 H100 meshes.
+:func:`autopar.examples.hf.zoo` (language models, a vision transformer, convolutional image
+classifiers, a CLIP-style dual encoder, mixtures of experts; built from small configurations:
+2 layers or stages of 2 blocks, hidden 64, batch 8 x sequence 16 or 32x32 images), captured once
+and planned for 2x2 and 8x8 H100 meshes.
 
 Per model and mesh it records the ops that fall back to running replicated (no sharding rule),
 the program's variables, the solver's status, the planning time (capture included) and whether
@@ -80,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     header = (
-        f"{'model':10} {'mesh':5} {'status':8} {'variables':>9} {'plan s':>7} {'splits':6} {'collectives':>11}"
+        f"{'model':12} {'mesh':5} {'status':8} {'variables':>9} {'plan s':>7} {'splits':6} {'collectives':>11}"
         "  fallback ops"
     )
     print(header + "\n" + "-" * len(header), flush=True)
@@ -91,7 +93,7 @@ def main() -> None:
             rows.append(r)
             fallback = ", ".join(f"{op} x{n}" for op, n in r.get("fallback", {}).items()) or "-"
             print(
-                f"{r['model']:10} {r['mesh']:5} {r['status'][:8]:8} {r.get('variables', ''):>9} {r['wall_s']:>7.1f} "
+                f"{r['model']:12} {r['mesh']:5} {r['status'][:8]:8} {r.get('variables', ''):>9} {r['wall_s']:>7.1f} "
                 f"{str(r.get('splits', '')):6} {r.get('collectives', ''):>11}  {fallback}"
                 + (f"\n  {r['status']}" if r["status"].startswith("FAILED") else ""),
                 flush=True,

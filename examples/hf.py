@@ -146,22 +146,23 @@ def _text(sizes: _Sizes, config_cls, model_cls, *, seq2seq: bool = False, **fiel
     return build
 
 
-def _vit(sizes: _Sizes):
-    import torch
-    import transformers as tf
+_IMAGE, _CLASSES = 32, 10
+"""The zoo's image side (3 colour channels) and classes."""
 
-    cfg = tf.ViTConfig(
-        hidden_size=sizes.dim,
-        num_hidden_layers=sizes.num_layers,
-        num_attention_heads=_HEADS,
-        intermediate_size=2 * sizes.dim,
-        image_size=32,
-        patch_size=8,
-        num_labels=10,
-        attn_implementation="sdpa",
-    )
-    images, labels = torch.randn(sizes.batch, 3, 32, 32), torch.randint(0, 10, (sizes.batch,))
-    return KeywordLoss(tf.ViTForImageClassification(cfg), ("pixel_values", "labels")), (images, labels)
+
+def _vision(sizes: _Sizes, config_cls, model_cls, **fields):
+    """A builder of an image classifier trained on ``(pixel_values, labels)``: ``sizes.batch``
+    images of 32x32 in 10 classes."""
+
+    def build():
+        import torch
+
+        images = torch.randn(sizes.batch, 3, _IMAGE, _IMAGE)
+        labels = torch.randint(0, _CLASSES, (sizes.batch,))
+        model = model_cls(config_cls(num_labels=_CLASSES, **fields))
+        return KeywordLoss(model, ("pixel_values", "labels")), (images, labels)
+
+    return build
 
 
 def _clip(sizes: _Sizes):
@@ -177,24 +178,48 @@ def _clip(sizes: _Sizes):
     text = dict(
         vocab_size=_VOCAB, max_position_embeddings=sizes.seq, pad_token_id=0, bos_token_id=0, eos_token_id=2, **layers
     )
-    vision = dict(image_size=32, patch_size=8, **layers)
+    vision = dict(image_size=_IMAGE, patch_size=8, **layers)
     cfg = tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=sizes.dim, attn_implementation="sdpa")
-    inputs = (sizes.tokens(), torch.randn(sizes.batch, 3, 32, 32))
+    inputs = (sizes.tokens(), torch.randn(sizes.batch, 3, _IMAGE, _IMAGE))
     return KeywordLoss(tf.CLIPModel(cfg), ("input_ids", "pixel_values"), return_loss=True), inputs
 
 
 def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) -> dict:
     """Widely used Hugging Face architectures, each built small from its configuration:
     name → a function returning ``(model, example inputs)``. Causal and masked language models,
-    encoder-decoders, a vision transformer, a CLIP-style dual encoder and mixture-of-experts
-    models; every one trains (dropout off, so that runs compare exactly)."""
+    encoder-decoders, a vision transformer, convolutional image classifiers (ResNet, ConvNeXt,
+    RegNet, MobileNetV2, EfficientNet), a CLIP-style dual encoder and mixture-of-experts models;
+    every one trains (dropout and drop path off, so that runs compare exactly).
+
+    The image classifiers see 32x32 images, with channels set by ``dim`` and two stages of
+    ``num_layers`` blocks: ``dim`` and ``2 * dim`` channels (ResNet, ConvNeXt, RegNet, whose
+    grouped convolutions take 8 channels a group), EfficientNet-B0's first two stages and head at
+    ``dim / 256`` of its width. MobileNetV2's 16 blocks are fixed, at ``dim / 128`` of its width."""
     import transformers as tf
+    from transformers.models.efficientnet.modeling_efficientnet import round_filters
 
     sizes = _Sizes(batch, seq, dim, num_layers)
     experts = dict(num_local_experts=4, num_experts_per_tok=2)
     no_dropout = dict(hidden_dropout=0.0, attention_dropout=0.0)
     bert_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     gpt2 = dict(n_embd=dim, n_layer=num_layers, n_head=_HEADS, n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0)
+    stages = dict(hidden_sizes=[dim, 2 * dim], depths=[num_layers, num_layers])
+    efficientnet = dict(
+        image_size=_IMAGE,
+        width_coefficient=dim / 256,
+        depth_coefficient=1.0,
+        kernel_sizes=(3, 3),
+        in_channels=(32, 16),
+        out_channels=(16, 24),
+        strides=(1, 2),
+        num_block_repeats=(num_layers, num_layers),
+        expand_ratios=(1, 6),
+        dropout_rate=0.0,
+        drop_connect_rate=0.0,
+    )
+    # the channels of the top convolution, which EfficientNet's last batch norm and classifier
+    # take from hidden_dim instead of computing them
+    efficientnet["hidden_dim"] = round_filters(tf.EfficientNetConfig(**efficientnet), 1280)
     return {
         "gpt2": _text(sizes, tf.GPT2Config, tf.GPT2LMHeadModel, attn_pdrop=0.0, **gpt2),
         "llama": _text(sizes, tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2),
@@ -248,7 +273,33 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
             decoder_start_token_id=0,
             forced_eos_token_id=None,
         ),
-        "vit": lambda: _vit(sizes),
+        "vit": _vision(
+            sizes,
+            tf.ViTConfig,
+            tf.ViTForImageClassification,
+            hidden_size=dim,
+            num_hidden_layers=num_layers,
+            num_attention_heads=_HEADS,
+            intermediate_size=2 * dim,
+            image_size=_IMAGE,
+            patch_size=8,
+            attn_implementation="sdpa",
+        ),
+        "resnet": _vision(sizes, tf.ResNetConfig, tf.ResNetForImageClassification, embedding_size=dim, **stages),
+        "convnext": _vision(sizes, tf.ConvNextConfig, tf.ConvNextForImageClassification, num_stages=2, **stages),
+        "regnet": _vision(
+            sizes, tf.RegNetConfig, tf.RegNetForImageClassification, embedding_size=dim, groups_width=8, **stages
+        ),
+        "mobilenet_v2": _vision(
+            sizes,
+            tf.MobileNetV2Config,
+            tf.MobileNetV2ForImageClassification,
+            image_size=_IMAGE,
+            depth_multiplier=dim / 128,
+            finegrained_output=False,
+            classifier_dropout_prob=0.0,
+        ),
+        "efficientnet": _vision(sizes, tf.EfficientNetConfig, tf.EfficientNetForImageClassification, **efficientnet),
         "clip": lambda: _clip(sizes),
         "mixtral": _text(sizes, tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, **experts),
         "qwen2_moe": _text(

@@ -27,6 +27,7 @@ _LINEAR: dict[object, Linear | set[int]] = {
     prims.div.default: {0},
     aten.neg.default: "all",
     aten.threshold_backward.default: {0},
+    aten.hardtanh_backward.default: {0},
     aten.gelu_backward.default: {0},
     aten.where.self: {1, 2},
     aten.detach.default: "all",
@@ -91,7 +92,8 @@ def tensor_positions(node: fx.Node) -> list[int]:
     ]
 
 
-register(*_IDENTITY, prims.div.default, aten.floor_divide.default)(pointwise_rule)
+# elementwise ops that torch does not tag pointwise, ReLU6's backward (MobileNetV2's activation) among them
+register(*_IDENTITY, prims.div.default, aten.floor_divide.default, aten.hardtanh_backward.default)(pointwise_rule)
 
 
 @register(aten.bernoulli.p)

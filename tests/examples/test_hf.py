@@ -1,5 +1,5 @@
-"""The Hugging Face examples: a plan with a rule for every op, and the error where transformers
-is missing."""
+"""The Hugging Face examples: a plan with a rule for every op, the zoo's image classifiers
+captured with a rule for every op, and the error where transformers is missing."""
 
 import importlib.util
 
@@ -21,6 +21,21 @@ def test_hugging_face_example_plans_with_a_sharding_rule_for_every_op(name):
     plan = autopar.plan(model, autopar.Mesh((4,), ("dp",)), batch, fallback=False)  # raises on an op with no rule
     assert set(plan.placements) == {n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
     assert set(plan.inputs) == {"input_ids", "labels"}
+
+
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
+@pytest.mark.parametrize("name", ["vit", "resnet", "convnext", "regnet", "mobilenet_v2", "efficientnet"])
+def test_every_op_of_the_zoo_image_classifiers_has_a_sharding_rule(name):
+    """Each vision model of the zoo, small, captured: no op falls back to running replicated."""
+    from autopar.examples.hf import zoo
+    from autopar.passes.analysis.capture import capture
+
+    from benchmarks.models import fallback_ops
+
+    model, inputs = zoo(batch=4, seq=8, dim=16, num_layers=1)[name]()
+    assert fallback_ops(capture(model, inputs)) == {}
 
 
 def test_missing_transformers_is_named_with_the_command_that_installs_it(monkeypatch):

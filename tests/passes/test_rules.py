@@ -37,7 +37,7 @@ aten = torch.ops.aten
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 # ops whose every row is checked on every node that uses them: the MoE routing ops,
-# convolutions and pooling, advanced indexing and padding
+# convolutions, pooling and ReLU6's backward, advanced indexing and padding
 EVERY_ROW_CHECKED = {
     aten.topk.default,
     aten.cumsum.default,
@@ -52,6 +52,7 @@ EVERY_ROW_CHECKED = {
     aten.avg_pool2d_backward.default,
     aten._adaptive_avg_pool2d.default,
     aten._adaptive_avg_pool2d_backward.default,
+    aten.hardtanh_backward.default,
     aten.index.Tensor,
     aten.constant_pad_nd.default,
     aten.unbind.int,
@@ -97,7 +98,8 @@ HF_EVERY_ROW_CHECKED = {aten.index.Tensor, aten.new_ones.default, aten.constant_
 
 class _PoolNet(nn.Module):
     """The convolution and pooling ops the ConvNet example leaves out: convolutions with a bias,
-    a transposed convolution, average pooling and adaptive average pooling to more than 1x1."""
+    a transposed convolution, average pooling and adaptive average pooling to more than 1x1; and
+    ReLU6, MobileNetV2's activation, whose backward (``hardtanh_backward``) has a rule of its own."""
 
     def __init__(self):
         super().__init__()
@@ -106,7 +108,7 @@ class _PoolNet(nn.Module):
         self.head = nn.Linear(16, 4)
 
     def forward(self, x, target):
-        x = self.up(F.avg_pool2d(self.conv(x), 2))
+        x = self.up(F.avg_pool2d(F.relu6(self.conv(x)), 2))
         return F.mse_loss(self.head(F.adaptive_avg_pool2d(x, 2).flatten(1)), target)
 
 
@@ -242,12 +244,13 @@ def _validated_on_examples() -> tuple[set, int]:
         (_ShiftNet(), (torch.randint(0, 16, (4, 8)), torch.randn(4, 8))),
     ]
     ops, rows = _validate(cases, EVERY_ROW_CHECKED, gen)
-    if (
-        importlib.util.find_spec("transformers") is not None
-    ):  # its mixture of experts runs a grouped matmul op of its own
+    # Mixtral's mixture of experts runs a grouped matmul op of its own; MobileNetV2 has depthwise
+    # convolutions, TensorFlow-style padding and ReLU6
+    if HAS_TRANSFORMERS:
         from autopar.examples.hf import zoo
 
-        more_ops, more_rows = _validate([zoo(batch=4, seq=8, dim=16, num_layers=1)["mixtral"]()], set(), gen)
+        small = zoo(batch=4, seq=8, dim=16, num_layers=1)
+        more_ops, more_rows = _validate([small["mixtral"](), small["mobilenet_v2"]()], set(), gen)
         ops, rows = ops | more_ops, rows + more_rows
     return ops, rows
 
