@@ -33,7 +33,11 @@ orders of magnitude; past about a million, the dual simplex of the relaxation sl
 against HiGHS's tolerances."""
 HEADER = struct.calcsize("ddddIII")
 DIVE_SHARE = 0.5
-"""The share of the time limit a dive may take, the relaxation and the search it leaves."""
+"""The share of the time limit a dive may take, the relaxation and the search it leaves, and the
+share the relaxation tried first on a program without memory rows may take
+(:func:`integral_relaxation`)."""
+INTEGRAL_WITHIN = 1e-6
+"""How far from 0 or 1 an integer column of a relaxation's solution may be to count as integral."""
 
 
 def program(model: linear_solver_pb2.MPModelProto) -> highspy.HighsLp:
@@ -127,6 +131,34 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
     return list(rest.getSolution().col_value)
 
 
+def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | None:
+    """The answer of program ``lp`` when its linear relaxation, solved without presolve within
+    ``time_limit_s``, proves it: infeasible, or optimal with every integer column at 0 or 1 (then
+    that solution is the program's optimum, its objective its bound). ``None`` otherwise.
+
+    The plan's program without memory rows almost always relaxes to an integral solution (the
+    transports are tight), and HiGHS's dual simplex on the relaxation alone takes half to two
+    thirds of the time the same relaxation takes at the root of HiGHS's search, which runs
+    symmetry detection and its heuristics beside it: Hugging Face Gemma-2 and T5 of 2 layers
+    on 2x2, 10 and 16 s against 17 and 28 s (the search found the same plan), the LLaMA-3-8B
+    shape at 8 layers and autoparallel's stack at 32 blocks on 8x8, 0.4 and 2.3 s against 1.6
+    and 3.2 s."""
+    relaxed = relaxation(lp, time_limit_s)
+    relaxed.setOptionValue("presolve", "off")
+    relaxed.run()
+    status = relaxed.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return (INFEASIBLE, None, None, None)
+    if status != highspy.HighsModelStatus.kOptimal:
+        return None
+    x = relaxed.getSolution().col_value
+    integers = (i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger)
+    if any(abs(x[i] - round(x[i])) > INTEGRAL_WITHIN for i in integers):
+        return None
+    value = relaxed.getInfo().objective_function_value
+    return (OPTIMAL, array.array("d", x), value, value)
+
+
 def _give_up_without_solution(event, give_up_s: float) -> None:
     if event.data_out.running_time >= give_up_s and not math.isfinite(event.data_out.mip_primal_bound):
         event.interrupt()
@@ -142,8 +174,13 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
     lp = program(model)
+    answer = None
     if relax:
-        pickle.dump(_relaxed_answer(lp, time_limit_s), result)
+        answer = _relaxed_answer(lp, time_limit_s)
+    elif plain:
+        answer = integral_relaxation(lp, DIVE_SHARE * time_limit_s)
+    if answer is not None:
+        pickle.dump(answer, result)
         result.close()
         return
     start = dive(lp, columns, gap, DIVE_SHARE * time_limit_s) if columns else None

@@ -67,11 +67,13 @@ def solve_before_deadline(
     better plans rather than proving a bound. ``dive`` lists integer variables (the strategy
     choices) for the search to start from a plan that keeps them as the program's relaxation
     sets them (:func:`autopar.passes.solve.highs_child.dive`), instead of from ``hint``. ``relax``
-    solves the program's linear relaxation instead, whose objective bounds the program's. ``plain``
-    skips HiGHS's presolve and its feasibility-jump heuristic, for programs without memory rows,
-    whose relaxation is almost always integral at the root: there they spend more than they
-    save (the search takes 1.3 to 1.8 times longer with them, on Hugging Face LLaMA and T5 of
-    2 layers on 2x2, the 8-layer LLaMA-3-8B shape and autoparallel's stack on 8x8). Returns
+    solves the program's linear relaxation instead, whose objective bounds the program's. ``plain``,
+    for programs without memory rows, whose relaxation is almost always integral, solves the
+    relaxation first and answers with it when it is integral
+    (:func:`~autopar.passes.solve.highs_child.integral_relaxation`); otherwise it searches without
+    HiGHS's presolve and feasibility-jump heuristic, which spend more than they save there (the
+    search takes 1.3 to 1.8 times longer with them, on Hugging Face LLaMA and T5 of 2 layers on
+    2x2, the 8-layer LLaMA-3-8B shape and autoparallel's stack on 8x8). Returns
     ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
     the time limit stopped the search), or ``None`` when the deadline passed.
 
