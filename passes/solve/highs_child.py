@@ -132,9 +132,10 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
 
 
 def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | None:
-    """The answer of program ``lp`` when its linear relaxation, solved without presolve within
-    ``time_limit_s``, proves it: infeasible, or optimal with every integer column at 0 or 1 (then
-    that solution is the program's optimum, its objective its bound). ``None`` otherwise.
+    """The answer of program ``lp`` when its linear relaxation, solved without presolve by the
+    parallel dual simplex within ``time_limit_s``, proves it: infeasible, or optimal with every
+    integer column at 0 or 1 (then that solution is the program's optimum, its objective its
+    bound). ``None`` otherwise.
 
     The plan's program without memory rows almost always relaxes to an integral solution (the
     transports are tight), and HiGHS's dual simplex on the relaxation alone takes half to two
@@ -142,9 +143,12 @@ def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | Non
     symmetry detection and its heuristics beside it: Hugging Face Gemma-2 and T5 of 2 layers
     on 2x2, 10 and 16 s against 17 and 28 s (the search found the same plan), the LLaMA-3-8B
     shape at 8 layers and autoparallel's stack at 32 blocks on 8x8, 0.4 and 2.3 s against 1.6
-    and 3.2 s."""
+    and 3.2 s. On two cores the parallel dual simplex takes the same iterations 1.2 to 1.4 times
+    faster than the serial one (Gemma-2 7.1 s, T5 11.0 s)."""
     relaxed = relaxation(lp, time_limit_s)
     relaxed.setOptionValue("presolve", "off")
+    relaxed.setOptionValue("parallel", "on")
+    relaxed.setOptionValue("simplex_strategy", 2)  # the dual simplex on several threads: the same path
     relaxed.run()
     status = relaxed.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
