@@ -165,6 +165,34 @@ def _vision(sizes: _Sizes, config_cls, model_cls, **fields):
     return build
 
 
+def _efficientnet(sizes: _Sizes):
+    """A builder of EfficientNet-B0's first two stages and head, at ``dim / 256`` of its width."""
+
+    def build():
+        import transformers as tf
+        from transformers.models.efficientnet.modeling_efficientnet import round_filters
+
+        fields = dict(
+            image_size=_IMAGE,
+            width_coefficient=sizes.dim / 256,
+            depth_coefficient=1.0,
+            kernel_sizes=(3, 3),
+            in_channels=(32, 16),
+            out_channels=(16, 24),
+            strides=(1, 2),
+            num_block_repeats=(sizes.num_layers, sizes.num_layers),
+            expand_ratios=(1, 6),
+            dropout_rate=0.0,
+            drop_connect_rate=0.0,
+        )
+        # the channels of the top convolution, which EfficientNet's last batch norm and classifier
+        # take from hidden_dim instead of computing them
+        fields["hidden_dim"] = round_filters(tf.EfficientNetConfig(**fields), 1280)
+        return _vision(sizes, tf.EfficientNetConfig, tf.EfficientNetForImageClassification, **fields)()
+
+    return build
+
+
 def _clip(sizes: _Sizes):
     import torch
     import transformers as tf
@@ -196,7 +224,6 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
     grouped convolutions take 8 channels a group), EfficientNet-B0's first two stages and head at
     ``dim / 256`` of its width. MobileNetV2's 16 blocks are fixed, at ``dim / 128`` of its width."""
     import transformers as tf
-    from transformers.models.efficientnet.modeling_efficientnet import round_filters
 
     sizes = _Sizes(batch, seq, dim, num_layers)
     experts = dict(num_local_experts=4, num_experts_per_tok=2)
@@ -204,22 +231,6 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
     bert_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     gpt2 = dict(n_embd=dim, n_layer=num_layers, n_head=_HEADS, n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0)
     stages = dict(hidden_sizes=[dim, 2 * dim], depths=[num_layers, num_layers])
-    efficientnet = dict(
-        image_size=_IMAGE,
-        width_coefficient=dim / 256,
-        depth_coefficient=1.0,
-        kernel_sizes=(3, 3),
-        in_channels=(32, 16),
-        out_channels=(16, 24),
-        strides=(1, 2),
-        num_block_repeats=(num_layers, num_layers),
-        expand_ratios=(1, 6),
-        dropout_rate=0.0,
-        drop_connect_rate=0.0,
-    )
-    # the channels of the top convolution, which EfficientNet's last batch norm and classifier
-    # take from hidden_dim instead of computing them
-    efficientnet["hidden_dim"] = round_filters(tf.EfficientNetConfig(**efficientnet), 1280)
     return {
         "gpt2": _text(sizes, tf.GPT2Config, tf.GPT2LMHeadModel, attn_pdrop=0.0, **gpt2),
         "llama": _text(sizes, tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2),
@@ -299,7 +310,7 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
             finegrained_output=False,
             classifier_dropout_prob=0.0,
         ),
-        "efficientnet": _vision(sizes, tf.EfficientNetConfig, tf.EfficientNetForImageClassification, **efficientnet),
+        "efficientnet": _efficientnet(sizes),
         "clip": lambda: _clip(sizes),
         "mixtral": _text(sizes, tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, **experts),
         "qwen2_moe": _text(

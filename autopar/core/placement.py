@@ -51,7 +51,7 @@ class Layout(tuple):
         return layout, (tuple(self),)  # hashed again where it is loaded: a Partial's hash is a string's
 
 
-_LAYOUTS: dict[Placements, Layout] = {}
+_LAYOUTS: dict[Placements, Layout] = {}  # a few hundred at most: the placements of the meshes planned
 
 
 def layout(placements: Placements) -> Layout:

@@ -36,6 +36,9 @@ DIVE_SHARE = 0.5
 """The share of the time limit a dive may take, the relaxation and the search it leaves, and the
 share the relaxation tried first on a program without memory rows may take
 (:func:`integral_relaxation`)."""
+DUAL_TASKS = 2
+"""HiGHS's ``simplex_strategy`` running the dual simplex's pricing and update as parallel tasks
+(SIP): the same path as the serial dual simplex, on two threads."""
 INTEGRAL_WITHIN = 1e-6
 """How far from 0 or 1 an integer column of a relaxation's solution may be to count as integral."""
 
@@ -131,11 +134,12 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
     return list(rest.getSolution().col_value)
 
 
-def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | None:
+def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | None | bool:
     """The answer of program ``lp`` when its linear relaxation, solved without presolve by the
-    parallel dual simplex within ``time_limit_s``, proves it: infeasible, or optimal with every
-    integer column at 0 or 1 (then that solution is the program's optimum, its objective its
-    bound). ``None`` otherwise.
+    dual simplex with tasks in parallel (``DUAL_TASKS``) within ``time_limit_s``, proves it:
+    infeasible, or optimal with every integer column integral (then that solution is the
+    program's optimum, its objective its bound). ``None`` when it is fractional, and ``False``
+    when it did not finish in time.
 
     The plan's program without memory rows almost always relaxes to an integral solution (the
     transports are tight), and HiGHS's dual simplex on the relaxation alone takes half to two
@@ -143,18 +147,18 @@ def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | Non
     symmetry detection and its heuristics beside it: Hugging Face Gemma-2 and T5 of 2 layers
     on 2x2, 10 and 16 s against 17 and 28 s (the search found the same plan), the LLaMA-3-8B
     shape at 8 layers and autoparallel's stack at 32 blocks on 8x8, 0.4 and 2.3 s against 1.6
-    and 3.2 s. On two cores the parallel dual simplex takes the same iterations 1.2 to 1.4 times
-    faster than the serial one (Gemma-2 7.1 s, T5 11.0 s)."""
+    and 3.2 s. On two cores the dual simplex with tasks in parallel takes the same iterations
+    1.2 to 1.4 times faster than the serial one (Gemma-2 7.1 s, T5 11.0 s)."""
     relaxed = relaxation(lp, time_limit_s)
     relaxed.setOptionValue("presolve", "off")
     relaxed.setOptionValue("parallel", "on")
-    relaxed.setOptionValue("simplex_strategy", 2)  # the dual simplex on several threads: the same path
+    relaxed.setOptionValue("simplex_strategy", DUAL_TASKS)
     relaxed.run()
     status = relaxed.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         return (INFEASIBLE, None, None, None)
     if status != highspy.HighsModelStatus.kOptimal:
-        return None
+        return False
     x = relaxed.getSolution().col_value
     integers = (i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger)
     if any(abs(x[i] - round(x[i])) > INTEGRAL_WITHIN for i in integers):
@@ -183,7 +187,8 @@ def main() -> None:
         answer = _relaxed_answer(lp, time_limit_s)
     elif plain:
         answer = integral_relaxation(lp, DIVE_SHARE * time_limit_s)
-    if answer is not None:
+        plain = answer is None  # a fractional relaxation: search as plain programs are searched
+    if answer:
         pickle.dump(answer, result)
         result.close()
         return

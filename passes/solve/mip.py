@@ -69,11 +69,13 @@ def solve_before_deadline(
     sets them (:func:`autopar.passes.solve.highs_child.dive`), instead of from ``hint``. ``relax``
     solves the program's linear relaxation instead, whose objective bounds the program's. ``plain``,
     for programs without memory rows, whose relaxation is almost always integral, solves the
-    relaxation first and answers with it when it is integral
-    (:func:`~autopar.passes.solve.highs_child.integral_relaxation`); otherwise it searches without
-    HiGHS's presolve and feasibility-jump heuristic, which spend more than they save there (the
-    search takes 1.3 to 1.8 times longer with them, on Hugging Face LLaMA and T5 of 2 layers on
-    2x2, the 8-layer LLaMA-3-8B shape and autoparallel's stack on 8x8). Returns
+    relaxation first, within half the time limit, and answers with it when it is integral or
+    infeasible (:func:`~autopar.passes.solve.highs_child.integral_relaxation`); the search then
+    has what is left of the time limit. After a fractional relaxation it searches without HiGHS's
+    presolve and feasibility-jump heuristic, which spend more than they save there (the search
+    takes 1.3 to 1.8 times longer with them, on Hugging Face LLaMA and T5 of 2 layers on 2x2, the
+    8-layer LLaMA-3-8B shape and autoparallel's stack on 8x8); after one that did not finish in
+    time, with them. Returns
     ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
     the time limit stopped the search), or ``None`` when the deadline passed.
 

@@ -464,7 +464,7 @@ def _search(built: Program, options: SearchOptions, started: float, hint: list[t
         give_up_without_plan_s=min(time_limit_s * 0.2, 20.0) if priced else math.inf,
         heuristic_effort=effort,
         dive=strategy_vars,
-        plain=built.peak is None,
+        plain=built.peak is None and not priced,
     )
     status = _status(outcome)
     left = started + time_limit_s - time.perf_counter()

@@ -237,6 +237,31 @@ def test_a_search_from_a_dive_proves_the_same_optimum_and_without_one_where_the_
     assert [round(values[v.index()]) for v in variables] == [0, 1, 0]
 
 
+def test_a_program_without_memory_rows_is_searched_when_its_relaxation_is_fractional():
+    """``plain``: an integral relaxation answers the program, a fractional one is searched, an
+    infeasible one proves that no plan exists."""
+    from autopar.passes.solve.mip import solve_before_deadline
+    from ortools.linear_solver import pywraplp
+
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-6)
+    solver, variables = _program_relaxed_apart()  # relaxed: objective 0.05, fractional
+    status, values, objective, bound = solve_before_deadline(solver, params, 10.0, plain=True)
+    assert (status, round(objective, 6), round(bound, 6)) == (pywraplp.Solver.OPTIMAL, 1.0, 1.0)
+    assert [round(values[v.index()]) for v in variables] == [0, 1, 0]
+    solver, variables = _program_relaxed_apart()
+    solver.Add(variables[1] == 0)  # now the relaxation's plan is the only one, and it is fractional
+    assert solve_before_deadline(solver, params, 10.0, plain=True)[0] == pywraplp.Solver.INFEASIBLE
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    x = [solver.BoolVar(f"x{k}") for k in range(3)]
+    solver.Add(sum(x) == 1)
+    solver.Minimize(3 * x[0] + 1 * x[1] + 2 * x[2])  # the relaxation is integral: x1 = 1
+    status, values, objective, bound = solve_before_deadline(solver, params, 10.0, plain=True)
+    assert (status, objective, bound, [values[v.index()] for v in x]) == (pywraplp.Solver.OPTIMAL, 1.0, 1.0, [0, 1, 0])
+    solver.Add(x[0] + x[1] + x[2] >= 2)  # and infeasible
+    assert solve_before_deadline(solver, params, 10.0, plain=True)[0] == pywraplp.Solver.INFEASIBLE
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch):
     from autopar.passes.solve import solver as solver_module
@@ -252,7 +277,7 @@ def test_a_search_from_a_dive_finds_the_optimum_of_random_dags(seed, monkeypatch
         model = linear_solver_pb2.MPModelProto()
         solver.ExportModelToProto(model)
         dived_from.append(dive(program(model), [v.index() for v in strategies], 1e-9, 10.0))
-        return original(solver, params, time_limit_s, hint, **{**kwargs, "dive": strategies})
+        return original(solver, params, time_limit_s, hint, **{**kwargs, "dive": strategies, "plain": False})
 
     monkeypatch.setattr(solver_module, "solve_before_deadline", with_dive)
     dived = solve(Problem(space, costs, transition), SearchOptions(relative_gap=1e-9))
