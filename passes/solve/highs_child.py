@@ -93,8 +93,11 @@ def relaxation(lp: highspy.HighsLp, time_limit_s: float) -> highspy.Highs:
     return relaxed
 
 
-def _relaxed_answer(lp: highspy.HighsLp, time_limit_s: float) -> tuple:
+def _relaxed_answer(lp: highspy.HighsLp, time_limit_s: float, **options) -> tuple:
+    """The answer of the linear relaxation of ``lp``, solved with HiGHS ``options``."""
     relaxed = relaxation(lp, time_limit_s)
+    for name, value in options.items():
+        relaxed.setOptionValue(name, value)
     relaxed.run()
     status = relaxed.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
@@ -134,12 +137,12 @@ def dive(lp: highspy.HighsLp, columns: list[int], gap: float, time_limit_s: floa
     return list(rest.getSolution().col_value)
 
 
-def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | None | bool:
+def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | None:
     """The answer of program ``lp`` when its linear relaxation, solved without presolve by the
     dual simplex with tasks in parallel (``DUAL_TASKS``) within ``time_limit_s``, proves it:
     infeasible, or optimal with every integer column integral (then that solution is the
-    program's optimum, its objective its bound). ``None`` when it is fractional, and ``False``
-    when it did not finish in time.
+    program's optimum, its objective its bound), or ``NOT_SOLVED`` when it did not finish in time.
+    ``None`` when it is fractional.
 
     The plan's program without memory rows almost always relaxes to an integral solution (the
     transports are tight), and HiGHS's dual simplex on the relaxation alone takes half to two
@@ -149,22 +152,12 @@ def integral_relaxation(lp: highspy.HighsLp, time_limit_s: float) -> tuple | Non
     shape at 8 layers and autoparallel's stack at 32 blocks on 8x8, 0.4 and 2.3 s against 1.6
     and 3.2 s. On two cores the dual simplex with tasks in parallel takes the same iterations
     1.2 to 1.4 times faster than the serial one (Gemma-2 7.1 s, T5 11.0 s)."""
-    relaxed = relaxation(lp, time_limit_s)
-    relaxed.setOptionValue("presolve", "off")
-    relaxed.setOptionValue("parallel", "on")
-    relaxed.setOptionValue("simplex_strategy", DUAL_TASKS)
-    relaxed.run()
-    status = relaxed.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return (INFEASIBLE, None, None, None)
-    if status != highspy.HighsModelStatus.kOptimal:
-        return False
-    x = relaxed.getSolution().col_value
+    answer = _relaxed_answer(lp, time_limit_s, presolve="off", parallel="on", simplex_strategy=DUAL_TASKS)
+    x = answer[1]
     integers = (i for i, kind in enumerate(lp.integrality_) if kind == highspy.HighsVarType.kInteger)
-    if any(abs(x[i] - round(x[i])) > INTEGRAL_WITHIN for i in integers):
+    if answer[0] == OPTIMAL and any(abs(x[i] - round(x[i])) > INTEGRAL_WITHIN for i in integers):
         return None
-    value = relaxed.getInfo().objective_function_value
-    return (OPTIMAL, array.array("d", x), value, value)
+    return answer
 
 
 def _give_up_without_solution(event, give_up_s: float) -> None:
@@ -182,16 +175,13 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # HiGHS prints a banner on stdout whatever its output setting
     lp = program(model)
-    answer = None
-    if relax:
-        answer = _relaxed_answer(lp, time_limit_s)
-    elif plain:
-        answer = integral_relaxation(lp, DIVE_SHARE * time_limit_s)
+    if relax or plain:
+        answer = _relaxed_answer(lp, time_limit_s) if relax else integral_relaxation(lp, DIVE_SHARE * time_limit_s)
+        if relax or (answer is not None and answer[0] != NOT_SOLVED):
+            pickle.dump(answer, result)
+            result.close()
+            return
         plain = answer is None  # a fractional relaxation: search as plain programs are searched
-    if answer:
-        pickle.dump(answer, result)
-        result.close()
-        return
     start = dive(lp, columns, gap, DIVE_SHARE * time_limit_s) if columns else None
     spent = time.perf_counter() - started
     highs = _highs(lp, time_limit_s - spent)
