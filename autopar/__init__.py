@@ -18,6 +18,7 @@ from autopar.core.errors import (
 )
 from autopar.core.explain import annotated_graph
 from autopar.core.mesh import Mesh
+from autopar.core.pipeline import Pipeline
 from autopar.core.plan import Collective, ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import A100, CPU, H100, Fitted, HardwareProfile, Link, SyntheticProfile
@@ -38,6 +39,7 @@ __all__ = [
     "Link",
     "Mesh",
     "MixedPrecision",
+    "Pipeline",
     "RewriteError",
     "ShardingPlan",
     "StalePlanError",

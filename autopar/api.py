@@ -9,12 +9,14 @@ import torch
 
 from autopar.config import Pins, PlanConfig
 from autopar.core.mesh import Mesh
+from autopar.core.pipeline import Pipeline, inner_mesh
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
 from autopar.passes.analysis.liveness import ADAM_SLOTS
-from autopar.planner import check_mesh, plan_with
+from autopar.planner import check_mesh, plan_stages, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
+from autopar.runtime.staged_module import PipelinedModule
 
 
 def default_backend(model: torch.nn.Module) -> str:
@@ -43,6 +45,7 @@ def compile(
     timeout: float | None = None,
     mixed_precision: MixedPrecision | None = None,
     optimizer_slots: int = ADAM_SLOTS,
+    pipeline: Pipeline | None = None,
 ):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
@@ -67,7 +70,9 @@ def compile(
     fails (default: ``autopar run --timeout``'s when it started the ranks, else the process
     group's, 30 minutes for gloo, 10 for NCCL). On gloo the
     program's collectives then raise :class:`~autopar.core.errors.CollectiveError` on every rank that
-    waits; on NCCL, torch's watchdog aborts the waiting processes.
+    waits; on NCCL, torch's watchdog aborts the waiting processes; and ``pipeline``: an
+    :class:`~autopar.core.pipeline.Pipeline` that turns one mesh axis into pipeline stages
+    (:class:`~autopar.runtime.staged_module.PipelinedModule`; default: no stages).
     """
     options = dict(
         hardware=hardware,
@@ -84,6 +89,7 @@ def compile(
         timeout=timeout,
         mixed_precision=mixed_precision,
         optimizer_slots=optimizer_slots,
+        pipeline=pipeline,
     )
     if model is None:
         if mesh is None:
@@ -101,23 +107,34 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
         raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
     check_mesh(mesh)
     config = PlanConfig.of(options)
-    pins = config.pins_for(mesh)
+    pipeline = options["pipeline"]
+    if pipeline is not None:
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"pipeline must be an autopar.Pipeline, got {type(pipeline).__name__}")
+        pipeline.check(mesh)
+    pins = config.pins_for(mesh if pipeline is None else inner_mesh(mesh, pipeline.axis))
     plan, backend, timeout = options["plan"], options["backend"], options["timeout"]
     if timeout is None:
         timeout = _timeout_of_the_launch()
     _check_run_options(plan, backend, timeout)
-    return ParallelModule(
-        model,
-        mesh,
+    run = dict(
         example_inputs=example_inputs,
         plan=plan,
         backend=backend or default_backend(model),
-        planner=lambda captured, state_pins=None: plan_with(captured, mesh, config.with_pins(state_pins or {})),
         pins=pins,
         init_weights=options["init_weights"],
         timeout_s=timeout,
         param_dtype=config.param_dtype,
     )
+    if pipeline is not None:
+        planner = functools.partial(_plan_stages, mesh=mesh, pipeline=pipeline, config=config)
+        return PipelinedModule(model, mesh, pipeline=pipeline, planner=planner, **run)
+    planner = lambda captured, state_pins=None: plan_with(captured, mesh, config.with_pins(state_pins or {}))  # noqa: E731
+    return ParallelModule(model, mesh, planner=planner, **run)
+
+
+def _plan_stages(captured, state_pins=None, *, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
+    return plan_stages(captured, mesh, pipeline, config.with_pins(state_pins or {}))
 
 
 TIMEOUT_VARIABLE = "AUTOPAR_TIMEOUT_S"

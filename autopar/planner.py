@@ -14,6 +14,7 @@ from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
 from autopar.core.graph import segment_of
 from autopar.core.mesh import Mesh
+from autopar.core.pipeline import Pipeline, inner_mesh
 from autopar.core.placement import Placements
 from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
@@ -30,6 +31,7 @@ from autopar.passes.solve.merged import lifted, merged_mesh
 from autopar.passes.solve.planning import build_plan, moment_bytes
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
 from autopar.passes.solve.solver import Problem, SearchOptions, Solution, least_memory_bound, program_size, solve
+from autopar.passes.solve.stages import with_stages
 
 log = logging.getLogger("autopar")
 
@@ -55,6 +57,14 @@ def plan_captured(captured: Captured, mesh: Mesh, **options) -> ShardingPlan:
     """Plan an already captured graph with the options of :func:`autopar.plan` (and
     ``bucket_bytes``, see :class:`~autopar.config.PlanConfig`)."""
     return plan_with(captured, mesh, PlanConfig(**options))
+
+
+def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
+    """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, and
+    cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
+    pipeline.check(mesh)
+    plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), config)
+    return with_stages(plan, captured, pipeline, mesh)
 
 
 def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPlan:

@@ -244,15 +244,15 @@ def lower(
     collectives = [
         (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in graph_collectives(joint, group_names)
     ]
-    is_tangent = [k.kind == "tangent" for k in captured.inputs]
+    is_tangent = [k.is_tangent for k in captured.inputs]
     unreduced = tuple(p for _, _, p in unreduced_gradients(captured, plan)) if gradients != "reduced" else ()
     if gradients == "accumulated":  # the sums of the micro-batches before are inputs of the backward
         is_tangent += [True] * len(unreduced)
-    output_is_grad = [None if k is None else k.kind == "grad" for k in captured.outputs]
+    output_is_grad = [None if k is None else k.in_backward for k in captured.outputs]
     grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
-    grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if k.kind != "tangent"]
+    grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if not k.is_tangent]
     updated_buffers = [
-        k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and k.kind != "grad"
+        k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and not k.in_backward
     ]
     parts = partition(joint, is_tangent, output_is_grad)
     program = Program(parts, backend, grad_slots, updated_buffers, timeout_s, gradients, unsynced, unreduced)

@@ -27,15 +27,17 @@ Activation = Literal["", "keep", "recompute", "offload"]
 (:attr:`autopar.core.plan.NodePlan.activation`): kept on the device, recomputed, or offloaded to
 host memory; ``""`` for an op whose outputs the backward does not need."""
 
-GraphInputKind = Literal["param", "buffer", "input", "tangent"]
+GraphInputKind = Literal["param", "buffer", "input", "tangent", "recv", "recv_grad"]
 """What a placeholder of the joint graph stands for
 (:attr:`autopar.passes.analysis.capture.InputKind.kind`): a parameter, a buffer, a forward
-argument, or the tangent of a forward output."""
+argument, or the tangent of a forward output; in a pipeline stage's graph
+(:mod:`autopar.passes.analysis.stages`) also an activation or a gradient another stage sends."""
 
-GraphOutputKind = Literal["output", "grad", "buffer"]
+GraphOutputKind = Literal["output", "grad", "buffer", "send", "send_grad"]
 """What an output of the joint graph stands for
 (:attr:`autopar.passes.analysis.capture.OutputKind.kind`): a forward result, a parameter's
-gradient, or the new value of a buffer the forward updates in place."""
+gradient, or the new value of a buffer the forward updates in place; in a pipeline stage's graph
+also an activation or a gradient it sends to another stage."""
 
 NodeKind = Literal["op", GraphInputKind, "constant", "output"]
 """What a node of the strategy space is (:attr:`autopar.core.strategy.NodeSpace.kind`): an op,

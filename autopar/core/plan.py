@@ -13,6 +13,7 @@ from typing import Literal, Mapping
 
 from autopar.core.kinds import Activation, CollectiveKind, CollectivePhase, Phase, SolverStatus
 from autopar.core.mesh import Link, Mesh
+from autopar.core.pipeline import Stages
 from autopar.core.placement import (
     Placements,
     format_placement,
@@ -308,6 +309,9 @@ class ShardingPlan:
     graph_lines: tuple[str, ...] = ()
     """One line per node of the captured graph (:func:`autopar.passes.analysis.capture.graph_lines`): a
     plan refused as stale names the first line that differs."""
+    stages: Stages | None = None
+    """The pipeline stages, if any: then ``mesh`` is the mesh inside each stage, and the graph,
+    placements and costs are those of one micro-batch."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -316,7 +320,11 @@ class ShardingPlan:
     @property
     def predicted_step_s(self) -> float:
         """Modelled time of one training step (compute, recomputation, communication, offload
-        and the step's overhead, no overlap but for activations copied out in the forward)."""
+        and the step's overhead, no overlap but for activations copied out in the forward);
+        with pipeline stages, the micro-batches' time through the stages
+        (:attr:`~autopar.core.pipeline.Stages.step_s`) and the step's overhead."""
+        if self.stages is not None:
+            return self.stages.step_s + self.overhead_s
         return self.compute_s + self.recompute_s + self.communication_s + self.overhead_s + self.offload_s
 
     @property
@@ -365,6 +373,7 @@ class ShardingPlan:
             "prefetched": list(self.prefetched),
             "buckets": [b.to_dict() for b in self.buckets],
             "graph_lines": list(self.graph_lines),
+            "stages": None if self.stages is None else self.stages.to_dict(),
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -406,6 +415,7 @@ class ShardingPlan:
             prefetched=tuple(data["prefetched"]),
             buckets=tuple(PlannedBucket.from_dict(b) for b in data["buckets"]),
             graph_lines=tuple(data["graph_lines"]),
+            stages=None if data.get("stages") is None else Stages.from_dict(data["stages"]),
         )
 
     def _decisions(self) -> tuple:
@@ -425,6 +435,7 @@ class ShardingPlan:
             self.optimizer_slots,
             self.prefetched,
             self.buckets,
+            self.stages,
         )
 
     def __eq__(self, other) -> bool:

@@ -106,7 +106,16 @@ class InputKind:
     """``"param"``, ``"buffer"``, ``"input"`` or ``"tangent"``."""
     name: str
     """Qualified name of a parameter or buffer, the forward argument's name for an input,
-    ``"output<i>"`` for the tangent of forward output ``i``."""
+    ``"output<i>"`` for the tangent of forward output ``i``, the node of the joint graph for a
+    value another pipeline stage sends."""
+    value: tuple[str, int] | None = None
+    """For a value another stage sends: the op output it is, whose planned placements it
+    arrives in."""
+
+    @property
+    def is_tangent(self) -> bool:
+        """Whether the backward takes it (a tangent, or a gradient another stage sends)."""
+        return self.kind in ("tangent", "recv_grad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +126,13 @@ class OutputKind:
     """``"output"`` (a forward result), ``"grad"`` (a parameter's gradient) or ``"buffer"`` (the
     new value of a buffer the forward updates in place, written back after each forward)."""
     name: str
-    """``"output<i>"``, or the qualified name of the parameter or buffer."""
+    """``"output<i>"``, or the qualified name of the parameter or buffer, or the node of the
+    joint graph a pipeline stage sends."""
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether the backward makes it (a gradient, or a gradient sent to another stage)."""
+        return self.kind in ("grad", "send_grad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +351,7 @@ def backward_nodes(graph: fx.Graph, tangents: set[fx.Node]) -> set[fx.Node]:
 def captured_backward(captured: Captured) -> set[fx.Node]:
     """:func:`backward_nodes` of the captured joint graph."""
     return backward_nodes(
-        captured.graph.graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "tangent"}
+        captured.graph.graph, {n for n, k in zip(captured.placeholders, captured.inputs) if k.is_tangent}
     )
 
 

@@ -47,7 +47,7 @@ moved gradients, with one set of collectives for all the micro-batches.
 """
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,7 +93,10 @@ def plan_strategies(captured: Captured, plan: ShardingPlan) -> dict[str, Strateg
     strategies = {n.name: Strategy(n.outputs, n.inputs) for n in plan.nodes}
     for node, kind in zip(captured.placeholders, captured.inputs):
         names = {"param": plan.placements, "buffer": plan.placements, "input": plan.inputs}.get(kind.kind)
-        layout = names[kind.name] if names is not None else (R,) * mesh.ndim
+        if kind.value is not None:  # sent by another pipeline stage, as its op makes it
+            layout = strategies[kind.value[0]].outputs[kind.value[1]]
+        else:
+            layout = names[kind.name] if names is not None else (R,) * mesh.ndim
         strategies[node.name] = Strategy((layout,), (layout,))
     return strategies
 
@@ -430,6 +433,9 @@ class _RankProgram:
                 self.outputs[i] = None
             elif kind.kind == "output":
                 self.outputs[i] = self.fetch(value, (R,) * mesh.ndim)
+            elif kind.kind in ("send", "send_grad"):  # to another pipeline stage, as made
+                ref = low.aliases.get(value.name, (value.name, 0))
+                self.outputs[i] = self.fetch(value, low.strategies[ref[0]].outputs[ref[1]], value in low.backward)
             else:
                 self.outputs[i] = self.state_output(i)
         return [self.outputs[i] for i in range(len(captured.outputs))]
@@ -585,7 +591,7 @@ def _gradient_buckets(
     buckets: list[Bucket] = []
     for planned in (b for b in plan.buckets if b.of == "gradients"):
         chains, members = [], []
-        for name in planned.members:
+        for name in _held(plan, planned.members, grad_of):
             if name not in grad_of:
                 raise RewriteError(f"the plan reduces a gradient of {name!r}, which the model has not. Fix: plan again")
             param, value = states[name], grad_of[name]
@@ -612,8 +618,15 @@ def _gradient_buckets(
             keys.append((value in backward, ref, dst))
             steps.append(chain[0])
             chains.append(chain)
-        buckets.append(bucket_of(chains, members))
+        if members:
+            buckets.append(bucket_of(chains, members))
     return keys, steps, buckets
+
+
+def _held(plan: ShardingPlan, members: Sequence[str], held: Mapping[str, object]) -> list[str]:
+    """The members of a planned bucket this program holds: all of them, or with pipeline stages
+    those of its stage (a bucket of the plan may span two stages)."""
+    return [name for name in members if plan.stages is None or name in held]
 
 
 def _collectives_of(chain: Sequence[Step]) -> tuple:
@@ -628,7 +641,10 @@ def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategie
     found = []
     for planned in (b for b in plan.buckets if b.of == "parameters"):
         keys, steps = [], []
+        held = set(_held(plan, planned.members, states))
         for name, dst in zip(planned.members, planned.placements):
+            if name not in held and plan.stages is not None:
+                continue
             if name not in states:
                 raise RewriteError(f"the plan gathers a parameter {name!r}, which the model has not. Fix: plan again")
             param = states[name]
@@ -643,6 +659,8 @@ def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategie
                 )
             keys.append((planned.phase != "forward", (param.name, 0), dst))
             steps.append(moved[0])
+        if not steps:
+            continue
         bucket = bucket_of([(s,) for s in steps], range(len(steps)))
         found.append(ParameterGather(bucket, tuple(keys), tuple(steps), planned.phase, planned.segment))
     return found

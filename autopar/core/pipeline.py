@@ -1,0 +1,119 @@
+"""Pipeline stages: the option that asks for them and the plan's record of them.
+
+With stages, one mesh axis holds consecutive parts of the model instead of copies of it: the
+rank at position ``s`` along the pipeline axis runs the layers of stage ``s``, for each
+micro-batch (a slice of the batch along dim 0) in the order of a schedule, and sends the values
+a later stage reads (activations) forward and the gradients an earlier stage needs back. Inside
+a stage the other mesh axes split tensors as a plan without stages does.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from autopar.core.mesh import Mesh
+
+Schedule = Literal["gpipe", "1f1b"]
+"""``"gpipe"``: every micro-batch's forward, then every backward (GPipe); ``"1f1b"``: each stage
+starts a micro-batch's backward as soon as it can and then alternates one forward and one
+backward (PipeDream's one-forward-one-backward), holding the activations of at most as many
+micro-batches as there are stages after it, where GPipe holds all of them."""
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """Pipeline stages over one mesh axis, as ``autopar.compile(..., pipeline=Pipeline(...))``
+    asks for them: ``axis`` names the mesh axis whose positions become the stages (one stage per
+    position), ``microbatches`` how many slices of the batch (along dim 0 of every input) run
+    through the stages one after another, and ``schedule`` in which order (:data:`Schedule`).
+    Which layers each stage holds is planned: the cuts fall between the model's layers (of a
+    stack, or its top-level modules) so that the stages' compute is as even as it can be."""
+
+    axis: str
+    microbatches: int
+    schedule: Schedule = "1f1b"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str):
+            raise TypeError(f"Pipeline(axis=...) names a mesh axis, got {self.axis!r}")
+        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
+            raise ValueError(
+                f"Pipeline(microbatches={self.microbatches!r}): give the number of slices of the batch, a positive int "
+                "(at least the number of stages keeps every stage busy)"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline(schedule={self.schedule!r}) is not one of {', '.join(map(repr, SCHEDULES))}")
+
+    def check(self, mesh: Mesh) -> None:
+        """Refuse an axis ``mesh`` has not, or one of one position (no stages to make)."""
+        if self.axis not in mesh.axis_names:
+            raise ValueError(
+                f"Pipeline(axis={self.axis!r}) is not an axis of {mesh}. Fix: name one of {mesh.axis_names}"
+            )
+        if mesh.shape[mesh.axis_names.index(self.axis)] < 2:
+            raise ValueError(f"Pipeline(axis={self.axis!r}) has one position in {mesh}: give an axis of 2 or more")
+
+
+def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
+    """The mesh inside each stage: ``mesh`` without the pipeline ``axis`` (an axis of one
+    position where that leaves none)."""
+    kept = [(n, name) for n, name in zip(mesh.shape, mesh.axis_names) if name != axis]
+    if not kept:
+        return Mesh((1,), (f"{axis}_stage",))
+    return Mesh(tuple(n for n, _ in kept), tuple(name for _, name in kept))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stages:
+    """The pipeline stages of a plan. The plan's placements are on :func:`inner_mesh`, the mesh
+    inside each stage, and priced for one micro-batch."""
+
+    axis: str
+    """The mesh axis whose positions are the stages."""
+    mesh: Mesh
+    """The whole mesh, pipeline axis included."""
+    microbatches: int
+    schedule: Schedule
+    segments: tuple[tuple[str, ...], ...]
+    """The layers (:func:`~autopar.core.graph.segment_of`) of each stage, in order."""
+    compute_s: tuple[float, ...]
+    """Modelled compute of one micro-batch's forward and backward on each stage."""
+
+    @property
+    def count(self) -> int:
+        return len(self.segments)
+
+    @property
+    def bubble(self) -> float:
+        """The share of a step the stages wait in, if every stage took as long: GPipe's and
+        1F1B's ``(S - 1) / (M + S - 1)`` for S stages and M micro-batches."""
+        return (self.count - 1) / (self.microbatches + self.count - 1)
+
+    @property
+    def step_s(self) -> float:
+        """Modelled time of a step's compute: each micro-batch's time on the slowest stage, and
+        the time the stages before and after it take to fill and drain the pipeline."""
+        slowest = max(self.compute_s)
+        return (self.microbatches - 1) * slowest + math.fsum(self.compute_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "axis": self.axis,
+            "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "segments": [list(s) for s in self.segments],
+            "compute_s": list(self.compute_s),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Stages":
+        return cls(
+            axis=data["axis"],
+            mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
+            microbatches=data["microbatches"],
+            schedule=data["schedule"],
+            segments=tuple(tuple(s) for s in data["segments"]),
+            compute_s=tuple(data["compute_s"]),
+        )

@@ -1,0 +1,236 @@
+"""Which pipeline stage runs each node of the joint graph, and each stage's own graph.
+
+The stages hold consecutive units (:func:`cut_units`: the layers of stacks and the modules
+outside them): forward ops run on the stage of their unit, backward ops on the stage of the
+forward op they differentiate (:func:`~autopar.passes.analysis.capture.module_paths`). The
+model's own code between units runs where its operands are: a forward op on the latest stage
+it reads from (values only flow forward), a backward op on the earliest (gradients only flow
+back). Ops that read nothing but the inputs and constants (positions, masks, the targets'
+reshapes) run on every stage that needs them, since every stage has the inputs. A parameter or
+buffer lives on the one stage whose ops read it; one read by two stages (weights tied across
+stages) is refused.
+
+Every other value one stage makes and another reads crosses between them (:class:`Crossing`):
+:func:`stage_graph` gives each stage a graph with a placeholder per value it receives and an
+output per value it sends, the names of the joint graph kept, so that the plan's strategies
+apply to it node by node.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.passes.analysis.capture import Captured, InputKind, OutputKind, captured_backward, module_paths
+from torch import fx
+
+from autopar.core.errors import InputError
+from autopar.core.graph import is_layer, segment_of
+
+
+def cut_units(captured: Captured) -> dict[str, str]:
+    """The unit each op belongs to for cutting stages, by node name: its layer where it is in a
+    stack (``blocks.3``), else its own module (``lm_head``, ``model.embed_tokens``). Ops of a
+    module that holds other units (the root module's code, a wrapper's, the loss a model
+    computes in its own ``forward``) belong to none: they run where their operands are."""
+    paths = module_paths(captured)
+    units = {}
+    for name, path in paths.items():
+        segment = segment_of(path)
+        units[name] = segment if is_layer(segment) else path
+    holders = {u for u in set(units.values()) for v in set(units.values()) if v.startswith(u + ".")}
+    return {name: unit for name, unit in units.items() if unit and unit not in holders}
+
+
+def layer_order(captured: Captured) -> list[str]:
+    """The units of :func:`cut_units` in the order the model's forward first runs them: the
+    stages are cut between them."""
+    units, backward = cut_units(captured), captured_backward(captured)
+    order: dict[str, None] = {}
+    for node in captured.graph.graph.nodes:
+        if node.op == "call_function" and node not in backward and node.name in units:
+            order.setdefault(units[node.name])
+    return list(order)
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """A value one stage makes and another reads."""
+
+    value: str
+    """The node of the joint graph."""
+    src: int
+    dst: int
+    backward: bool
+    """A gradient sent back in the backward (else an activation sent on in the forward)."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """The stage of every node of a joint graph."""
+
+    count: int
+    stage_of: dict[str, int]
+    """Ops, parameters, buffers and tangents by name; ops every stage may run are in ``free``."""
+    free: frozenset[str]
+    """Forward ops that read only the inputs and constants, run by every stage that needs them."""
+    crossings: tuple[Crossing, ...]
+    """In the order the joint graph makes the values."""
+    output_stage: int
+    """The stage that makes the model's result."""
+
+
+def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Staged:
+    """Place every node of ``captured`` on one of the stages holding ``segments`` (the layers
+    of each stage, :func:`layer_order`'s cut into consecutive runs)."""
+    graph = captured.graph.graph
+    units, backward = cut_units(captured), captured_backward(captured)
+    of_segment = {seg: s for s, segs in enumerate(segments) for seg in segs}
+    kinds = dict(zip(captured.placeholders, captured.inputs))
+    outputs = list(graph.output_node().args[0])
+    stage: dict[fx.Node, int] = {}
+    free: set[fx.Node] = set()
+
+    def own(node: fx.Node) -> int | None:
+        return of_segment.get(units.get(node.name))
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        operands = [a for a in node.all_input_nodes if a in stage]
+        if node.target.__name__ == "getitem":
+            if node.args[0] in free:
+                free.add(node)
+            else:
+                stage[node] = stage[node.args[0]]
+        elif node not in backward:
+            if own(node) is None and all(a in free or a.op == "get_attr" or _is_input(a, kinds) for a in _read(node)):
+                free.add(node)
+                continue
+            stage[node] = max([own(node) or 0, *(stage[a] for a in operands)])
+        else:
+            flowing = [stage[a] for a in operands if a in backward]
+            for tangent in (a for a in node.all_input_nodes if kinds.get(a) and kinds[a].kind == "tangent"):
+                flowing.append(stage[outputs[int(kinds[tangent].name.removeprefix("output"))]])
+            candidates = [s for s in (own(node), *flowing) if s is not None]
+            stage[node] = min(candidates) if candidates else len(segments) - 1
+    for node, kind in kinds.items():
+        if kind.kind == "tangent":
+            stage[node] = stage[outputs[int(kind.name.removeprefix("output"))]]
+        elif kind.kind in ("param", "buffer"):
+            readers = {stage[u] for u in node.users if u in stage}
+            if len(readers) > 1:
+                raise InputError(
+                    f"{kind.kind} {kind.name} is read by pipeline stages {sorted(readers)} (a weight tied across "
+                    "stages, like an embedding shared with the output head), and each stage holds its own "
+                    "parameters. Fix: untie it (e.g. tie_word_embeddings=False), or compile without pipeline="
+                )
+            stage[node] = readers.pop() if readers else 0
+    crossings = _crossings(graph, stage, free, backward)
+    _check_outputs(captured, stage)
+    made = [o for o, k in zip(outputs, captured.outputs) if k is not None and k.kind == "output"]
+    return Staged(
+        count=len(segments),
+        stage_of={n.name: s for n, s in stage.items()},
+        free=frozenset(n.name for n in free),
+        crossings=crossings,
+        output_stage=stage[made[0]] if made and made[0] in stage else len(segments) - 1,
+    )
+
+
+def _read(node: fx.Node) -> list[fx.Node]:
+    return node.all_input_nodes
+
+
+def _is_input(node: fx.Node, kinds: dict) -> bool:
+    return node in kinds and kinds[node].kind == "input"
+
+
+def _crossings(graph: fx.Graph, stage: dict, free: set, backward: set) -> tuple[Crossing, ...]:
+    found: dict[tuple[str, int], Crossing] = {}
+    for node in graph.nodes:
+        if node not in stage or node.op == "placeholder":
+            continue
+        for user in node.users:
+            if user not in stage or stage[user] == stage[node]:
+                continue
+            src, dst, grad = stage[node], stage[user], node in backward
+            if (dst < src) != grad:
+                raise InputError(
+                    f"{user.name} on pipeline stage {dst} reads {node.name}, which stage {src} makes in the "
+                    f"{'backward' if grad else 'forward'}: pipelining sends activations to later stages and "
+                    "gradients to earlier ones only. Fix: cut the stages elsewhere, or compile without pipeline="
+                )
+            found.setdefault((node.name, dst), Crossing(node.name, src, dst, grad))
+    return tuple(found.values())
+
+
+def _check_outputs(captured: Captured, stage: dict) -> None:
+    """A parameter's gradient and a buffer's new value are made on the stage holding it."""
+    holder = {k.name: stage.get(n) for n, k in zip(captured.placeholders, captured.inputs) if k.kind != "input"}
+    for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
+        if kind is None or kind.kind == "output" or not isinstance(value, fx.Node) or value.op == "placeholder":
+            continue
+        if stage.get(value) != holder.get(kind.name):
+            raise InputError(
+                f"the {'gradient' if kind.kind == 'grad' else 'new value'} of {kind.name} is made on pipeline stage "
+                f"{stage.get(value)}, not on stage {holder.get(kind.name)}, which holds it. Fix: cut the stages "
+                "elsewhere, or compile without pipeline="
+            )
+
+
+def stage_graph(captured: Captured, staged: Staged, s: int, aliases: dict) -> Captured:
+    """Stage ``s``'s part of ``captured``: its ops (and the free ops they read), the inputs,
+    parameters, buffers and tangents they read, a placeholder per value it receives (kind
+    ``recv``, or ``recv_grad`` for a gradient, laid out as the value ``aliases`` resolves it
+    to) and an output per value it sends (kind ``send`` or ``send_grad``), with the outputs of
+    the joint graph it makes."""
+    graph = captured.graph.graph
+    mine = {n for n in graph.nodes if staged.stage_of.get(n.name) == s and n.op == "call_function"}
+    received = [c for c in staged.crossings if c.dst == s]
+    got = {c.value for c in received}
+    needed = _needed(mine, staged.free, got)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[InputKind] = []
+    for node, kind in zip(captured.placeholders, captured.inputs):
+        if node in needed or staged.stage_of.get(node.name) == s and kind.kind != "input":
+            env[node] = g.node_copy(node)
+            inputs.append(kind)
+    nodes = {n.name: n for n in graph.nodes}
+    for c in sorted(received, key=lambda c: c.backward):
+        if nodes[c.value] in env:
+            continue
+        env[nodes[c.value]] = placeholder = g.placeholder(c.value)
+        placeholder.meta = dict(nodes[c.value].meta)
+        ref = aliases.get(c.value, (c.value, 0))
+        inputs.append(InputKind("recv_grad" if c.backward else "recv", c.value, ref))
+    for node in graph.nodes:
+        if node.op == "get_attr" and any(u in needed for u in node.users):
+            env[node] = g.node_copy(node)
+        elif node.op == "call_function" and node in needed:
+            env[node] = g.node_copy(node, lambda n: env[n])
+    results, kinds = [], []
+    for kind, value in zip(captured.outputs, graph.output_node().args[0]):
+        if kind is not None and isinstance(value, fx.Node) and value in env and value.op != "placeholder":
+            results.append(env[value])
+            kinds.append(kind)
+    for c in staged.crossings:
+        if c.src == s and OutputKind("send_grad" if c.backward else "send", c.value) not in kinds:
+            results.append(env[nodes[c.value]])
+            kinds.append(OutputKind("send_grad" if c.backward else "send", c.value))
+    g.output(tuple(results))
+    part = fx.GraphModule(captured.graph, g)
+    return Captured(part, tuple(inputs), tuple(kinds), None, captured.graph_hash, 0.0, ())
+
+
+def _needed(mine: set[fx.Node], free: frozenset[str], received: set[str]) -> set[fx.Node]:
+    """``mine``, the free ops they read (transitively) and the placeholders any of these read,
+    but not the values received."""
+    needed, todo = set(mine), list(mine)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in needed or a.name in received:
+                continue
+            if a.name in free or a.op in ("placeholder", "get_attr"):
+                needed.add(a)
+                todo.append(a)
+    return needed

@@ -1,0 +1,255 @@
+"""The module ``autopar.compile(..., pipeline=Pipeline(...))`` returns: one rank's stage of a
+pipelined plan (:mod:`autopar.runtime.pipeline`).
+
+Each rank holds the parameters of its stage only, as DTensors on the mesh inside the stages;
+the others' are freed. A call runs the whole step's schedule, forwards and backwards of every
+micro-batch, and returns the batch's loss on every rank; ``backward()`` on it then writes the
+gradients the schedule made (times the loss's gradient, 1 for ``loss.backward()``: the moves are
+linear). Tools that would read every stage's parameters through ``pmodel.parameters()`` (torch's
+``clip_grad_norm_``, an optimizer built over them, ``torch.distributed.checkpoint``) would see one
+stage's only, so ``parameters()`` refuses and names the stage-aware methods instead.
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from autopar.passes.analysis.capture import capture
+from autopar.passes.analysis.stages import assign_stages
+from autopar.runtime.allocator import keep_freed_memory
+from autopar.runtime.launch import device_mesh, device_type_of
+from autopar.runtime.module import ParallelModule, _refuse_split_pins_of_parts
+from autopar.runtime.pipeline import StageRunner
+from autopar.runtime.program import check_plan, check_tensors, refuse_autocast
+from autopar.runtime.state import local_of, release
+
+from autopar.core.errors import InputError, StalePlanError
+from autopar.core.mesh import Mesh
+from autopar.core.pipeline import Pipeline, inner_mesh
+from autopar.core.plan import ShardingPlan
+
+
+class PipelinedModule(ParallelModule):
+    """A model running on every rank of a mesh under a plan with pipeline stages."""
+
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, *, pipeline: Pipeline, **options):
+        pipeline.check(mesh)
+        self._pipeline = pipeline
+        super().__init__(model, mesh, **options)
+
+    # building ----------------------------------------------------------------------------
+
+    def _build(self, inputs: tuple, first_call: bool = False) -> None:
+        device_type = device_type_of(self.module)
+        if device_type == "meta":
+            raise InputError(
+                "pipeline stages do not yet build a model from the meta device. Fix: build it on a real device, "
+                "or compile without pipeline="
+            )
+        if device_type == "cpu":
+            keep_freed_memory()
+        check_tensors(inputs)
+        full, axis, count = self._mesh, self._pipeline.axis, self._pipeline.microbatches
+        inner = inner_mesh(full, axis)
+        laid = full if set(inner.axis_names) <= set(full.axis_names) else _with_axis(full, inner)
+        timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+        mesh = device_mesh(laid, device_type, timeout)
+        self._world = None if timeout is None else dist.new_group(timeout=timeout)
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        )
+        self._whole_shapes = _batch_shapes(inputs, count)
+        captured = capture(self.module, tuple(x[: x.shape[0] // count] for x in inputs), self._param_dtype)
+        if first_call:
+            _refuse_split_pins_of_parts(captured, self._pins)
+        plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
+        check_plan(plan, captured, inner, self._pins)
+        _check_stages(plan, self._pipeline, full)
+        self._plan = plan
+        where = tuple(int(c) for c in mesh.get_coordinate())
+        at = laid.axis_names.index(axis)
+        kept = [i for i, name in enumerate(laid.axis_names) if name in inner.axis_names]
+        self._coordinate = tuple(where[i] for i in kept)
+        self._groups = [mesh.get_group(i).group_name for i in kept]
+        peers = [int(mesh.mesh[tuple(t if i == at else c for i, c in enumerate(where))]) for t in range(mesh.size(at))]
+        self._stage, self._peers, self._stage_group = where[at], peers, mesh.get_group(at)
+        self._device_mesh = mesh[inner.axis_names if len(inner.axis_names) > 1 else inner.axis_names[0]]
+        self._mesh = inner  # pieces are cut on the mesh inside the stage
+        staged = assign_stages(captured, plan.stages.segments)
+        self._runner = StageRunner(
+            captured, plan, staged, self._stage, self._coordinate, self._groups, peers, self._backend,
+            self._timeout_s, self._device,
+        )  # fmt: skip
+        self._captured = self._runner.captured
+        self._layouts = self._runner.layouts
+        self._inputs = [
+            (n.meta["val"], k.name) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
+        ]
+        self.collectives = self._runner.collectives
+        self._shard_state(self._captured)
+        self._release_other_stages()
+        self._built = True
+
+    def _release_other_stages(self) -> None:
+        mine = {k.name for k in self._captured.inputs if k.kind in ("param", "buffer")}
+        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if name not in mine:
+                release(tensor)
+
+    # running -----------------------------------------------------------------------------
+
+    def forward(self, *inputs):
+        refuse_autocast()
+        if not self._built:
+            self._build(inputs, first_call=True)
+        check_tensors(inputs)
+        shapes = _batch_shapes(inputs, self._pipeline.microbatches)
+        if shapes != self._whole_shapes:
+            raise InputError(
+                f"the pipelined plan was made for inputs of shapes {self._whole_shapes}, got {shapes}; pipeline "
+                "stages do not yet lower the plan for other sizes. Fix: pass batches of the planned size "
+                "(DataLoader(drop_last=True)), or compile again for this one"
+            )
+        count = self._pipeline.microbatches
+        slices = [tuple(x.chunk(count)[m] for x in inputs) for m in range(count)]
+        weights = self._runner.weights(slices)
+        names = [name for _, name in self._inputs]
+        read = [names.index(k.name) for k in self._captured.inputs if k.kind == "input"]
+        local = [[self.rank_part(names[i], micro[i]) for i in read] for micro in slices]
+        return _Step.apply(self, local, weights, torch.is_grad_enabled(), *self._state())
+
+    def passes_own_part(self, name: str) -> bool:
+        """Every rank passes the whole batch: the stages cut it into micro-batches first."""
+        return False
+
+    # the stage's parameters ----------------------------------------------------------------
+
+    def stage_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of this rank's stage (DTensors on the mesh inside the stages)."""
+        return [self.module.get_parameter(k.name) for k in self._captured.inputs if k.kind == "param"]
+
+    def parameters(self, recurse: bool = True):
+        if not self._built:
+            return super().parameters(recurse)
+        raise TypeError(
+            "with pipeline stages each rank holds its stage's parameters only, so torch tools reading "
+            "pmodel.parameters() (clip_grad_norm_, an optimizer, a parameter count) would see one stage. Fix: "
+            "pmodel.optimizer(torch.optim.AdamW, ...), pmodel.clip_grad_norm_(max_norm), and "
+            "pmodel.stage_parameters() for this stage's"
+        )
+
+    def named_parameters(self, *args, **kwargs):
+        if not self._built:
+            return super().named_parameters(*args, **kwargs)
+        self.parameters()
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options):
+        """An optimizer of ``optimizer_class`` over this rank's stage's parameters."""
+        if not self._built:
+            return super().optimizer(optimizer_class, **options)
+        if self._plan.host_optimizer:
+            raise InputError(
+                "the pipelined plan keeps optimizer state in host memory, which pipeline stages do not run yet. "
+                "Fix: compile with a larger memory_budget"
+            )
+        self._optimizer_checked = True
+        return optimizer_class(self.stage_parameters(), **options)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.stage_parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every stage's gradients: each stage's norm
+        (over the mesh inside it, as DTensor computes it) is combined along the pipeline axis,
+        and every stage scales its gradients by the same factor. Returns the total norm."""
+        grads = [p.grad for p in self.stage_parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self._device)
+        norm = local_of(norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(self._device)
+        if norm_type == float("inf"):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self._stage_group)
+        else:
+            norm = norm.pow(norm_type)
+            dist.all_reduce(norm, group=self._stage_group)
+            norm = norm.pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(self.stage_parameters(), max_norm, norm)
+        return norm
+
+    def no_sync(self):
+        raise InputError(
+            "pipeline stages accumulate over their micro-batches already; no_sync() is not needed. Fix: raise "
+            "Pipeline(microbatches=...) instead of accumulating outside"
+        )
+
+    def full_state_dict(self, *, rank0_only: bool = False):
+        raise InputError(_NO_CHECKPOINT)
+
+    def state_dict(self, *args, **kwargs):
+        if not self._built:
+            return super().state_dict(*args, **kwargs)
+        raise InputError(_NO_CHECKPOINT)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        raise InputError(_NO_CHECKPOINT)
+
+
+_NO_CHECKPOINT = (
+    "checkpoints of a pipelined module are not supported yet: each rank holds one stage's parameters. Fix: compile "
+    "without pipeline= to save or load state"
+)
+
+
+class _Step(torch.autograd.Function):
+    """The step's schedule as one autograd function of the stage's state: its result is the
+    batch's loss, and its backward hands out the gradients the schedule made."""
+
+    @staticmethod
+    def forward(ctx, module: PipelinedModule, local, weights, backward: bool, *state):
+        runner = module._runner
+        loss, grads, _ = runner.step(list(state), local, weights, backward)
+        kinds = [k for k in module._captured.inputs if k.kind in ("param", "buffer")]
+        ctx.grads = [grads.get(k.name) if k.kind == "param" else None for k in kinds]
+        if module._stage == runner.output_stage:
+            whole = loss.contiguous()
+        else:
+            whole = torch.empty((), dtype=runner.loss_dtype, device=module._device)
+        dist.broadcast(whole, src=module._peers[runner.output_stage], group=module._stage_group)
+        return whole
+
+    @staticmethod
+    def backward(ctx, tangent):
+        scale = None if bool(tangent == 1) else tangent
+        grads = [g if g is None or scale is None else g * scale.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (None, None, None, None, *grads)
+
+
+def _with_axis(mesh: Mesh, inner: Mesh) -> Mesh:
+    """``mesh`` with the one-position axis of ``inner`` (a mesh that is all pipeline axis)."""
+    return Mesh(mesh.shape + inner.shape, mesh.axis_names + inner.axis_names)
+
+
+def _batch_shapes(inputs: tuple, microbatches: int) -> tuple:
+    for i, x in enumerate(inputs):
+        if x.ndim == 0 or x.shape[0] % microbatches:
+            raise InputError(
+                f"input {i} of shape {tuple(x.shape)} cannot be cut into {microbatches} micro-batches along dim 0. "
+                f"Fix: a batch size that Pipeline(microbatches={microbatches}) divides"
+            )
+    return tuple(tuple(x.shape) for x in inputs)
+
+
+def _check_stages(plan: ShardingPlan, pipeline: Pipeline, mesh: Mesh) -> None:
+    stages = plan.stages
+    if stages is None:
+        raise StalePlanError("the plan has no pipeline stages but pipeline= asks for them. Fix: plan with pipeline=")
+    asked = (mesh, pipeline.axis, pipeline.microbatches, pipeline.schedule)
+    if (stages.mesh, stages.axis, stages.microbatches, stages.schedule) != asked:
+        raise StalePlanError(
+            f"the plan's stages ({stages.axis} of {stages.mesh}, {stages.microbatches} micro-batches, "
+            f"{stages.schedule}) are not those pipeline= asks for ({pipeline.axis} of {mesh}, {pipeline.microbatches}, "
+            f"{pipeline.schedule}). Fix: plan again with this pipeline="
+        )

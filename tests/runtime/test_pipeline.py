@@ -1,0 +1,198 @@
+"""Pipeline stages: plans cut into stages, run on 4 gloo ranks, against one device.
+
+Each case trains 3 steps (AdamW, the global gradient norm clipped) on one device and on the
+mesh with one axis as pipeline stages; losses must match within 1e-5 relative, the clipping's
+total norms likewise, and every stage's parameters after the 3 steps within rtol 1e-4 /
+atol 1e-5. The GPT's targets ignore (``-100``) a different number of tokens in each micro-batch,
+so that the micro-batches' losses add up to the batch's only if each is weighted by its share
+of the counted targets.
+"""
+
+import copy
+
+import pytest
+import torch
+from autopar.passes.analysis.capture import capture
+from autopar.passes.analysis.stages import assign_stages, layer_order
+from autopar.passes.solve.stages import balanced_runs
+from autopar.runtime.pipeline import schedule
+
+import autopar
+from autopar.core.errors import InputError
+from autopar.core.pipeline import Pipeline, Stages
+from tests.cases import SYNTHETIC
+
+
+def _gpt(layers: int = 4, tie: bool = False):
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, dim=16, num_heads=4, num_layers=layers, tie_embeddings=tie))
+    batches = []
+    for _ in range(3):
+        targets = torch.randint(0, 64, (8, 8))
+        targets[0, :5] = -100  # the first micro-batch counts fewer targets
+        batches.append((torch.randint(0, 64, (8, 8)), targets))
+    return model, batches
+
+
+def _llama():
+    from autopar.examples import hf
+
+    torch.manual_seed(0)
+    model = hf.llama(vocab_size=64, seq=8, dim=16, num_heads=4, num_layers=2, hidden=32)
+    return model, [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
+
+
+def _megatron(layers: int) -> dict:
+    split = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "fc1.weight": "S(0)", "fc1.bias": "S(0)"}
+    return {f"blocks.{i}.{name}": p for i in range(layers) for name, p in {**split, "fc2.weight": "S(1)"}.items()}
+
+
+CASES = {
+    "gpt-pp2xdp2-gpipe": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=2, schedule="gpipe"), "dp"),
+    "gpt-pp2xtp2-1f1b": ("gpt", (2, 2), ("pp", "tp"), Pipeline(axis="pp", microbatches=4), "megatron"),
+    "gpt-pp4-1f1b": ("gpt", (4,), ("pp",), Pipeline(axis="pp", microbatches=4), None),
+    "hf-llama-dp2xpp2-1f1b": ("llama", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), "dp"),
+}
+
+
+def _train(pmodel_or_model, batches, optimizer, clip):
+    losses, norms = [], []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = pmodel_or_model(*batch)
+        loss.backward()
+        norms.append(float(clip()))
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, norms
+
+
+def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
+    model, batches = _gpt() if model_name == "gpt" else _llama()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses, ref_norms = _train(
+        reference, batches, ref_opt, lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    )
+    inputs = ("idx", "targets") if model_name == "gpt" else ("input_ids", "labels")
+    pins = {"dp": {name: "S(0)" for name in inputs}, "megatron": _megatron(4)}.get(preset)
+    mesh = autopar.Mesh(mesh_shape, axis_names)
+    pmodel = autopar.compile(model, mesh, batches[0], hardware=SYNTHETIC, pins=pins, pipeline=pipeline)
+    with pytest.raises(TypeError, match="stage_parameters"):
+        pmodel.parameters()
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    losses, norms = _train(pmodel, batches, opt, lambda: pmodel.clip_grad_norm_(0.5))
+    ref_params = dict(reference.named_parameters())
+    mine = sorted(k.name for k in pmodel._captured.inputs if k.kind == "param")  # one order on every rank
+    errors = {
+        name: float((pmodel.module.get_parameter(name).detach().full_tensor() - ref_params[name].detach()).abs().max())
+        for name in mine
+    }
+    close = all(
+        torch.allclose(pmodel.module.get_parameter(n).detach().full_tensor(), ref_params[n].detach(), 1e-4, 1e-5)
+        for n in mine
+    )
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)),
+        "params": mine,
+        "param_ok": close,
+        "param_max": max(errors.values()),
+        "all_params": sorted(ref_params),
+        "stages": pmodel.plan.stages.count,
+    }
+
+
+def _run_cases(names: list[str]) -> list[dict]:
+    return [_run_case(*CASES[name]) for name in names]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict]]:
+    from tests.harness import run_ranks
+
+    names = list(CASES)
+    per_rank = run_ranks(4, _run_cases, names)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_training_matches_one_device(results, case):
+    runs = results[case]
+    for rank, r in enumerate(runs):
+        assert r["loss_rel"] <= 1e-5, f"rank {rank}: loss differs by {r['loss_rel']:.2e}"
+        assert r["norm_rel"] <= 1e-5, f"rank {rank}: clipped norm differs by {r['norm_rel']:.2e}"
+        assert r["param_ok"], f"rank {rank}: parameters differ by up to {r['param_max']:.2e}"
+    held = set().union(*(r["params"] for r in runs))
+    assert held == set(runs[0]["all_params"]), "every parameter is held by some stage"
+    assert all(len(r["params"]) < len(r["all_params"]) for r in runs), "each rank holds one stage's parameters"
+    _, shape, names, pipeline, _ = CASES[case]
+    assert runs[0]["stages"] == shape[names.index(pipeline.axis)]
+
+
+def test_1f1b_holds_at_most_the_stages_after_it_in_flight():
+    for stages, microbatches in ((2, 4), (4, 4), (4, 2), (3, 7)):
+        for stage in range(stages):
+            order = schedule("1f1b", stage, stages, microbatches)
+            assert sorted(order) == sorted(
+                [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+            )
+            in_flight = 0
+            for action, m in order:
+                in_flight += 1 if action == "F" else -1
+                assert 0 <= in_flight <= max(1, min(stages - stage, microbatches))
+            done = {m for action, m in order if action == "F"}
+            assert [m for action, m in order if action == "B"] == sorted(done)
+
+
+def test_balanced_runs_minimise_the_slowest_stage():
+    assert balanced_runs([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert balanced_runs([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+    assert balanced_runs([1, 2, 3], 3) == [[0], [1], [2]]
+
+
+def test_stages_send_one_activation_forward_and_its_gradient_back():
+    model, batches = _gpt()
+    captured = capture(model, tuple(x[:4] for x in batches[0]))
+    layers = layer_order(captured)
+    assert layers == ["tok", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "head"]
+    staged = assign_stages(captured, (tuple(layers[:4]), tuple(layers[4:])))
+    assert [(c.src, c.dst, c.backward) for c in staged.crossings] == [(0, 1, False), (1, 0, True)]
+    assert staged.output_stage == 1
+
+
+def test_weights_tied_across_stages_are_refused():
+    model, batches = _gpt(tie=True)
+    captured = capture(model, tuple(x[:4] for x in batches[0]))
+    layers = layer_order(captured)
+    with pytest.raises(InputError, match="tok.weight is read by pipeline stages"):
+        assign_stages(captured, (tuple(layers[:4]), tuple(layers[4:])))
+
+
+def test_bad_pipelines_name_the_fix():
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    with pytest.raises(ValueError, match="not an axis"):
+        Pipeline(axis="stages", microbatches=2).check(mesh)
+    with pytest.raises(ValueError, match="positive int"):
+        Pipeline(axis="pp", microbatches=0)
+    with pytest.raises(ValueError, match="schedule"):
+        Pipeline(axis="pp", microbatches=2, schedule="zb")
+
+
+def test_a_plan_with_stages_round_trips_through_json():
+    from autopar.config import PlanConfig
+    from autopar.planner import plan_stages
+
+    model, batches = _gpt()
+    captured = capture(model, tuple(x[:4] for x in batches[0]))
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    plan = plan_stages(captured, mesh, Pipeline(axis="pp", microbatches=2), PlanConfig(hardware=SYNTHETIC))
+    assert plan.mesh == autopar.Mesh((2,), ("dp",))
+    assert isinstance(plan.stages, Stages) and plan.stages.count == 2
+    assert sum(map(len, plan.stages.segments)) == 8
+    again = autopar.ShardingPlan.from_json(plan.to_json())
+    assert again == plan and again.stages == plan.stages
+    assert plan.predicted_step_s == pytest.approx(plan.stages.step_s + plan.overhead_s)
