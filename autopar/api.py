@@ -14,9 +14,10 @@ from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
 from autopar.passes.analysis.liveness import ADAM_SLOTS
-from autopar.planner import check_mesh, plan_stages, plan_with
+from autopar.planner import check_mesh, check_pipeline, plan_stages, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
 from autopar.runtime.staged_module import PipelinedModule
+from autopar.stage_search import plan_auto
 
 
 def default_backend(model: torch.nn.Module) -> str:
@@ -45,7 +46,7 @@ def compile(
     timeout: float | None = None,
     mixed_precision: MixedPrecision | None = None,
     optimizer_slots: int = ADAM_SLOTS,
-    pipeline: Pipeline | None = None,
+    pipeline: "Pipeline | str | None" = None,
 ):
     """Parallelize ``model`` over ``mesh`` and return a module that trains on every rank.
 
@@ -72,7 +73,8 @@ def compile(
     program's collectives then raise :class:`~autopar.core.errors.CollectiveError` on every rank that
     waits; on NCCL, torch's watchdog aborts the waiting processes; and ``pipeline``: an
     :class:`~autopar.core.pipeline.Pipeline` that turns one mesh axis into pipeline stages
-    (:class:`~autopar.runtime.staged_module.PipelinedModule`; default: no stages).
+    (:class:`~autopar.runtime.staged_module.PipelinedModule`), ``"auto"`` to let planning choose
+    whether and how (:mod:`autopar.stage_search`), or ``None`` (default) for none.
     """
     options = dict(
         hardware=hardware,
@@ -107,12 +109,8 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
         raise TypeError("autopar.compile needs a mesh, e.g. autopar.compile(model, Mesh((2, 2), ('dp', 'tp')))")
     check_mesh(mesh)
     config = PlanConfig.of(options)
-    pipeline = options["pipeline"]
-    if pipeline is not None:
-        if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"pipeline must be an autopar.Pipeline, got {type(pipeline).__name__}")
-        pipeline.check(mesh)
-    pins = config.pins_for(mesh if pipeline is None else inner_mesh(mesh, pipeline.axis))
+    pipeline = check_pipeline(options["pipeline"], mesh, options["pins"])
+    pins = config.pins_for(mesh if not isinstance(pipeline, Pipeline) else inner_mesh(mesh, pipeline.axis))
     plan, backend, timeout = options["plan"], options["backend"], options["timeout"]
     if timeout is None:
         timeout = _timeout_of_the_launch()
@@ -126,11 +124,18 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
         timeout_s=timeout,
         param_dtype=config.param_dtype,
     )
+    if pipeline == "auto":
+        planner = functools.partial(_plan_auto, mesh=mesh, config=config)
+        return PipelinedModule(model, mesh, pipeline=pipeline, planner=planner, **run)
     if pipeline is not None:
         planner = functools.partial(_plan_stages, mesh=mesh, pipeline=pipeline, config=config)
         return PipelinedModule(model, mesh, pipeline=pipeline, planner=planner, **run)
     planner = lambda captured, state_pins=None: plan_with(captured, mesh, config.with_pins(state_pins or {}))  # noqa: E731
     return ParallelModule(model, mesh, planner=planner, **run)
+
+
+def _plan_auto(micro, state_pins=None, *, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
+    return plan_auto(micro, micro.batch, mesh, config.with_pins(state_pins or {}))
 
 
 def _plan_stages(captured, state_pins=None, *, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:

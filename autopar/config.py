@@ -79,6 +79,10 @@ class PlanConfig:
     bucket_bytes: int = BUCKET_BYTES
     """Capacity of a gradient bucket (:mod:`autopar.passes.propagation.buckets`)."""
     optimizer_slots: int = ADAM_SLOTS
+    gradient_share: float = 1.0
+    """The share of its gradients' collectives one step of the planned graph pays
+    (:attr:`~autopar.cost_model.estimate.CostModel.gradient_share`): less than 1 for one
+    micro-batch of a pipelined step."""
     profile: Profile = dataclasses.field(init=False, repr=False)
     budget_bytes: int | None = dataclasses.field(init=False, repr=False)
 

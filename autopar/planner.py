@@ -20,7 +20,7 @@ from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
 from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
-from autopar.cost_model.hardware import Profile
+from autopar.cost_model.hardware import InsideStages, Profile
 from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, module_paths
 from autopar.passes.analysis.liveness import ADAM_SLOTS, Liveness
 from autopar.passes.lower.liveness import plan_liveness
@@ -59,12 +59,38 @@ def plan_captured(captured: Captured, mesh: Mesh, **options) -> ShardingPlan:
     return plan_with(captured, mesh, PlanConfig(**options))
 
 
+def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
+    """``pipeline`` checked for ``mesh``: ``None`` (or ``"off"``), ``"auto"`` or a
+    :class:`~autopar.core.pipeline.Pipeline` over one of its axes."""
+    if pipeline in (None, "off"):
+        return None
+    if pipeline == "auto":
+        if pins:
+            raise ValueError(
+                "pins with pipeline='auto' are not supported yet: they would name placements on the whole mesh for "
+                "plans without stages and on the mesh inside the stages for the others. Fix: pipeline=None, or "
+                "pipeline=Pipeline(axis=..., microbatches=...) with pins on the mesh inside the stages"
+            )
+        return pipeline
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"pipeline must be None, 'auto' or an autopar.Pipeline, got {pipeline!r}")
+    pipeline.check(mesh)
+    return pipeline
+
+
 def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
     """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, and
     cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
     pipeline.check(mesh)
-    plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), config)
-    return with_stages(plan, captured, pipeline, mesh)
+    inside = dataclasses.replace(
+        config,
+        hardware=InsideStages(config.profile, mesh),
+        memory_budget=None,
+        gradient_share=1.0 / pipeline.microbatches,
+    )
+    plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)
+    link = config.profile.link(mesh, mesh.axis_names.index(pipeline.axis))
+    return with_stages(plan, captured, pipeline, mesh, link, config.budget_bytes)
 
 
 def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
@@ -175,7 +201,14 @@ class _Problem:
         space = propagate(captured, mesh, pins=pins, fallback=config.fallback)
         t1 = time.perf_counter()
         unreduced = _reduced_after_cast(captured, config.mixed_precision)
-        costs = CostModel(captured, mesh, profile, bucket_bytes=config.bucket_bytes, unreduced=unreduced)
+        costs = CostModel(
+            captured,
+            mesh,
+            profile,
+            bucket_bytes=config.bucket_bytes,
+            unreduced=unreduced,
+            gradient_share=config.gradient_share,
+        )
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
         t2 = time.perf_counter()
@@ -633,6 +666,7 @@ def plan(
     recompute: str = "auto",
     mixed_precision: MixedPrecision | None = None,
     optimizer_slots: int = ADAM_SLOTS,
+    pipeline: "Pipeline | str | None" = None,
 ) -> ShardingPlan:
     """Plan ``model`` for ``mesh`` without any process group or device.
 
@@ -664,10 +698,24 @@ def plan(
             parameter, which the plan's memory counts: 2 (default) for Adam and AdamW, 1 for SGD
             with momentum, 0 for SGD without. The module warns at the first step of an optimizer
             that keeps more.
+        pipeline: an :class:`~autopar.core.pipeline.Pipeline` cutting the model into stages over
+            one mesh axis (pins then name placements on the other axes), ``"auto"`` to choose
+            whether and how (:mod:`autopar.stage_search`), or ``None`` (default) for no stages.
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("example_inputs must be a tuple of tensors, e.g. (x, y)")
     config = PlanConfig.of(locals())
-    config.pins_for(mesh)
-    return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)
+    pipeline = check_pipeline(pipeline, mesh, pins)
+    config.pins_for(inner_mesh(mesh, pipeline.axis) if isinstance(pipeline, Pipeline) else mesh)
+
+    def capture_at(microbatches: int) -> Captured:
+        return capture(model, tuple(x[: x.shape[0] // microbatches] for x in example_inputs), config.param_dtype)
+
+    if pipeline == "auto":
+        from autopar.stage_search import plan_auto  # it plans through this module
+
+        return plan_auto(capture_at, example_inputs[0].shape[0], mesh, config)
+    if pipeline is not None:
+        return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)
+    return plan_with(capture_at(1), mesh, config)

@@ -38,8 +38,12 @@ class CostModel:
         *,
         bucket_bytes: int = BUCKET_BYTES,
         unreduced: frozenset[str] = frozenset(),
+        gradient_share: float = 1.0,
     ):
         self.mesh = mesh
+        self.gradient_share = gradient_share
+        """The share of its gradients' collectives a step of this graph pays: ``1 / M`` for one of
+        ``M`` micro-batches of a pipelined step, which reduces the gradients once for all."""
         self.unreduced = unreduced
         self.hardware = hardware
         self.links = mesh_links(hardware, mesh)
@@ -168,7 +172,7 @@ class CostModel:
         ops here (:func:`~autopar.passes.propagation.buckets.piece_s`) and its share of the bucket's fixed
         cost, returned beside it; any other move costs what
         :meth:`transition_s` says, and ``None``."""
-        return self._bucketed(ref, self.steps(ref, src, dst), self.gradient_chain(ref, src, dst))
+        return self._bucketed(ref, self.steps(ref, src, dst), self.gradient_chain(ref, src, dst), self.gradient_share)
 
     def gradient_chain(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...] | None:
         """The collectives by which gradient ``ref`` joins a bucket moving from ``src`` to ``dst``
@@ -194,14 +198,14 @@ class CostModel:
         return self._bucketed(ref, steps, steps if len(steps) == 1 and steps[0].kind == "all_gather" else None)
 
     def _bucketed(
-        self, ref: ValueRef, steps: tuple[Step, ...], chain: tuple[Step, ...] | None
+        self, ref: ValueRef, steps: tuple[Step, ...], chain: tuple[Step, ...] | None, weight: float = 1.0
     ) -> tuple[float, BucketShare | None]:
         if chain is None:
-            return sum(self.step_s(s) for s in steps), None
+            return weight * sum(self.step_s(s) for s in steps), None
         fixed = bucket_fixed_s(chain, self.mesh, self.links)
         group = (tuple((s.kind, s.axis) for s in chain), self.value(ref).dtype)
-        share = BucketShare(group, min(1.0, chain[0].bytes / self.bucket_bytes), fixed)
-        return piece_s(chain, self.mesh, self.links), share
+        share = BucketShare(group, min(1.0, chain[0].bytes / self.bucket_bytes), weight * fixed)
+        return weight * piece_s(chain, self.mesh, self.links), share
 
     def one_step_moves(self, ref: ValueRef) -> tuple[tuple[Placements, Placements, float], ...]:
         """Every move of ``ref`` between valid layouts that differ on one mesh axis, priced."""

@@ -330,6 +330,23 @@ def resolve_profile(hardware: "str | os.PathLike | Profile") -> Profile:
     raise TypeError(f"hardware must be a profile name or a profile object, got {type(hardware).__name__}")
 
 
+class InsideStages:
+    """``profile`` as seen from the mesh inside pipeline stages (the ``whole`` mesh without its
+    pipeline axis): each axis keeps the link it has on the whole mesh (a profile assigns links
+    by an axis's position among all of them), the rest is ``profile``'s."""
+
+    def __init__(self, profile: "Profile", whole: Mesh):
+        self._profile, self._whole = profile, whole
+
+    def link(self, mesh: Mesh, axis: int) -> Link:
+        name = mesh.axis_names[axis]
+        names = self._whole.axis_names
+        return self._profile.link(self._whole, names.index(name) if name in names else self._whole.ndim - 1)
+
+    def __getattr__(self, name: str):
+        return getattr(self._profile, name)
+
+
 def mesh_links(hardware: "Profile", mesh: Mesh) -> tuple[Link, ...]:
     """The α-β link of each axis of ``mesh``, with the cost of the local ops around its
     collectives on this device: an op's fixed time (and a program node's, for a profile that

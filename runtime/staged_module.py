@@ -17,7 +17,7 @@ import torch.distributed as dist
 from autopar.passes.analysis.capture import capture
 from autopar.passes.analysis.stages import assign_stages
 from autopar.runtime.allocator import keep_freed_memory
-from autopar.runtime.launch import device_mesh, device_type_of
+from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_group
 from autopar.runtime.module import ParallelModule, _refuse_split_pins_of_parts
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import check_plan, check_tensors, refuse_autocast
@@ -32,23 +32,36 @@ from autopar.core.plan import ShardingPlan
 class PipelinedModule(ParallelModule):
     """A model running on every rank of a mesh under a plan with pipeline stages."""
 
-    def __init__(self, model: torch.nn.Module, mesh: Mesh, *, pipeline: Pipeline, **options):
-        pipeline.check(mesh)
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, *, pipeline: "Pipeline | str", **options):
+        if isinstance(pipeline, Pipeline):
+            pipeline.check(mesh)
         self._pipeline = pipeline
         super().__init__(model, mesh, **options)
 
     # building ----------------------------------------------------------------------------
 
     def _build(self, inputs: tuple, first_call: bool = False) -> None:
+        """Plan (with ``pipeline="auto"``, choose between stages and none first), then build the
+        stage this rank runs, or the module of a plan without stages."""
+        check_tensors(inputs)
         device_type = device_type_of(self.module)
         if device_type == "meta":
             raise InputError(
                 "pipeline stages do not yet build a model from the meta device. Fix: build it on a real device, "
                 "or compile without pipeline="
             )
+        if self._plan is None and self._pipeline == "auto":
+            ensure_process_group(self._mesh, device_type)
+            timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+            self._world = None if timeout is None else dist.new_group(timeout=timeout)
+            self._plan = self._plan_on_rank0(MicroBatches(self.module, inputs, self._param_dtype))
+        if self._plan is not None and self._plan.stages is None and self._pipeline == "auto":
+            return super()._build(inputs, first_call)
+        if self._plan is not None and self._plan.stages is not None and self._pipeline == "auto":
+            stages = self._plan.stages
+            self._pipeline = Pipeline(axis=stages.axis, microbatches=stages.microbatches, schedule=stages.schedule)
         if device_type == "cpu":
             keep_freed_memory()
-        check_tensors(inputs)
         full, axis, count = self._mesh, self._pipeline.axis, self._pipeline.microbatches
         inner = inner_mesh(full, axis)
         laid = full if set(inner.axis_names) <= set(full.axis_names) else _with_axis(full, inner)
@@ -98,10 +111,16 @@ class PipelinedModule(ParallelModule):
 
     # running -----------------------------------------------------------------------------
 
+    @property
+    def _in_stages(self) -> bool:
+        return self._built and self._plan.stages is not None
+
     def forward(self, *inputs):
         refuse_autocast()
         if not self._built:
             self._build(inputs, first_call=True)
+        if not self._in_stages:
+            return super().forward(*inputs)
         check_tensors(inputs)
         shapes = _batch_shapes(inputs, self._pipeline.microbatches)
         if shapes != self._whole_shapes:
@@ -119,8 +138,8 @@ class PipelinedModule(ParallelModule):
         return _Step.apply(self, local, weights, torch.is_grad_enabled(), *self._state())
 
     def passes_own_part(self, name: str) -> bool:
-        """Every rank passes the whole batch: the stages cut it into micro-batches first."""
-        return False
+        """With stages every rank passes the whole batch: the stages cut it into micro-batches first."""
+        return super().passes_own_part(name) if not self._in_stages else False
 
     # the stage's parameters ----------------------------------------------------------------
 
@@ -129,7 +148,7 @@ class PipelinedModule(ParallelModule):
         return [self.module.get_parameter(k.name) for k in self._captured.inputs if k.kind == "param"]
 
     def parameters(self, recurse: bool = True):
-        if not self._built:
+        if not self._in_stages:
             return super().parameters(recurse)
         raise TypeError(
             "with pipeline stages each rank holds its stage's parameters only, so torch tools reading "
@@ -139,13 +158,13 @@ class PipelinedModule(ParallelModule):
         )
 
     def named_parameters(self, *args, **kwargs):
-        if not self._built:
+        if not self._in_stages:
             return super().named_parameters(*args, **kwargs)
         self.parameters()
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options):
         """An optimizer of ``optimizer_class`` over this rank's stage's parameters."""
-        if not self._built:
+        if not self._in_stages:
             return super().optimizer(optimizer_class, **options)
         if self._plan.host_optimizer:
             raise InputError(
@@ -156,6 +175,8 @@ class PipelinedModule(ParallelModule):
         return optimizer_class(self.stage_parameters(), **options)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._in_stages:
+            return super().zero_grad(set_to_none)
         for p in self.stage_parameters():
             if set_to_none:
                 p.grad = None
@@ -166,6 +187,8 @@ class PipelinedModule(ParallelModule):
         """``torch.nn.utils.clip_grad_norm_`` over every stage's gradients: each stage's norm
         (over the mesh inside it, as DTensor computes it) is combined along the pipeline axis,
         and every stage scales its gradients by the same factor. Returns the total norm."""
+        if not self._in_stages:
+            return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
         grads = [p.grad for p in self.stage_parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self._device)
         norm = local_of(norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(self._device)
@@ -179,20 +202,26 @@ class PipelinedModule(ParallelModule):
         return norm
 
     def no_sync(self):
+        if not self._in_stages:
+            return super().no_sync()
         raise InputError(
             "pipeline stages accumulate over their micro-batches already; no_sync() is not needed. Fix: raise "
             "Pipeline(microbatches=...) instead of accumulating outside"
         )
 
     def full_state_dict(self, *, rank0_only: bool = False):
+        if not self._in_stages:
+            return super().full_state_dict(rank0_only=rank0_only)
         raise InputError(_NO_CHECKPOINT)
 
     def state_dict(self, *args, **kwargs):
-        if not self._built:
+        if not self._in_stages:
             return super().state_dict(*args, **kwargs)
         raise InputError(_NO_CHECKPOINT)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if not self._in_stages:
+            return super().load_state_dict(state_dict, strict, assign)
         raise InputError(_NO_CHECKPOINT)
 
 
@@ -200,6 +229,24 @@ _NO_CHECKPOINT = (
     "checkpoints of a pipelined module are not supported yet: each rank holds one stage's parameters. Fix: compile "
     "without pipeline= to save or load state"
 )
+
+
+class MicroBatches:
+    """Captures the model on one of ``m`` micro-batches of ``inputs`` (what ``pipeline="auto"``
+    plans each candidate on)."""
+
+    def __init__(self, module: torch.nn.Module, inputs: tuple, param_dtype):
+        self.module, self.inputs, self.param_dtype = module, inputs, param_dtype
+        self.batch = _common_batch(inputs)
+
+    def __call__(self, microbatches: int):
+        return capture(self.module, tuple(x[: x.shape[0] // microbatches] for x in self.inputs), self.param_dtype)
+
+
+def _common_batch(inputs: tuple) -> int:
+    """The size of dim 0 all inputs share (0 where they share none: no micro-batches then)."""
+    sizes = {x.shape[0] if x.ndim else 0 for x in inputs}
+    return sizes.pop() if len(sizes) == 1 else 0
 
 
 class _Step(torch.autograd.Function):

@@ -76,9 +76,22 @@ class Stages:
     microbatches: int
     schedule: Schedule
     segments: tuple[tuple[str, ...], ...]
-    """The layers (:func:`~autopar.core.graph.segment_of`) of each stage, in order."""
+    """The units each stage holds (:func:`~autopar.passes.analysis.stages.cut_units`: layers of
+    stacks, modules outside them), in order."""
     compute_s: tuple[float, ...]
-    """Modelled compute of one micro-batch's forward and backward on each stage."""
+    """Modelled time of one micro-batch's forward and backward on each stage: its ops and the
+    collectives they wait for inside the stage."""
+    send_s: tuple[float, ...]
+    """Modelled time of each stage's sends of one micro-batch (activations on, gradients back),
+    α-β on the pipeline axis's link."""
+    sync_s: tuple[float, ...]
+    """Modelled time of each stage's gradient collectives, once per step after the last
+    micro-batch's backward (the plan's gradient buckets, shared out by the stage's share of
+    the gradients' bytes)."""
+    peak_bytes: tuple[int, ...]
+    """Predicted peak per device of each stage: its parameters, gradients and optimizer state,
+    the activations of the micro-batches the schedule holds at once
+    (:func:`in_flight`), and the largest transient of the plan."""
 
     @property
     def count(self) -> int:
@@ -92,10 +105,11 @@ class Stages:
 
     @property
     def step_s(self) -> float:
-        """Modelled time of a step's compute: each micro-batch's time on the slowest stage, and
-        the time the stages before and after it take to fill and drain the pipeline."""
-        slowest = max(self.compute_s)
-        return (self.microbatches - 1) * slowest + math.fsum(self.compute_s)
+        """Modelled time of a step: each micro-batch's time on the slowest stage, the time the
+        other stages take to fill and drain the pipeline, and the slowest stage's gradient
+        collectives at the end."""
+        per_micro = [c + s for c, s in zip(self.compute_s, self.send_s)]
+        return (self.microbatches - 1) * max(per_micro) + math.fsum(per_micro) + max(self.sync_s)
 
     def to_dict(self) -> dict:
         return {
@@ -105,6 +119,9 @@ class Stages:
             "schedule": self.schedule,
             "segments": [list(s) for s in self.segments],
             "compute_s": list(self.compute_s),
+            "send_s": list(self.send_s),
+            "sync_s": list(self.sync_s),
+            "peak_bytes": list(self.peak_bytes),
         }
 
     @classmethod
@@ -116,4 +133,13 @@ class Stages:
             schedule=data["schedule"],
             segments=tuple(tuple(s) for s in data["segments"]),
             compute_s=tuple(data["compute_s"]),
+            send_s=tuple(data["send_s"]),
+            sync_s=tuple(data["sync_s"]),
+            peak_bytes=tuple(data["peak_bytes"]),
         )
+
+
+def in_flight(schedule: Schedule, stage: int, stages: int, microbatches: int) -> int:
+    """The most micro-batches whose activations stage ``stage`` holds at once: all of them under
+    GPipe, under 1F1B as many as there are stages from it to the last."""
+    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)

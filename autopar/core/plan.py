@@ -329,8 +329,8 @@ class ShardingPlan:
 
     @property
     def peak_memory_bytes(self) -> int:
-        """Predicted per-device peak memory."""
-        return self.memory.peak_bytes
+        """Predicted per-device peak memory (with pipeline stages, the fullest stage's)."""
+        return max(self.stages.peak_bytes) if self.stages is not None else self.memory.peak_bytes
 
     def __reduce__(self):
         """Pickled (``torch.save(plan)``) as its JSON, the format that outlives autopar's versions."""

@@ -14,45 +14,103 @@ import math
 from collections.abc import Sequence
 
 from autopar.passes.analysis.capture import Captured
-from autopar.passes.analysis.stages import assign_stages, cut_units, layer_order
+from autopar.passes.analysis.stages import Staged, assign_stages, cut_units, layer_order
+from autopar.passes.propagation.redistribute import local_shape
 
-from autopar.core.errors import InputError
-from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, Stages
+from autopar.core.errors import InfeasiblePlanError, InputError
+from autopar.core.explain import format_bytes
+from autopar.core.mesh import Link, Mesh
+from autopar.core.pipeline import Pipeline, Stages, in_flight
 from autopar.core.plan import ShardingPlan
+from autopar.core.strategy import getitem_aliases
 
 
-def with_stages(plan: ShardingPlan, captured: Captured, pipeline: Pipeline, mesh: Mesh) -> ShardingPlan:
+def with_stages(
+    plan: ShardingPlan, captured: Captured, pipeline: Pipeline, mesh: Mesh, link: Link, budget: int | None = None
+) -> ShardingPlan:
     """``plan`` (made for one micro-batch on the mesh inside the stages) cut into the stages of
-    ``pipeline`` over ``mesh``."""
+    ``pipeline`` over ``mesh``, whose sends cross ``link``; refused where a stage's predicted
+    peak is over ``budget``."""
     count = mesh.shape[mesh.axis_names.index(pipeline.axis)]
     layers = layer_order(captured)
     if len(layers) < count:
         raise InputError(
             f"the pipeline axis {pipeline.axis!r} has {count} positions, but the model has {len(layers)} layers and "
-            f"top-level modules to cut between ({', '.join(layers) or 'none'}); each stage needs one. Fix: a smaller "
+            f"modules to cut between ({', '.join(layers) or 'none'}); each stage needs one. Fix: a smaller "
             "pipeline axis, a model of more layers, or compile without pipeline="
         )
-    weight = _layer_times(plan, layers, cut_units(captured))
-    runs = balanced_runs([weight[layer] for layer in layers], count)
-    segments = tuple(tuple(layers[i] for i in run) for run in runs)
+    units = cut_units(captured)
+    weight = _layer_times(plan, layers, units)
+    segments = tuple(tuple(layers[i] for i in run) for run in balanced_runs([weight[u] for u in layers], count))
     staged = assign_stages(captured, segments)
-    times = [0.0] * count
+    where = staged.stage_of
+    compute = [0.0] * count
     for node in plan.nodes:
-        if node.name in staged.stage_of:
-            times[staged.stage_of[node.name]] += node.compute_s
+        if node.name in where:
+            compute[where[node.name]] += node.compute_s
     for c in plan.collectives:
-        if c.consumer in staged.stage_of:
-            times[staged.stage_of[c.consumer]] += c.time_s
+        if c.consumer in where:
+            compute[where[c.consumer]] += c.time_s
+    held = _state_bytes(plan, captured, where, count)
+    synced = math.fsum(c.time_s for c in plan.collectives if c.consumer == "gradients")
+    total = sum(held) or 1
     stages = Stages(
         axis=pipeline.axis,
         mesh=mesh,
         microbatches=pipeline.microbatches,
         schedule=pipeline.schedule,
         segments=segments,
-        compute_s=tuple(times),
+        compute_s=tuple(compute),
+        send_s=tuple(_send_times(plan, captured, staged, link, count)),
+        sync_s=tuple(synced * h / total for h in held),
+        peak_bytes=tuple(_peaks(plan, pipeline, where, held, count)),
     )
+    worst = max(range(count), key=lambda s: stages.peak_bytes[s])
+    if budget is not None and stages.peak_bytes[worst] > budget:
+        raise InfeasiblePlanError(
+            f"pipeline stage {worst} ({', '.join(segments[worst])}) needs {format_bytes(stages.peak_bytes[worst])} per "
+            f"device, over the budget of {format_bytes(budget)}. Fix: more stages or micro-batches, the 1f1b "
+            "schedule, or a larger memory_budget"
+        )
     return dataclasses.replace(plan, stages=stages)
+
+
+def _send_times(plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int) -> list[float]:
+    """Each stage's sends of one micro-batch: every value it sends, as its op lays it out, once
+    per stage that reads it."""
+    nodes = {n.name: n for n in captured.graph.graph.nodes}
+    aliases = getitem_aliases(captured.graph.graph)
+    by_name = {n.name: n for n in plan.nodes}
+    times = [0.0] * count
+    for c in staged.crossings:
+        ref = aliases.get(c.value, (c.value, 0))
+        layout = by_name[ref[0]].outputs[ref[1]]
+        val = nodes[c.value].meta["val"]
+        nbytes = math.prod(local_shape(tuple(val.shape), layout, plan.mesh)) * val.element_size()
+        times[c.src] += link.latency_s + nbytes * link.s_per_byte
+    return times
+
+
+def _state_bytes(plan: ShardingPlan, captured: Captured, where: dict[str, int], count: int) -> list[int]:
+    """Each stage's parameters' bytes per device, with their gradients and optimizer state."""
+    held = [0] * count
+    for node, kind in zip(captured.placeholders, captured.inputs):
+        if kind.kind == "param":
+            val = node.meta["val"]
+            local = math.prod(local_shape(tuple(val.shape), plan.placements[kind.name], plan.mesh))
+            held[where.get(node.name, 0)] += local * val.element_size() * (2 + plan.optimizer_slots)
+    return held
+
+
+def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: list[int], count: int) -> list[int]:
+    kept = [0] * count
+    for node in plan.nodes:
+        if node.activation in ("keep", "recompute") and node.name in where:
+            kept[where[node.name]] += node.activation_bytes if node.activation == "keep" else 0
+    return [
+        held[s] + kept[s] * in_flight(pipeline.schedule, s, count, pipeline.microbatches) + plan.memory.transient_bytes
+        for s in range(count)
+    ]
 
 
 def _layer_times(plan: ShardingPlan, layers: Sequence[str], units: dict[str, str]) -> dict[str, float]:

@@ -49,11 +49,16 @@ def _megatron(layers: int) -> dict:
     return {f"blocks.{i}.{name}": p for i in range(layers) for name, p in {**split, "fc2.weight": "S(1)"}.items()}
 
 
+SLOW_HOSTS = autopar.SyntheticProfile(s_per_flop=1e-11, s_per_byte=(1e-9, 1e-11), latency_s=1e-7)
+"""Two hosts of two devices, the link between hosts 100 times slower than the one inside."""
+EQUAL_LINKS = autopar.SyntheticProfile(s_per_flop=1e-11, s_per_byte=1e-11, latency_s=1e-7)
+
 CASES = {
     "gpt-pp2xdp2-gpipe": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=2, schedule="gpipe"), "dp"),
     "gpt-pp2xtp2-1f1b": ("gpt", (2, 2), ("pp", "tp"), Pipeline(axis="pp", microbatches=4), "megatron"),
     "gpt-pp4-1f1b": ("gpt", (4,), ("pp",), Pipeline(axis="pp", microbatches=4), None),
     "hf-llama-dp2xpp2-1f1b": ("llama", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), "dp"),
+    "gpt-auto-slow-hosts": ("gpt", (2, 2), ("pp", "gpu"), "auto", None),
 }
 
 
@@ -79,7 +84,8 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
     inputs = ("idx", "targets") if model_name == "gpt" else ("input_ids", "labels")
     pins = {"dp": {name: "S(0)" for name in inputs}, "megatron": _megatron(4)}.get(preset)
     mesh = autopar.Mesh(mesh_shape, axis_names)
-    pmodel = autopar.compile(model, mesh, batches[0], hardware=SYNTHETIC, pins=pins, pipeline=pipeline)
+    hardware = SLOW_HOSTS if pipeline == "auto" else SYNTHETIC
+    pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, pins=pins, pipeline=pipeline)
     with pytest.raises(TypeError, match="stage_parameters"):
         pmodel.parameters()
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -102,6 +108,7 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "param_max": max(errors.values()),
         "all_params": sorted(ref_params),
         "stages": pmodel.plan.stages.count,
+        "axis": pmodel.plan.stages.axis,
     }
 
 
@@ -130,7 +137,7 @@ def test_pipelined_training_matches_one_device(results, case):
     assert held == set(runs[0]["all_params"]), "every parameter is held by some stage"
     assert all(len(r["params"]) < len(r["all_params"]) for r in runs), "each rank holds one stage's parameters"
     _, shape, names, pipeline, _ = CASES[case]
-    assert runs[0]["stages"] == shape[names.index(pipeline.axis)]
+    assert runs[0]["stages"] == shape[names.index("pp" if pipeline == "auto" else pipeline.axis)]
 
 
 def test_1f1b_holds_at_most_the_stages_after_it_in_flight():
@@ -196,3 +203,29 @@ def test_a_plan_with_stages_round_trips_through_json():
     again = autopar.ShardingPlan.from_json(plan.to_json())
     assert again == plan and again.stages == plan.stages
     assert plan.predicted_step_s == pytest.approx(plan.stages.step_s + plan.overhead_s)
+
+
+def _deep_narrow():
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, dim=32, num_heads=4, num_layers=4, tie_embeddings=False))
+    return model, (torch.randint(0, 64, (16, 16)), torch.randint(0, 64, (16, 16)))
+
+
+def test_auto_pipelines_across_the_slow_link_and_splits_inside_the_hosts():
+    model, batch = _deep_narrow()
+    mesh = autopar.Mesh((2, 2), ("host", "gpu"))
+    plan = autopar.plan(model, mesh, batch, hardware=SLOW_HOSTS, pipeline="auto")
+    assert plan.stages is not None and plan.stages.axis == "host"
+    assert plan.mesh == autopar.Mesh((2,), ("gpu",))
+    split = [n.name for n in plan.nodes if n.op == "aten.mm.default" and n.outputs[0][0].is_shard()]
+    assert split, "the devices inside each host share the matrix products' work"
+    unstaged = autopar.plan(model, mesh, batch, hardware=SLOW_HOSTS)
+    assert plan.predicted_step_s < unstaged.predicted_step_s
+
+
+def test_auto_keeps_one_stage_where_links_are_equal():
+    model, batch = _deep_narrow()
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("host", "gpu")), batch, hardware=EQUAL_LINKS, pipeline="auto")
+    assert plan.stages is None

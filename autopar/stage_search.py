@@ -1,0 +1,61 @@
+"""``pipeline="auto"``: whether to cut the model into pipeline stages, over which mesh axis, and
+into how many micro-batches.
+
+The candidates are the plan without stages on the whole mesh, and for every mesh axis of two
+positions or more and every micro-batch count among 1, 2 and 4 times its positions that divides
+the batch, the plan of one micro-batch on the other axes cut into stages over it under the 1F1B
+schedule (:mod:`autopar.passes.solve.stages`; 1F1B takes as long as GPipe and holds fewer
+micro-batches). Each is planned by the integer program; the fastest by predicted step time
+whose stages fit the memory budget is the plan. A candidate the model cannot take (too few
+layers for the axis, weights tied across stages, a loss that is no mean) is left out, and so is
+one whose plan does not fit.
+"""
+
+import functools
+import logging
+from collections.abc import Callable
+
+from autopar.config import PlanConfig
+from autopar.core.errors import InfeasiblePlanError, InputError
+from autopar.core.mesh import Mesh
+from autopar.core.pipeline import Pipeline
+from autopar.core.plan import ShardingPlan
+from autopar.passes.analysis.capture import Captured
+from autopar.planner import plan_stages, plan_with
+
+log = logging.getLogger("autopar")
+
+MICROBATCHES_PER_STAGE = (1, 2, 4)
+"""Micro-batch counts tried, as multiples of the number of stages."""
+
+
+def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
+    """The fastest of the candidates above, ``capture_at(m)`` capturing the model on one of
+    ``m`` micro-batches of a batch of ``batch``."""
+    capture_at = functools.cache(capture_at)
+    plans: list[ShardingPlan] = []
+    refusals: list[str] = []
+    try:
+        plans.append(plan_with(capture_at(1), mesh, config))
+    except InfeasiblePlanError as exc:
+        refusals.append(f"without stages: {exc}")
+    for axis, size in zip(mesh.axis_names, mesh.shape):
+        if size < 2:
+            continue
+        for microbatches in (size * k for k in MICROBATCHES_PER_STAGE):
+            if batch % microbatches:
+                continue
+            pipeline = Pipeline(axis=axis, microbatches=microbatches)
+            try:
+                plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, config))
+            except (InputError, InfeasiblePlanError) as exc:
+                refusals.append(f"stages over {axis} with {microbatches} micro-batches: {exc}")
+                if isinstance(exc, InputError):
+                    break  # the model cannot be cut over this axis, at any micro-batch count
+    if not plans:
+        raise InfeasiblePlanError("no plan, with or without pipeline stages, fits:\n" + "\n".join(refusals))
+    best = min(plans, key=lambda p: p.predicted_step_s)
+    for p in plans:
+        what = "no stages" if p.stages is None else f"stages over {p.stages.axis} x {p.stages.microbatches} micro"
+        log.info("pipeline=auto: %s, %.3g s per step%s", what, p.predicted_step_s, " (chosen)" if p is best else "")
+    return best
