@@ -47,8 +47,34 @@ def plan_table(plan: ShardingPlan) -> str:
     """The plan as text: the predicted step and memory, how the solve went, then parameters,
     inputs, heavy ops, activations by layer and collectives."""
     lines = [f"ShardingPlan for {plan.mesh} on '{plan.hardware}'  (graph {plan.graph_hash})", _step_line(plan)]
-    lines += [_solver_line(plan), "", "Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else "")]
+    lines += [_solver_line(plan), *_stage_table(plan), ""]
+    lines += ["Parameters" + (f"  (pinned: {', '.join(plan.pinned)})" if plan.pinned else "")]
     return "\n".join(lines + _state_tables(plan) + _op_tables(plan) + _collective_table(plan))
+
+
+def _stage_table(plan: ShardingPlan) -> list[str]:
+    """With pipeline stages: the schedule, and per stage its units, time and memory."""
+    stages = plan.stages
+    if stages is None:
+        return []
+    head = (
+        f"pipeline stages over '{stages.axis}' of {stages.mesh}: {stages.microbatches} micro-batches, "
+        f"{stages.schedule}, predicted bubble {stages.bubble:.0%}, step {_time(stages.step_s)}; "
+        f"the rest of this table is one micro-batch on {plan.mesh}"
+    )
+    rows = [
+        [
+            str(s),
+            segments[0] if len(segments) == 1 else f"{segments[0]} .. {segments[-1]} ({len(segments)})",
+            _time(stages.compute_s[s]),
+            _time(stages.send_s[s]),
+            _time(stages.sync_s[s]),
+            format_bytes(stages.peak_bytes[s]),
+        ]
+        for s, segments in enumerate(stages.segments)
+    ]
+    headers = ["stage", "layers", "compute per micro-batch", "sends per micro-batch", "gradient sync", "peak memory"]
+    return ["", head, *_table(headers, rows)]
 
 
 def _step_line(plan: ShardingPlan) -> str:
@@ -266,7 +292,11 @@ def annotated_graph(plan: ShardingPlan) -> str:
             f"({format_bytes(c.bytes)})"
         )
     lines = []
+    starts = {segments[0]: s for s, segments in enumerate(plan.stages.segments)} if plan.stages else {}
     for n in plan.nodes:
+        begun = next((u for u in starts if n.phase == "forward" and (n.module + ".").startswith(u + ".")), None)
+        if begun is not None:
+            lines.append(f"# pipeline stage {starts.pop(begun)} ({begun} ..)")
         lines.extend(moves.get(n.name, []))
         ins, outs = ", ".join(format_placements(p) for p in n.inputs), ", ".join(_layout(o) for o in n.outputs)
         where = f"  # {n.module}" if n.module else ""

@@ -203,6 +203,8 @@ def test_a_plan_with_stages_round_trips_through_json():
     again = autopar.ShardingPlan.from_json(plan.to_json())
     assert again == plan and again.stages == plan.stages
     assert plan.predicted_step_s == pytest.approx(plan.stages.step_s + plan.overhead_s)
+    assert "pipeline stages over 'pp'" in str(plan)
+    assert "# pipeline stage 1 (blocks." in autopar.annotated_graph(plan)
 
 
 def _deep_narrow():
