@@ -1,4 +1,4 @@
-"""Pipeline stages: plans cut into stages, run on 4 gloo ranks, against one device.
+"""Pipeline stages: plans cut into stages, run on 4 and 8 gloo ranks, against one device.
 
 Each case trains 3 steps (AdamW, the global gradient norm clipped) on one device and on the
 mesh with one axis as pipeline stages; losses must match within 1e-5 relative, the clipping's
@@ -9,6 +9,7 @@ of the counted targets.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -59,6 +60,7 @@ CASES = {
     "gpt-pp4-1f1b": ("gpt", (4,), ("pp",), Pipeline(axis="pp", microbatches=4), None),
     "hf-llama-dp2xpp2-1f1b": ("llama", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), "dp"),
     "gpt-auto-slow-hosts": ("gpt", (2, 2), ("pp", "gpu"), "auto", None),
+    "gpt-pp2xdp2xtp2-1f1b": ("gpt", (2, 2, 2), ("pp", "dp", "tp"), Pipeline(axis="pp", microbatches=2), "2d"),
 }
 
 
@@ -82,7 +84,11 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         reference, batches, ref_opt, lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
     )
     inputs = ("idx", "targets") if model_name == "gpt" else ("input_ids", "labels")
-    pins = {"dp": {name: "S(0)" for name in inputs}, "megatron": _megatron(4)}.get(preset)
+    pins = {
+        "dp": {name: "S(0)" for name in inputs},
+        "megatron": _megatron(4),
+        "2d": {**{name: ("S(0)", "R") for name in inputs}, **{k: ("R", p) for k, p in _megatron(4).items()}},
+    }.get(preset)
     mesh = autopar.Mesh(mesh_shape, axis_names)
     hardware = SLOW_HOSTS if pipeline == "auto" else SYNTHETIC
     pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, pins=pins, pipeline=pipeline)
@@ -120,9 +126,12 @@ def _run_cases(names: list[str]) -> list[dict]:
 def results() -> dict[str, list[dict]]:
     from tests.harness import run_ranks
 
-    names = list(CASES)
-    per_rank = run_ranks(4, _run_cases, names)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+    found = {}
+    for world in (4, 8):
+        names = [name for name, case in CASES.items() if math.prod(case[1]) == world]
+        per_rank = run_ranks(world, _run_cases, names)
+        found.update({name: [r[i] for r in per_rank] for i, name in enumerate(names)})
+    return found
 
 
 @pytest.mark.slow
