@@ -13,6 +13,7 @@ from autopar.core.pipeline import Pipeline, inner_mesh
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
+from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.liveness import ADAM_SLOTS
 from autopar.planner import check_mesh, check_pipeline, plan_stages, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
@@ -135,6 +136,11 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
 
 
 def _plan_auto(micro, state_pins=None, *, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
+    """``pipeline="auto"``'s choice for a model's first inputs (``micro`` captures it on
+    micro-batches of them); once it chose no stages, a graph captured at other sizes or in
+    another mode is planned without."""
+    if isinstance(micro, Captured):
+        return plan_with(micro, mesh, config.with_pins(state_pins or {}))
     return plan_auto(micro, micro.batch, mesh, config.with_pins(state_pins or {}))
 
 

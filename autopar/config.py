@@ -83,6 +83,8 @@ class PlanConfig:
     """The share of its gradients' collectives one step of the planned graph pays
     (:attr:`~autopar.cost_model.estimate.CostModel.gradient_share`): less than 1 for one
     micro-batch of a pipelined step."""
+    bucket_groups: Mapping[str, int] | None = None
+    """Parameter name → pipeline stage: gradients of different stages never share a bucket."""
     profile: Profile = dataclasses.field(init=False, repr=False)
     budget_bytes: int | None = dataclasses.field(init=False, repr=False)
 

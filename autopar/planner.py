@@ -23,6 +23,7 @@ from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
 from autopar.cost_model.hardware import InsideStages, Profile
 from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, module_paths
 from autopar.passes.analysis.liveness import ADAM_SLOTS, Liveness
+from autopar.passes.analysis.stages import assign_stages, check_stageable
 from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.layers import LayerClasses, repeated_layers
@@ -31,7 +32,7 @@ from autopar.passes.solve.merged import lifted, merged_mesh
 from autopar.passes.solve.planning import build_plan, moment_bytes
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
 from autopar.passes.solve.solver import Problem, SearchOptions, Solution, least_memory_bound, program_size, solve
-from autopar.passes.solve.stages import with_stages
+from autopar.passes.solve.stages import cut_stages, with_stages
 
 log = logging.getLogger("autopar")
 
@@ -82,15 +83,23 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
     """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, and
     cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
     pipeline.check(mesh)
+    check_stageable(captured)
+    segments = cut_stages(captured, mesh.shape[mesh.axis_names.index(pipeline.axis)])
+    staged = assign_stages(captured, segments)
     inside = dataclasses.replace(
         config,
         hardware=InsideStages(config.profile, mesh),
         memory_budget=None,
         gradient_share=1.0 / pipeline.microbatches,
+        bucket_groups={
+            k.name: staged.stage_of[n.name]
+            for n, k in zip(captured.placeholders, captured.inputs)
+            if k.kind == "param" and n.name in staged.stage_of
+        },
     )
     plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)
     link = config.profile.link(mesh, mesh.axis_names.index(pipeline.axis))
-    return with_stages(plan, captured, pipeline, mesh, link, config.budget_bytes)
+    return with_stages(plan, captured, staged, segments, pipeline, mesh, link, config.budget_bytes)
 
 
 def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
@@ -208,6 +217,7 @@ class _Problem:
             bucket_bytes=config.bucket_bytes,
             unreduced=unreduced,
             gradient_share=config.gradient_share,
+            bucket_groups=config.bucket_groups,
         )
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
@@ -709,13 +719,21 @@ def plan(
     pipeline = check_pipeline(pipeline, mesh, pins)
     config.pins_for(inner_mesh(mesh, pipeline.axis) if isinstance(pipeline, Pipeline) else mesh)
 
+    if pipeline is None:
+        return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)
+    sizes = {x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else 0 for x in example_inputs}
+    batch = sizes.pop() if len(sizes) == 1 else 0
+    if isinstance(pipeline, Pipeline) and (not batch or batch % pipeline.microbatches):
+        raise ValueError(
+            f"pipeline stages cut every input along dim 0 into {pipeline.microbatches} micro-batches; the inputs "
+            "share no batch size that divides. Fix: inputs batched along dim 0, a batch Pipeline(microbatches=) divides"
+        )
+
     def capture_at(microbatches: int) -> Captured:
         return capture(model, tuple(x[: x.shape[0] // microbatches] for x in example_inputs), config.param_dtype)
 
     if pipeline == "auto":
         from autopar.stage_search import plan_auto  # it plans through this module
 
-        return plan_auto(capture_at, example_inputs[0].shape[0], mesh, config)
-    if pipeline is not None:
-        return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)
-    return plan_with(capture_at(1), mesh, config)
+        return plan_auto(capture_at, batch, mesh, config)
+    return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)

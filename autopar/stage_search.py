@@ -31,7 +31,7 @@ MICROBATCHES_PER_STAGE = (1, 2, 4)
 
 def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
     """The fastest of the candidates above, ``capture_at(m)`` capturing the model on one of
-    ``m`` micro-batches of a batch of ``batch``."""
+    ``m`` micro-batches of a batch of ``batch`` (0: the inputs share no batch, no stages)."""
     capture_at = functools.cache(capture_at)
     plans: list[ShardingPlan] = []
     refusals: list[str] = []
@@ -40,7 +40,7 @@ def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, con
     except InfeasiblePlanError as exc:
         refusals.append(f"without stages: {exc}")
     for axis, size in zip(mesh.axis_names, mesh.shape):
-        if size < 2:
+        if size < 2 or not batch:  # no batch the inputs share: nothing to cut into micro-batches
             continue
         for microbatches in (size * k for k in MICROBATCHES_PER_STAGE):
             if batch % microbatches:

@@ -1,6 +1,7 @@
 """Prices a strategy space: compute per node strategy, transitions per edge, memory per plan."""
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,11 +40,15 @@ class CostModel:
         bucket_bytes: int = BUCKET_BYTES,
         unreduced: frozenset[str] = frozenset(),
         gradient_share: float = 1.0,
+        bucket_groups: Mapping[str, int] | None = None,
     ):
         self.mesh = mesh
         self.gradient_share = gradient_share
         """The share of its gradients' collectives a step of this graph pays: ``1 / M`` for one of
         ``M`` micro-batches of a pipelined step, which reduces the gradients once for all."""
+        self.bucket_groups = dict(bucket_groups or {})
+        """Parameter name → group: only gradients of one group share a bucket (a pipeline stage's
+        parameters, which the stage's ranks alone hold)."""
         self.unreduced = unreduced
         self.hardware = hardware
         self.links = mesh_links(hardware, mesh)

@@ -9,12 +9,13 @@ point to point to the rank at its own position in the other stage (``isend`` / `
 gloo and NCCL both run; torch.distributed.pipelining's stages run whole modules through
 autograd, where the planned programs here are forward and backward graphs of their own).
 
-The step's loss is the weighted sum of the micro-batches' losses that equals the batch's:
-each micro-batch's weight is its share of the loss's divisor (the number of targets a mean
-cross-entropy counts, computed from the inputs by :func:`loss_weights`), or one over the
-micro-batches for a plain mean. Each micro-batch's backward starts from its weight, so the
-gradients add up to the batch's. Within the micro-batches but the last, each backward keeps its
-gradients as made and sums them; the last one's adds the sums before its collectives, which then
+The step's loss is the batch's, made of the micro-batches' parts: a mean cross-entropy's sum over
+each micro-batch divides by the batch's count of targets (computed from the inputs,
+:func:`~autopar.passes.analysis.stages.loss_divisor`, and given to the programs in place of the
+micro-batch's own count), and the parts are added; a plain mean is the mean of the
+micro-batches'. Each backward starts from its part's gradient (1, or one over the
+micro-batches), so the gradients add up to the batch's. Within the micro-batches but the last,
+each backward keeps its gradients as made and sums them; the last one's adds the sums before its collectives, which then
 run once per step (the ``"unreduced"`` and ``"accumulated"`` programs of gradient accumulation).
 """
 
@@ -23,12 +24,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured
-from autopar.passes.analysis.stages import Staged, stage_graph
+from autopar.passes.analysis.stages import Staged, check_stageable, stage_graph
 from autopar.passes.propagation.redistribute import local_shape
 from autopar.runtime.program import Lowered, Unsynced, lower, named_timeouts
-from torch import fx
 
-from autopar.core.errors import InputError
 from autopar.core.mesh import Mesh
 from autopar.core.pipeline import Schedule
 from autopar.core.plan import ShardingPlan
@@ -45,52 +44,6 @@ def schedule(kind: Schedule, stage: int, stages: int, microbatches: int) -> list
         order += [("F", m), ("B", m - warmup)]
     order += [("B", m) for m in range(microbatches - warmup, microbatches)]
     return order
-
-
-def loss_weights(captured: Captured) -> fx.GraphModule | None:
-    """A graph computing, from a micro-batch's inputs, the divisor of its loss (a mean
-    cross-entropy's count of targets), or ``None`` where the loss is a mean over a fixed number
-    of values (every micro-batch weighs the same); refused for any other loss."""
-    kinds = dict(zip(captured.placeholders, captured.inputs))
-    results = [
-        v for v, k in zip(captured.graph.graph.output_node().args[0], captured.outputs) if k and k.kind == "output"
-    ]
-    loss = results[0] if len(results) == 1 else None
-    if loss is None or loss.meta["val"].ndim != 0:
-        raise InputError(
-            "with pipeline stages the model must return one scalar loss, which the stages' micro-batches add up to; "
-            f"it returns {len(results)} results. Fix: return the loss alone, or compile without pipeline="
-        )
-    aten = torch.ops.aten
-    if loss.target in (aten.mean.default, aten.mean.dim):
-        return None
-    divisor = loss.args[1] if loss.target == aten.div.Tensor else None
-    ancestors = _ancestors(divisor) if isinstance(divisor, fx.Node) else None
-    if ancestors is None or any(a in kinds and kinds[a].kind != "input" for a in ancestors):
-        raise InputError(
-            f"with pipeline stages the loss must be a mean over the batch (it is made by {loss.target}), so that "
-            "the micro-batches' losses add up to the batch's. Fix: return a mean loss (torch.mean, "
-            "F.cross_entropy with reduction='mean'), or compile without pipeline="
-        )
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in captured.graph.graph.nodes:
-        if node.op == "placeholder" and kinds[node].kind == "input":
-            env[node] = g.node_copy(node)
-        elif node in ancestors and node.op != "placeholder":
-            env[node] = g.node_copy(node, lambda n: env[n])
-    g.output(env[divisor])
-    return fx.GraphModule(captured.graph, g)
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, todo = {node}, [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in found:
-                found.add(a)
-                todo.append(a)
-    return found
 
 
 class StageRunner:
@@ -113,20 +66,15 @@ class StageRunner:
         self.device = device
         self.stage, self.peers, self.timeout_s = stage, list(peers), timeout_s
         self.output_stage = staged.output_stage
-        self.captured = stage_graph(captured, staged, stage, getitem_aliases(captured.graph.graph))
-        self.divisor = loss_weights(captured)
+        self.divisor = check_stageable(captured)
+        given = frozenset({self.divisor[1]} if self.divisor else ())
+        self.captured = stage_graph(captured, staged, stage, getitem_aliases(captured.graph.graph), given)
         self.loss_dtype = next(
             v.meta["val"].dtype
             for v, k in zip(captured.graph.graph.output_node().args[0], captured.outputs)
             if k is not None and k.kind == "output"
         )
-        updated = [k.name for k in captured.outputs if k is not None and k.kind == "buffer"]
-        if updated:
-            raise InputError(
-                f"the forward updates buffers in place ({', '.join(updated)}: batch norm's running statistics, "
-                "counters), which pipeline stages would update once per micro-batch instead of once per batch. "
-                "Fix: compile without pipeline="
-            )
+        self.coordinate = coordinate
         self.unsynced = Unsynced()
         forms = ("reduced",) if self.stages.microbatches == 1 else ("unreduced", "accumulated")
         self.lowered: dict[str, Lowered] = {
@@ -135,7 +83,8 @@ class StageRunner:
         }
         first = self.lowered[forms[0]]
         self.layouts = first.layouts
-        self.collectives = [c for form in forms for c in self.lowered[form].collectives]
+        self.collectives = self.lowered[forms[-1]].collectives
+        """The collectives of the last micro-batch's program: its own and the step's gradient buckets."""
         inputs = self.captured.inputs
         self.received = [(k, n) for k, n in zip(inputs, self.captured.placeholders) if k.kind in ("recv", "recv_grad")]
         self.sources = {c.value: c.src for c in staged.crossings if c.dst == stage}
@@ -150,62 +99,44 @@ class StageRunner:
             return "reduced"
         return "accumulated" if m == self.stages.microbatches - 1 else "unreduced"
 
-    def weights(self, microbatches: list[tuple[torch.Tensor, ...]]) -> list[float]:
-        """Each micro-batch's share of the step's loss."""
+    def batch_divisor(self, microbatches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        """The divisor of the batch's loss (:func:`~autopar.passes.analysis.stages.loss_divisor`),
+        from every micro-batch's whole inputs; ``None`` for a mean over a fixed number of values."""
         if self.divisor is None:
-            return [1.0 / len(microbatches)] * len(microbatches)
-        divisors = [float(self.divisor(*inputs)) for inputs in microbatches]
-        total = sum(divisors)
-        if total == 0:
-            return [1.0 / len(microbatches)] * len(microbatches)
-        return [d / total for d in divisors]
+            return None
+        return sum(self.divisor[0](*inputs) for inputs in microbatches)
 
     def step(
-        self, state: list[torch.Tensor], microbatches: list[list[torch.Tensor]], weights: list[float], backward: bool
-    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], list[torch.Tensor | None]]:
+        self, state: list[torch.Tensor], microbatches: list[list[torch.Tensor]], divisor, backward: bool
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Run the schedule (forwards only without ``backward``) on ``microbatches`` (each one's
-        local inputs): the weighted loss on the stage making it, each parameter's gradient by
-        name, and each micro-batch's new values of the buffers the forward updates."""
+        local inputs) whose batch's loss divides by ``divisor`` (:meth:`batch_divisor`): the
+        batch's loss on the stage making it, and each parameter's gradient by name."""
+        self.unsynced.take()  # what a step that failed half-way left
+        weight = 1.0 if divisor is not None else 1.0 / len(microbatches)
+        given = [self._piece(divisor, k.name) for k in self.captured.inputs if k.kind == "given"]
         saved: dict[int, list[torch.Tensor]] = {}
         sends: list = []
         loss, grads = None, {}
         order = schedule(self.stages.schedule, self.stage, self.stages.count, len(microbatches))
         if not backward:
             order = [a for a in order if a[0] == "F"]
-        buffers: list = []
         for action, m in order:
             program = self.lowered[self._form(m) if backward else next(iter(self.lowered))].program
             if action == "F":
                 got = self._receive(m, False)
                 with named_timeouts(self.timeout_s, "forward"):
-                    results = program.forward(*state, *microbatches[m], *got)
-                outputs = results[: program.num_outputs]
+                    results = program.forward(*state, *microbatches[m], *got, *given)
                 if backward:
                     saved[m] = list(results[program.num_outputs :])
                 fwd_kinds = [k for k in self.captured.outputs if not k.in_backward]
-                for kind, value in zip(fwd_kinds, outputs):
+                for kind, value in zip(fwd_kinds, results[: program.num_outputs]):
                     if kind.kind == "output":
-                        part = value.detach() * weights[m]
-                        loss = part if loss is None else loss + part
-                    elif kind.kind == "buffer":
-                        buffers.append((kind.name, value))
+                        loss = value.detach() * weight if loss is None else loss + value.detach() * weight
                     else:
                         sends += self._send(kind.name, value, m, False)
             else:
-                got = self._receive(m, True)
-                tangents = iter(got)
-                args = list(saved.pop(m))
-                for kind, node in zip(self.captured.inputs, self.captured.placeholders):
-                    if kind.kind == "tangent":
-                        val = node.meta["val"]
-                        args.append(torch.full(tuple(val.shape), weights[m], dtype=val.dtype, device=self.device))
-                    elif kind.kind == "recv_grad":
-                        args.append(next(tangents))
-                if self._form(m) == "accumulated":
-                    args += self.unsynced.take()
-                program.given.owned = True
-                with named_timeouts(self.timeout_s, "backward"):
-                    made = program.backward(args)
+                made = self._backward(program, m, saved.pop(m), weight)
                 bwd_kinds = [k for k in self.captured.outputs if k.in_backward]
                 mine = []
                 for kind, value in zip(bwd_kinds, made):
@@ -220,7 +151,31 @@ class StageRunner:
         for work in sends:
             with named_timeouts(self.timeout_s, "pipeline sends"):
                 work.wait()
-        return loss, grads, buffers
+        return loss, grads
+
+    def _backward(self, program, m: int, saved: list[torch.Tensor], weight: float) -> list:
+        """Micro-batch ``m``'s backward, from ``weight`` as the loss's gradient and the gradients
+        the later stages sent."""
+        tangents = iter(self._receive(m, True))
+        args = list(saved)
+        for kind, node in zip(self.captured.inputs, self.captured.placeholders):
+            if kind.kind == "tangent":
+                val = node.meta["val"]
+                args.append(torch.full(tuple(val.shape), weight, dtype=val.dtype, device=self.device))
+            elif kind.kind == "recv_grad":
+                args.append(next(tangents))
+        if self._form(m) == "accumulated":
+            args += self.unsynced.take()
+        program.given.owned = True
+        with named_timeouts(self.timeout_s, "backward"):
+            return program.backward(args)
+
+    def _piece(self, whole: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's piece of a scalar the runtime gives the program, laid out as planned: the
+        value itself, or on an axis where it is a partial sum, the value at the axis's first
+        position and zero at the others."""
+        first = all(c == 0 for c, p in zip(self.coordinate, self.layouts[name]) if p.is_partial())
+        return (whole if first else torch.zeros_like(whole)).to(self.device)
 
     def _receive(self, m: int, backward: bool) -> list[torch.Tensor]:
         """What the other stages sent this stage for micro-batch ``m`` in the forward (or the

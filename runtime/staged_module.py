@@ -18,12 +18,12 @@ from autopar.passes.analysis.capture import capture
 from autopar.passes.analysis.stages import assign_stages
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_group
-from autopar.runtime.module import ParallelModule, _refuse_split_pins_of_parts
+from autopar.runtime.module import ParallelModule, _modes, _refuse_split_pins_of_parts
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import check_plan, check_tensors, refuse_autocast
-from autopar.runtime.state import local_of, release
+from autopar.runtime.state import ParameterCounts, local_of, release
 
-from autopar.core.errors import InputError, StalePlanError
+from autopar.core.errors import InputError, RewriteError, StalePlanError
 from autopar.core.mesh import Mesh
 from autopar.core.pipeline import Pipeline, inner_mesh
 from autopar.core.plan import ShardingPlan
@@ -55,44 +55,41 @@ class PipelinedModule(ParallelModule):
             timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
             self._world = None if timeout is None else dist.new_group(timeout=timeout)
             self._plan = self._plan_on_rank0(MicroBatches(self.module, inputs, self._param_dtype))
-        if self._plan is not None and self._plan.stages is None and self._pipeline == "auto":
-            return super()._build(inputs, first_call)
-        if self._plan is not None and self._plan.stages is not None and self._pipeline == "auto":
+        if self._pipeline == "auto" and self._plan is not None:
+            if self._plan.stages is None:
+                return super()._build(inputs, first_call)
             stages = self._plan.stages
             self._pipeline = Pipeline(axis=stages.axis, microbatches=stages.microbatches, schedule=stages.schedule)
-        if device_type == "cpu":
-            keep_freed_memory()
-        full, axis, count = self._mesh, self._pipeline.axis, self._pipeline.microbatches
-        inner = inner_mesh(full, axis)
-        laid = full if set(inner.axis_names) <= set(full.axis_names) else _with_axis(full, inner)
-        timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
-        mesh = device_mesh(laid, device_type, timeout)
-        self._world = None if timeout is None else dist.new_group(timeout=timeout)
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        )
-        self._whole_shapes = _batch_shapes(inputs, count)
-        captured = capture(self.module, tuple(x[: x.shape[0] // count] for x in inputs), self._param_dtype)
+        if device_type == "cuda":
+            raise InputError(
+                "pipeline stages run on gloo (CPU) only so far: their sends are not yet batched as NCCL needs "
+                "(one stage's send and its peer's would wait on each other). Fix: compile without pipeline= on GPUs"
+            )
+        keep_freed_memory()
+        self._whole_shapes = _batch_shapes(inputs, self._pipeline.microbatches)
+        captured = capture(self.module, _micro(inputs, self._pipeline.microbatches), self._param_dtype)
+        self._modes_built = _modes(self.module)
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
+        inner = self._lay_out(device_type)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
         check_plan(plan, captured, inner, self._pins)
-        _check_stages(plan, self._pipeline, full)
+        _check_stages(plan, self._pipeline, self._whole_mesh)
         self._plan = plan
-        where = tuple(int(c) for c in mesh.get_coordinate())
-        at = laid.axis_names.index(axis)
-        kept = [i for i, name in enumerate(laid.axis_names) if name in inner.axis_names]
-        self._coordinate = tuple(where[i] for i in kept)
-        self._groups = [mesh.get_group(i).group_name for i in kept]
-        peers = [int(mesh.mesh[tuple(t if i == at else c for i, c in enumerate(where))]) for t in range(mesh.size(at))]
-        self._stage, self._peers, self._stage_group = where[at], peers, mesh.get_group(at)
-        self._device_mesh = mesh[inner.axis_names if len(inner.axis_names) > 1 else inner.axis_names[0]]
-        self._mesh = inner  # pieces are cut on the mesh inside the stage
-        staged = assign_stages(captured, plan.stages.segments)
-        self._runner = StageRunner(
-            captured, plan, staged, self._stage, self._coordinate, self._groups, peers, self._backend,
-            self._timeout_s, self._device,
-        )  # fmt: skip
+        self._runner = _on_every_stage(
+            lambda: StageRunner(
+                captured,
+                plan,
+                assign_stages(captured, plan.stages.segments),
+                self._stage,
+                self._coordinate,
+                self._groups,
+                self._peers,
+                self._backend,
+                self._timeout_s,
+                self._device,
+            )  # fmt: skip
+        )
         self._captured = self._runner.captured
         self._layouts = self._runner.layouts
         self._inputs = [
@@ -102,6 +99,29 @@ class PipelinedModule(ParallelModule):
         self._shard_state(self._captured)
         self._release_other_stages()
         self._built = True
+
+    def _lay_out(self, device_type: str) -> Mesh:
+        """Lay the mesh over the ranks: this rank's stage, its peers on the other stages (at its
+        position inside them) and the mesh inside the stages, which it returns."""
+        whole, axis = self._mesh, self._pipeline.axis
+        inner = inner_mesh(whole, axis)
+        laid = whole if set(inner.axis_names) <= set(whole.axis_names) else _with_axis(whole, inner)
+        timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+        mesh = device_mesh(laid, device_type, timeout)
+        self._world = None if timeout is None else dist.new_group(timeout=timeout)
+        self._device = torch.device("cpu")
+        where = tuple(int(c) for c in mesh.get_coordinate())
+        at = laid.axis_names.index(axis)
+        kept = [i for i, name in enumerate(laid.axis_names) if name in inner.axis_names]
+        self._coordinate = tuple(where[i] for i in kept)
+        self._groups = [mesh.get_group(i).group_name for i in kept]
+        self._peers = [
+            int(mesh.mesh[tuple(t if i == at else c for i, c in enumerate(where))]) for t in range(mesh.size(at))
+        ]
+        self._stage, self._stage_group = where[at], mesh.get_group(at)
+        self._device_mesh = mesh[inner.axis_names if len(inner.axis_names) > 1 else inner.axis_names[0]]
+        self._whole_mesh, self._mesh = whole, inner  # pieces are cut on the mesh inside the stages
+        return inner
 
     def _release_other_stages(self) -> None:
         mine = {k.name for k in self._captured.inputs if k.kind in ("param", "buffer")}
@@ -121,21 +141,22 @@ class PipelinedModule(ParallelModule):
             self._build(inputs, first_call=True)
         if not self._in_stages:
             return super().forward(*inputs)
-        check_tensors(inputs)
-        shapes = _batch_shapes(inputs, self._pipeline.microbatches)
-        if shapes != self._whole_shapes:
+        shapes, modes = self._whole_key(inputs)
+        if shapes != self._whole_shapes or modes != self._modes_built:
             raise InputError(
-                f"the pipelined plan was made for inputs of shapes {self._whole_shapes}, got {shapes}; pipeline "
-                "stages do not yet lower the plan for other sizes. Fix: pass batches of the planned size "
-                "(DataLoader(drop_last=True)), or compile again for this one"
+                f"the pipelined plan was made for inputs of shapes {self._whole_shapes} in "
+                f"{'training' if self.module.training else 'eval'} mode as now, got {shapes}"
+                f"{'' if modes == self._modes_built else ' in another mode'}; pipeline stages do not yet lower the "
+                "plan for other sizes or modes, and every rank passes the whole batch (not its part). Fix: pass "
+                "batches of the planned size (DataLoader(drop_last=True)) in the planned mode, or compile again"
             )
         count = self._pipeline.microbatches
-        slices = [tuple(x.chunk(count)[m] for x in inputs) for m in range(count)]
-        weights = self._runner.weights(slices)
+        slices = [tuple(x.chunk(count)[m] for x in inputs) for m in range(count)]  # whole micro-batches
+        divisor = self._runner.batch_divisor(slices)
         names = [name for _, name in self._inputs]
         read = [names.index(k.name) for k in self._captured.inputs if k.kind == "input"]
         local = [[self.rank_part(names[i], micro[i]) for i in read] for micro in slices]
-        return _Step.apply(self, local, weights, torch.is_grad_enabled(), *self._state())
+        return _Step.apply(self, local, divisor, torch.is_grad_enabled(), *self._state())
 
     def passes_own_part(self, name: str) -> bool:
         """With stages every rank passes the whole batch: the stages cut it into micro-batches first."""
@@ -161,6 +182,15 @@ class PipelinedModule(ParallelModule):
         if not self._in_stages:
             return super().named_parameters(*args, **kwargs)
         self.parameters()
+
+    def parameter_counts(self) -> ParameterCounts:
+        """How many parameter values the model has (every stage's, tied ones once), and on this rank."""
+        if not self._in_stages:
+            return super().parameter_counts()
+        mine = self.stage_parameters()
+        whole = torch.tensor([sum(p.numel() for p in mine)], device=self._device)
+        dist.all_reduce(whole, group=self._stage_group)
+        return ParameterCounts(whole=int(whole), this_rank=sum(local_of(p).numel() for p in mine))
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options):
         """An optimizer of ``optimizer_class`` over this rank's stage's parameters."""
@@ -240,7 +270,7 @@ class MicroBatches:
         self.batch = _common_batch(inputs)
 
     def __call__(self, microbatches: int):
-        return capture(self.module, tuple(x[: x.shape[0] // microbatches] for x in self.inputs), self.param_dtype)
+        return capture(self.module, _micro(self.inputs, microbatches), self.param_dtype)
 
 
 def _common_batch(inputs: tuple) -> int:
@@ -254,9 +284,9 @@ class _Step(torch.autograd.Function):
     batch's loss, and its backward hands out the gradients the schedule made."""
 
     @staticmethod
-    def forward(ctx, module: PipelinedModule, local, weights, backward: bool, *state):
+    def forward(ctx, module: PipelinedModule, local, divisor, backward: bool, *state):
         runner = module._runner
-        loss, grads, _ = runner.step(list(state), local, weights, backward)
+        loss, grads = runner.step(list(state), local, divisor, backward)
         kinds = [k for k in module._captured.inputs if k.kind in ("param", "buffer")]
         ctx.grads = [grads.get(k.name) if k.kind == "param" else None for k in kinds]
         if module._stage == runner.output_stage:
@@ -274,18 +304,41 @@ class _Step(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
+def _on_every_stage(build):
+    """``build()``, once every rank of the job has built its part: a stage that cannot build its
+    part raises its error, and the others raise one naming it, instead of waiting for its sends."""
+    try:
+        made, failed = build(), None
+    except Exception as exc:  # any failure, reported to the other stages before it is raised
+        made, failed = None, exc
+    flag = torch.tensor([0 if failed is None else dist.get_rank() + 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failed is not None:
+        raise failed
+    if int(flag):
+        raise RewriteError(f"rank {int(flag) - 1} could not build its pipeline stage; its error says why")
+    return made
+
+
+def _micro(inputs: tuple, microbatches: int) -> tuple:
+    """The first of ``microbatches`` micro-batches of ``inputs`` (all of them for one)."""
+    return tuple(inputs) if microbatches == 1 else tuple(x[: x.shape[0] // microbatches] for x in inputs)
+
+
 def _with_axis(mesh: Mesh, inner: Mesh) -> Mesh:
     """``mesh`` with the one-position axis of ``inner`` (a mesh that is all pipeline axis)."""
     return Mesh(mesh.shape + inner.shape, mesh.axis_names + inner.axis_names)
 
 
 def _batch_shapes(inputs: tuple, microbatches: int) -> tuple:
-    for i, x in enumerate(inputs):
-        if x.ndim == 0 or x.shape[0] % microbatches:
-            raise InputError(
-                f"input {i} of shape {tuple(x.shape)} cannot be cut into {microbatches} micro-batches along dim 0. "
-                f"Fix: a batch size that Pipeline(microbatches={microbatches}) divides"
-            )
+    """The inputs' shapes, once checked to share a dim 0 (the batch) that ``microbatches`` divides."""
+    batch = _common_batch(inputs)
+    if not batch or batch % microbatches:
+        raise InputError(
+            f"inputs of shapes {', '.join(str(tuple(x.shape)) for x in inputs)} cannot be cut into {microbatches} "
+            "micro-batches: pipeline stages cut every input along dim 0, the batch, which all must share. Fix: a "
+            f"batch size that Pipeline(microbatches={microbatches}) divides, and inputs batched along dim 0"
+        )
     return tuple(tuple(x.shape) for x in inputs)
 
 

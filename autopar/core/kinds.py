@@ -27,11 +27,12 @@ Activation = Literal["", "keep", "recompute", "offload"]
 (:attr:`autopar.core.plan.NodePlan.activation`): kept on the device, recomputed, or offloaded to
 host memory; ``""`` for an op whose outputs the backward does not need."""
 
-GraphInputKind = Literal["param", "buffer", "input", "tangent", "recv", "recv_grad"]
+GraphInputKind = Literal["param", "buffer", "input", "tangent", "recv", "recv_grad", "given"]
 """What a placeholder of the joint graph stands for
 (:attr:`autopar.passes.analysis.capture.InputKind.kind`): a parameter, a buffer, a forward
 argument, or the tangent of a forward output; in a pipeline stage's graph
-(:mod:`autopar.passes.analysis.stages`) also an activation or a gradient another stage sends."""
+(:mod:`autopar.passes.analysis.stages`) also an activation or a gradient another stage sends, or
+a value the runtime gives (the batch's loss divisor)."""
 
 GraphOutputKind = Literal["output", "grad", "buffer", "send", "send_grad"]
 """What an output of the joint graph stands for

@@ -5,10 +5,9 @@ outside them): forward ops run on the stage of their unit, backward ops on the s
 forward op they differentiate (:func:`~autopar.passes.analysis.capture.module_paths`). The
 model's own code between units runs where its operands are: a forward op on the latest stage
 it reads from (values only flow forward), a backward op on the earliest (gradients only flow
-back). Ops that read nothing but the inputs and constants (positions, masks, the targets'
-reshapes) run on every stage that needs them, since every stage has the inputs. A parameter or
-buffer lives on the one stage whose ops read it; one read by two stages (weights tied across
-stages) is refused.
+back). Forward ops that read nothing but inputs, parameters and constants (positions, masks,
+the targets' reshapes) run on the first stage that reads them. A parameter or buffer lives on
+the one stage whose ops read it; one read by two stages (weights tied across stages) is refused.
 
 Every other value one stage makes and another reads crosses between them (:class:`Crossing`):
 :func:`stage_graph` gives each stage a graph with a placeholder per value it receives and an
@@ -19,6 +18,7 @@ apply to it node by node.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from autopar.passes.analysis.capture import Captured, InputKind, OutputKind, captured_backward, module_paths
 from torch import fx
 
@@ -67,11 +67,8 @@ class Crossing:
 class Staged:
     """The stage of every node of a joint graph."""
 
-    count: int
     stage_of: dict[str, int]
-    """Ops, parameters, buffers and tangents by name; ops every stage may run are in ``free``."""
-    free: frozenset[str]
-    """Forward ops that read only the inputs and constants, run by every stage that needs them."""
+    """Ops, parameters, buffers and tangents by name (inputs and constants: every stage's)."""
     crossings: tuple[Crossing, ...]
     """In the order the joint graph makes the values."""
     output_stage: int
@@ -87,31 +84,31 @@ def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Stag
     kinds = dict(zip(captured.placeholders, captured.inputs))
     outputs = list(graph.output_node().args[0])
     stage: dict[fx.Node, int] = {}
-    free: set[fx.Node] = set()
-
-    def own(node: fx.Node) -> int | None:
-        return of_segment.get(units.get(node.name))
-
+    deferred: list[fx.Node] = []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
+        own = of_segment.get(units.get(node.name))
         operands = [a for a in node.all_input_nodes if a in stage]
         if node.target.__name__ == "getitem":
-            if node.args[0] in free:
-                free.add(node)
-            else:
+            if node.args[0] in stage:
                 stage[node] = stage[node.args[0]]
         elif node not in backward:
-            if own(node) is None and all(a in free or a.op == "get_attr" or _is_input(a, kinds) for a in _read(node)):
-                free.add(node)
-                continue
-            stage[node] = max([own(node) or 0, *(stage[a] for a in operands)])
+            if own is None and not operands:
+                deferred.append(node)
+            else:
+                stage[node] = max([own or 0, *(stage[a] for a in operands)])
         else:
             flowing = [stage[a] for a in operands if a in backward]
             for tangent in (a for a in node.all_input_nodes if kinds.get(a) and kinds[a].kind == "tangent"):
                 flowing.append(stage[outputs[int(kinds[tangent].name.removeprefix("output"))]])
-            candidates = [s for s in (own(node), *flowing) if s is not None]
+            candidates = [s for s in (own, *flowing) if s is not None]
             stage[node] = min(candidates) if candidates else len(segments) - 1
+    for node in reversed(deferred):  # where they are first read: later readers receive them
+        stage[node] = min(_reader_stages(node, stage), default=0)
+        for user in node.users:
+            if user.target.__name__ == "getitem":
+                stage[user] = stage[node]
     for node, kind in kinds.items():
         if kind.kind == "tangent":
             stage[node] = stage[outputs[int(kind.name.removeprefix("output"))]]
@@ -124,27 +121,27 @@ def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Stag
                     "parameters. Fix: untie it (e.g. tie_word_embeddings=False), or compile without pipeline="
                 )
             stage[node] = readers.pop() if readers else 0
-    crossings = _crossings(graph, stage, free, backward)
     _check_outputs(captured, stage)
     made = [o for o, k in zip(outputs, captured.outputs) if k is not None and k.kind == "output"]
     return Staged(
-        count=len(segments),
         stage_of={n.name: s for n, s in stage.items()},
-        free=frozenset(n.name for n in free),
-        crossings=crossings,
+        crossings=_crossings(graph, stage, backward),
         output_stage=stage[made[0]] if made and made[0] in stage else len(segments) - 1,
     )
 
 
-def _read(node: fx.Node) -> list[fx.Node]:
-    return node.all_input_nodes
+def _reader_stages(node: fx.Node, stage: dict[fx.Node, int]) -> list[int]:
+    """The stages of the ops reading ``node`` (through the picks of its outputs)."""
+    found = []
+    for user in node.users:
+        if user.op == "call_function" and user.target.__name__ == "getitem":
+            found += _reader_stages(user, stage)
+        elif user in stage:
+            found.append(stage[user])
+    return found
 
 
-def _is_input(node: fx.Node, kinds: dict) -> bool:
-    return node in kinds and kinds[node].kind == "input"
-
-
-def _crossings(graph: fx.Graph, stage: dict, free: set, backward: set) -> tuple[Crossing, ...]:
+def _crossings(graph: fx.Graph, stage: dict, backward: set) -> tuple[Crossing, ...]:
     found: dict[tuple[str, int], Crossing] = {}
     for node in graph.nodes:
         if node not in stage or node.op == "placeholder":
@@ -177,36 +174,37 @@ def _check_outputs(captured: Captured, stage: dict) -> None:
             )
 
 
-def stage_graph(captured: Captured, staged: Staged, s: int, aliases: dict) -> Captured:
-    """Stage ``s``'s part of ``captured``: its ops (and the free ops they read), the inputs,
-    parameters, buffers and tangents they read, a placeholder per value it receives (kind
-    ``recv``, or ``recv_grad`` for a gradient, laid out as the value ``aliases`` resolves it
-    to) and an output per value it sends (kind ``send`` or ``send_grad``), with the outputs of
-    the joint graph it makes."""
+def stage_graph(
+    captured: Captured, staged: Staged, s: int, aliases: dict, given: frozenset[str] = frozenset()
+) -> Captured:
+    """Stage ``s``'s part of ``captured``: its ops (but those named in ``given``, whose values
+    the runtime gives it, kind ``given``), the inputs, parameters, buffers and tangents they
+    read, a placeholder per value it receives (kind ``recv``, or ``recv_grad`` for a gradient,
+    laid out as the value ``aliases`` resolves it to) and an output per value it sends (kind
+    ``send`` or ``send_grad``), with the outputs of the joint graph it makes."""
     graph = captured.graph.graph
     mine = {n for n in graph.nodes if staged.stage_of.get(n.name) == s and n.op == "call_function"}
+    handed = sorted((n for n in mine if n.name in given), key=lambda n: n.name)
+    mine -= set(handed)
     received = [c for c in staged.crossings if c.dst == s]
-    got = {c.value for c in received}
-    needed = _needed(mine, staged.free, got)
+    read = {a for n in mine for a in n.all_input_nodes if a.op in ("placeholder", "get_attr")}
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[InputKind] = []
     for node, kind in zip(captured.placeholders, captured.inputs):
-        if node in needed or staged.stage_of.get(node.name) == s and kind.kind != "input":
+        if node in read or staged.stage_of.get(node.name) == s and kind.kind != "input":
             env[node] = g.node_copy(node)
             inputs.append(kind)
     nodes = {n.name: n for n in graph.nodes}
-    for c in sorted(received, key=lambda c: c.backward):
-        if nodes[c.value] in env:
-            continue
-        env[nodes[c.value]] = placeholder = g.placeholder(c.value)
-        placeholder.meta = dict(nodes[c.value].meta)
-        ref = aliases.get(c.value, (c.value, 0))
-        inputs.append(InputKind("recv_grad" if c.backward else "recv", c.value, ref))
+    takes = [(c.value, "recv") for c in received if not c.backward] + [(n.name, "given") for n in handed]
+    for name, kind in takes + [(c.value, "recv_grad") for c in received if c.backward]:
+        env[nodes[name]] = placeholder = g.placeholder(name)
+        placeholder.meta = dict(nodes[name].meta)
+        inputs.append(InputKind(kind, name, aliases.get(name, (name, 0))))
     for node in graph.nodes:
-        if node.op == "get_attr" and any(u in needed for u in node.users):
+        if node.op == "get_attr" and node in read:
             env[node] = g.node_copy(node)
-        elif node.op == "call_function" and node in needed:
+        elif node in mine:
             env[node] = g.node_copy(node, lambda n: env[n])
     results, kinds = [], []
     for kind, value in zip(captured.outputs, graph.output_node().args[0]):
@@ -222,15 +220,63 @@ def stage_graph(captured: Captured, staged: Staged, s: int, aliases: dict) -> Ca
     return Captured(part, tuple(inputs), tuple(kinds), None, captured.graph_hash, 0.0, ())
 
 
-def _needed(mine: set[fx.Node], free: frozenset[str], received: set[str]) -> set[fx.Node]:
-    """``mine``, the free ops they read (transitively) and the placeholders any of these read,
-    but not the values received."""
-    needed, todo = set(mine), list(mine)
+def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
+    """How the loss of a batch is the micro-batches': ``None`` where it is a mean over a fixed
+    number of values (the mean of the micro-batches' losses), else a graph computing its divisor
+    from a micro-batch's inputs (a mean cross-entropy's count of targets) and the divisor's
+    node (the batch's loss is each micro-batch's dividend over the batch's divisor, added up);
+    refused for any other loss, and for models returning more than one scalar loss."""
+    kinds = dict(zip(captured.placeholders, captured.inputs))
+    results = [
+        v for v, k in zip(captured.graph.graph.output_node().args[0], captured.outputs) if k and k.kind == "output"
+    ]
+    loss = results[0] if len(results) == 1 else None
+    if loss is None or loss.meta["val"].ndim != 0:
+        raise InputError(
+            "with pipeline stages the model must return one scalar loss, which the stages' micro-batches add up to; "
+            f"it returns {len(results)} results. Fix: return the loss alone, or compile without pipeline="
+        )
+    aten = torch.ops.aten
+    if loss.target in (aten.mean.default, aten.mean.dim):
+        return None
+    divisor = loss.args[1] if loss.target == aten.div.Tensor else None
+    ancestors = _ancestors(divisor) if isinstance(divisor, fx.Node) else None
+    if ancestors is None or any(a in kinds and kinds[a].kind != "input" for a in ancestors):
+        raise InputError(
+            f"with pipeline stages the loss must be a mean over the batch (it is made by {loss.target}), so that "
+            "the micro-batches' losses add up to the batch's. Fix: return a mean loss (torch.mean, "
+            "F.cross_entropy with reduction='mean'), or compile without pipeline="
+        )
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in captured.graph.graph.nodes:
+        if node.op == "placeholder" and kinds[node].kind == "input":
+            env[node] = g.node_copy(node)
+        elif node in ancestors and node.op != "placeholder":
+            env[node] = g.node_copy(node, lambda n: env[n])
+    g.output(env[divisor])
+    return fx.GraphModule(captured.graph, g), divisor.name
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    found, todo = {node}, [node]
     while todo:
         for a in todo.pop().all_input_nodes:
-            if a in needed or a.name in received:
-                continue
-            if a.name in free or a.op in ("placeholder", "get_attr"):
-                needed.add(a)
+            if a not in found:
+                found.add(a)
                 todo.append(a)
-    return needed
+    return found
+
+
+def check_stageable(captured: Captured) -> tuple[fx.GraphModule, str] | None:
+    """Refuse a model pipeline stages cannot run as one device does: one whose loss is no mean
+    (:func:`loss_divisor`, which it returns), or whose forward updates buffers (once per
+    micro-batch instead of once per batch)."""
+    updated = [k.name for k in captured.outputs if k is not None and k.kind == "buffer"]
+    if updated:
+        raise InputError(
+            f"the forward updates buffers in place ({', '.join(updated)}: batch norm's running statistics, "
+            "counters), which pipeline stages would update once per micro-batch instead of once per batch. "
+            "Fix: compile without pipeline="
+        )
+    return loss_divisor(captured)

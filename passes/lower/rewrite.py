@@ -625,8 +625,16 @@ def _gradient_buckets(
 
 def _held(plan: ShardingPlan, members: Sequence[str], held: Mapping[str, object]) -> list[str]:
     """The members of a planned bucket this program holds: all of them, or with pipeline stages
-    those of its stage (a bucket of the plan may span two stages)."""
-    return [name for name in members if plan.stages is None or name in held]
+    all or none (a stage's program holds its own stage's buckets)."""
+    if plan.stages is None:
+        return list(members)
+    mine = [name for name in members if name in held]
+    if mine and len(mine) != len(members):
+        raise RewriteError(
+            f"the plan's bucket of {', '.join(members)} spans pipeline stages, which cannot run it as one "
+            "collective. Fix: plan again"
+        )
+    return mine
 
 
 def _collectives_of(chain: Sequence[Step]) -> tuple:

@@ -25,7 +25,7 @@ and at least one as soon as a gradient joins, each bucket paying one α and its 
 (:class:`BucketShare`, :func:`bucket_fixed_s`, :mod:`autopar.passes.solve.solver`).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
@@ -220,12 +220,15 @@ def parameter_gathers(
     mesh: Mesh,
     links: tuple[Link, ...],
     bucket_bytes: int,
+    groups: "Mapping[str, int] | None" = None,
 ) -> list[ParameterGather]:
     """The parameters' all-gathers that run in buckets, for the plan to list: every
     move of a parameter (not one in host memory, ``host_params`` by placeholder name) that is one
     all-gather, grouped by the phase and segment (layer) of the op that first reads it, by mesh
     axis and dtype, up to ``bucket_bytes`` (:func:`gradient_buckets`),
-    in the order the ops first read them. A bucket of one parameter is left to its own move."""
+    in the order the ops first read them; parameters of different ``groups`` (by qualified
+    name: pipeline stages) never share one. A bucket of one parameter is left to its own move."""
+    group_of = {n.name: (groups or {}).get(k.name, 0) for n, k in zip(captured.placeholders, captured.inputs)}
     graph = captured.graph.graph
     aliases = getitem_aliases(graph)
     backward = captured_backward(captured)
@@ -258,12 +261,13 @@ def parameter_gathers(
                     else []
                 )
                 if len(steps) == 1 and steps[0].kind == "all_gather":
-                    moves.append((key, steps[0], val.dtype, (phase, segment_of(paths.get(n.name, "")))))
+                    label = (phase, segment_of(paths.get(n.name, "")), group_of[ref[0]])
+                    moves.append((key, steps[0], val.dtype, label))
     found = []
     for bucket in gradient_buckets([((step,), *rest) for _, step, *rest in moves], bucket_bytes):
         if len(bucket.members) > 1:
             members = [moves[i] for i in bucket.members]
             found.append(
-                ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3])
+                ParameterGather(bucket, tuple(m[0] for m in members), tuple(m[1] for m in members), *members[0][3][:2])
             )
     return found

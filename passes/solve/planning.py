@@ -82,7 +82,14 @@ def build_plan(
     host = costs.host()
     nodes = _node_plans(captured, space, solution, chosen, costs, compute, activations, host)
     gathers = parameter_gathers(
-        captured, chosen, recomputed, set(solution.host_params), mesh, costs.links, costs.bucket_bytes
+        captured,
+        chosen,
+        recomputed,
+        set(solution.host_params),
+        mesh,
+        costs.links,
+        costs.bucket_bytes,
+        costs.bucket_groups,
     )
     buckets: list[PlannedBucket] = []
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers, buckets))
@@ -425,8 +432,9 @@ def _split_collectives(space: StrategySpace, chosen, recomputed: frozenset[str],
 
 def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh, buckets: list[PlannedBucket]):
     """One collective per bucket of the bucketed gradient moves ``gradients``, whose members
-    go to ``buckets``."""
-    for bucket in gradient_buckets([g[:2] for g in gradients], costs.bucket_bytes):
+    go to ``buckets``; gradients of parameters on different pipeline stages never share one."""
+    groups = costs.bucket_groups
+    for bucket in gradient_buckets([(*g[:2], groups.get(g[4], 0)) for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
         buckets.append(
             PlannedBucket("gradients", "backward", "", tuple(m[4] for m in members), tuple(m[3] for m in members))

@@ -1,20 +1,21 @@
 """Pipeline stages for a plan: where to cut the model, and what each stage costs.
 
-The plan inside the stages is the integer program's, made for one micro-batch on the mesh
-without the pipeline axis. The cuts fall between the model's layers and the modules outside its
-stacks (:func:`~autopar.passes.analysis.stages.layer_order`): these, each weighed by the modelled
-time of its ops and of the collectives they wait for under that plan, are cut into as many runs
-of consecutive layers as the pipeline axis has positions, the slowest run as fast as it can be
-(a linear-partition dynamic program over the layers). Each micro-batch then takes the slowest
-stage's time per step of the schedule (:attr:`~autopar.core.pipeline.Stages.step_s`).
+The cuts fall between the model's layers and the modules outside its stacks
+(:func:`~autopar.passes.analysis.stages.layer_order`): these, each weighed by its FLOPs, are cut
+into as many runs of consecutive units as the pipeline axis has positions, the heaviest run as
+light as it can be (a linear-partition dynamic program over the units). The plan inside the
+stages is then the integer program's for one micro-batch on the mesh without the pipeline axis,
+its gradient buckets each of one stage. Each micro-batch takes the slowest stage's time per step
+of the schedule (:attr:`~autopar.core.pipeline.Stages.step_s`).
 """
 
 import dataclasses
 import math
 from collections.abc import Sequence
 
+from autopar.cost_model.compute import node_work
 from autopar.passes.analysis.capture import Captured
-from autopar.passes.analysis.stages import Staged, assign_stages, cut_units, layer_order
+from autopar.passes.analysis.stages import Staged, cut_units, layer_order
 from autopar.passes.propagation.redistribute import local_shape
 
 from autopar.core.errors import InfeasiblePlanError, InputError
@@ -25,24 +26,39 @@ from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import getitem_aliases
 
 
-def with_stages(
-    plan: ShardingPlan, captured: Captured, pipeline: Pipeline, mesh: Mesh, link: Link, budget: int | None = None
-) -> ShardingPlan:
-    """``plan`` (made for one micro-batch on the mesh inside the stages) cut into the stages of
-    ``pipeline`` over ``mesh``, whose sends cross ``link``; refused where a stage's predicted
-    peak is over ``budget``."""
-    count = mesh.shape[mesh.axis_names.index(pipeline.axis)]
+def cut_stages(captured: Captured, count: int) -> tuple[tuple[str, ...], ...]:
+    """The units of ``captured`` (:func:`~autopar.passes.analysis.stages.layer_order`) cut into
+    ``count`` runs of consecutive units whose largest FLOPs (forward and backward, as
+    :mod:`torch.utils.flop_counter` counts them) are the least they can be."""
     layers = layer_order(captured)
     if len(layers) < count:
         raise InputError(
-            f"the pipeline axis {pipeline.axis!r} has {count} positions, but the model has {len(layers)} layers and "
-            f"modules to cut between ({', '.join(layers) or 'none'}); each stage needs one. Fix: a smaller "
-            "pipeline axis, a model of more layers, or compile without pipeline="
+            f"{count} pipeline stages need as many layers or modules to cut between, and the model has "
+            f"{len(layers)} ({', '.join(layers) or 'none'}). Fix: a smaller pipeline axis, a model of more layers, "
+            "or compile without pipeline="
         )
     units = cut_units(captured)
-    weight = _layer_times(plan, layers, units)
-    segments = tuple(tuple(layers[i] for i in run) for run in balanced_runs([weight[u] for u in layers], count))
-    staged = assign_stages(captured, segments)
+    work = dict.fromkeys(layers, 0.0)
+    for node in captured.graph.graph.nodes:
+        if units.get(node.name) in work:
+            work[units[node.name]] += node_work(node)[0]
+    return tuple(tuple(layers[i] for i in run) for run in balanced_runs([work[u] for u in layers], count))
+
+
+def with_stages(
+    plan: ShardingPlan,
+    captured: Captured,
+    staged: Staged,
+    segments: tuple[tuple[str, ...], ...],
+    pipeline: Pipeline,
+    mesh: Mesh,
+    link: Link,
+    budget: int | None = None,
+) -> ShardingPlan:
+    """``plan`` (made for one micro-batch on the mesh inside the stages) with the stages
+    ``segments`` (placed as ``staged``) of ``pipeline`` over ``mesh``, whose sends cross ``link``;
+    refused where a stage's predicted peak is over ``budget``."""
+    count = len(segments)
     where = staged.stage_of
     compute = [0.0] * count
     for node in plan.nodes:
@@ -52,8 +68,6 @@ def with_stages(
         if c.consumer in where:
             compute[where[c.consumer]] += c.time_s
     held = _state_bytes(plan, captured, where, count)
-    synced = math.fsum(c.time_s for c in plan.collectives if c.consumer == "gradients")
-    total = sum(held) or 1
     stages = Stages(
         axis=pipeline.axis,
         mesh=mesh,
@@ -62,7 +76,7 @@ def with_stages(
         segments=segments,
         compute_s=tuple(compute),
         send_s=tuple(_send_times(plan, captured, staged, link, count)),
-        sync_s=tuple(synced * h / total for h in held),
+        sync_s=tuple(_sync_times(plan, captured, where, count)),
         peak_bytes=tuple(_peaks(plan, pipeline, where, held, count)),
     )
     worst = max(range(count), key=lambda s: stages.peak_bytes[s])
@@ -73,6 +87,23 @@ def with_stages(
             "schedule, or a larger memory_budget"
         )
     return dataclasses.replace(plan, stages=stages)
+
+
+def _sync_times(plan: ShardingPlan, captured: Captured, where: dict[str, int], count: int) -> list[float]:
+    """Each stage's gradient buckets' collectives (a bucket holds one stage's gradients). The
+    plan lists them bucket by bucket, each bucket's one per mesh axis it moves on."""
+    stage_of_param = {k.name: where.get(n.name, 0) for n, k in zip(captured.placeholders, captured.inputs)}
+    times = [0.0] * count
+    synced = iter(c for c in plan.collectives if c.consumer == "gradients")
+    pending = next(synced, None)
+    for bucket in (b for b in plan.buckets if b.of == "gradients"):
+        stage, seen = stage_of_param[bucket.members[0]], set()
+        label = f"bucket of {len(bucket.members)} gradients"
+        while pending is not None and pending.tensor == label and (pending.kind, pending.axis) not in seen:
+            seen.add((pending.kind, pending.axis))
+            times[stage] += pending.time_s
+            pending = next(synced, None)
+    return times
 
 
 def _send_times(plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int) -> list[float]:
@@ -111,18 +142,6 @@ def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: 
         held[s] + kept[s] * in_flight(pipeline.schedule, s, count, pipeline.microbatches) + plan.memory.transient_bytes
         for s in range(count)
     ]
-
-
-def _layer_times(plan: ShardingPlan, layers: Sequence[str], units: dict[str, str]) -> dict[str, float]:
-    """Modelled time of each unit's ops (forward and backward) and of the collectives they wait for."""
-    times = dict.fromkeys(layers, 0.0)
-    for node in plan.nodes:
-        if units.get(node.name) in times:
-            times[units[node.name]] += node.compute_s
-    for c in plan.collectives:
-        if units.get(c.consumer) in times:
-            times[units[c.consumer]] += c.time_s
-    return times
 
 
 def balanced_runs(weights: Sequence[float], count: int) -> list[list[int]]:

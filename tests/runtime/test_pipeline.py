@@ -4,10 +4,11 @@ Each case trains 3 steps (AdamW, the global gradient norm clipped) on one device
 mesh with one axis as pipeline stages; losses must match within 1e-5 relative, the clipping's
 total norms likewise, and every stage's parameters after the 3 steps within rtol 1e-4 /
 atol 1e-5. The GPT's targets ignore (``-100``) a different number of tokens in each micro-batch,
-so that the micro-batches' losses add up to the batch's only if each is weighted by its share
-of the counted targets.
+all of them in the first half of the second batch, so that the micro-batches' parts add up to
+the batch's loss only if each divides by the batch's count of targets.
 """
 
+import collections
 import copy
 import math
 
@@ -30,9 +31,11 @@ def _gpt(layers: int = 4, tie: bool = False):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, dim=16, num_heads=4, num_layers=layers, tie_embeddings=tie))
     batches = []
-    for _ in range(3):
+    for step in range(3):
         targets = torch.randint(0, 64, (8, 8))
         targets[0, :5] = -100  # the first micro-batch counts fewer targets
+        if step == 1:
+            targets[:4] = -100  # and at the second step none: its own mean would be 0 / 0
         batches.append((torch.randint(0, 64, (8, 8)), targets))
     return model, batches
 
@@ -113,6 +116,9 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "param_ok": close,
         "param_max": max(errors.values()),
         "all_params": sorted(ref_params),
+        "ran": [tuple(c) for c in pmodel.collectives],
+        "planned": [(c.kind, c.axis, c.bytes) for c in pmodel.plan.collectives],
+        "inside": pmodel._coordinate,
         "stages": pmodel.plan.stages.count,
         "axis": pmodel.plan.stages.axis,
     }
@@ -147,6 +153,17 @@ def test_pipelined_training_matches_one_device(results, case):
     assert all(len(r["params"]) < len(r["all_params"]) for r in runs), "each rank holds one stage's parameters"
     _, shape, names, pipeline, _ = CASES[case]
     assert runs[0]["stages"] == shape[names.index("pp" if pipeline == "auto" else pipeline.axis)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_stages_run_the_planned_collectives_and_no_other(results, case):
+    """The ranks at one position inside the stages, one per stage, run between them each
+    collective the plan prices (a micro-batch's, and the step's gradient buckets), and no other."""
+    runs = results[case]
+    for inside in {tuple(r["inside"]) for r in runs}:
+        ran = collections.Counter(c for r in runs if tuple(r["inside"]) == inside for c in r["ran"])
+        assert ran == collections.Counter(runs[0]["planned"])
 
 
 def test_1f1b_holds_at_most_the_stages_after_it_in_flight():
@@ -240,3 +257,26 @@ def test_auto_keeps_one_stage_where_links_are_equal():
     model, batch = _deep_narrow()
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("host", "gpu")), batch, hardware=EQUAL_LINKS, pipeline="auto")
     assert plan.stages is None
+
+
+class _RootWeight(torch.nn.Module):
+    """Layers, then a weight the root module's own code reads (transposed, then multiplied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return torch.nn.functional.mse_loss(x @ self.w.t(), y)
+
+
+def test_a_weight_the_root_module_reads_lives_on_its_readers_stage():
+    captured = capture(_RootWeight(), (torch.randn(4, 8), torch.randn(4, 8)))
+    layers = layer_order(captured)
+    staged = assign_stages(captured, (tuple(layers[:2]), tuple(layers[2:])))
+    w = next(n.name for n, k in zip(captured.placeholders, captured.inputs) if k.name == "w")
+    assert staged.stage_of[w] == 1
+    assert {(c.src, c.dst, c.backward) for c in staged.crossings} == {(0, 1, False), (1, 0, True)}
