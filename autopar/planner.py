@@ -99,7 +99,10 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
     )
     plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)
     link = config.profile.link(mesh, mesh.axis_names.index(pipeline.axis))
-    return with_stages(plan, captured, staged, segments, pipeline, mesh, link, config.budget_bytes)
+    plan = with_stages(plan, captured, staged, segments, pipeline, mesh, link, config.budget_bytes)
+    if config.budget_bytes is None:
+        warn_over_device(plan, config.profile)
+    return plan
 
 
 def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
@@ -163,14 +166,20 @@ def _report(result: ShardingPlan, problem: "_Problem") -> None:
         result.peak_memory_bytes / 1e9,
         len(result.collectives),
     )
-    device = problem.profile.memory_bytes
-    if problem.budget is None and device and result.peak_memory_bytes > device:
+    if problem.budget is None and problem.config.bucket_groups is None:  # a pipeline stage's: see plan_stages
+        warn_over_device(result, problem.profile)
+
+
+def warn_over_device(result: ShardingPlan, profile: Profile) -> None:
+    """Warn when a plan made without a budget needs more than the device's memory."""
+    device = profile.memory_bytes
+    if device and result.peak_memory_bytes > device:
         log.warning(
             "the plan needs %s per device, more than the %s of a %s device: it is the fastest plan with "
             "memory left out; pass memory_budget=%d (%s) for one that fits",
             format_bytes(result.peak_memory_bytes),
             format_bytes(device),
-            problem.profile.name,
+            profile.name,
             device,
             format_bytes(device),
         )

@@ -6,7 +6,8 @@ that fits), and the block stack meta-pytorch/autoparallel benchmarks its planner
 input needing a gradient and not) for 8x8 H100s; and, on 4 local gloo ranks (2x2), how long a
 compiled example takes to lower its plan to a batch of half the size on the first call with it,
 against the time ``autopar.compile`` took to plan it. ``--only 3d`` plans the 8B shape at 8 layers
-on 2x4x8 and the LLaMA-3-70B shape (80 layers, batch 1,024 x 8,192) on 16x8x8 under ``--budget``.
+on 2x4x8 and the LLaMA-3-70B shape (80 layers, batch 1,024 x 8,192) on 16x8x8 under ``--budget``;
+``--only stages`` plans the 8B shape at 32 layers in 2, 4 and 8 pipeline stages.
 
 The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
 global batch 64 x sequence 8192) is built under ``torch.device("meta")`` with meta inputs, as
@@ -16,7 +17,7 @@ stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.j
 
     python -m benchmarks.planning [--limit-s 120] [--hardware h100] [--layers 2,8,32,64]
                                   [--budget 80GB] [--budget-layers 32] [--budget-gap 0.01]
-                                  [--stack-layers 8,32,80] [--only {stack,relower,3d}]
+                                  [--stack-layers 8,32,80] [--only {stack,relower,3d,stages}]
 """
 
 import argparse
@@ -99,6 +100,7 @@ def _plan_one(
     budget: str | None,
     gap: float,
     queue,
+    staged: bool = False,
 ) -> None:
     import autopar
 
@@ -116,6 +118,7 @@ def _plan_one(
             solver_time_limit_s=limit_s,
             memory_budget=budget,
             solver_gap=gap,
+            pipeline=autopar.Pipeline(axis="pp", microbatches=2 * shape[0]) if staged else None,
         )
     except autopar.AutoparError as exc:
         queue.put({"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started})
@@ -137,6 +140,7 @@ def _plan_one(
             "peak_memory_bytes": plan.peak_memory_bytes,
             "layout": plan.solver.layout,
             "collectives": len(plan.collectives),
+            "stages": None if plan.stages is None else plan.stages.to_dict(),
         }
     )
 
@@ -149,10 +153,11 @@ def run(
     budget: str | None = None,
     gap: float = 1e-3,
     searches: int = 1,
+    staged: bool = False,
 ) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_plan_one, args=(model_spec, shape, hardware, limit_s, budget, gap, queue))
+    proc = ctx.Process(target=_plan_one, args=(model_spec, shape, hardware, limit_s, budget, gap, queue, staged))
     started = time.perf_counter()
     proc.start()
     # each search: a solve (under a budget: its correction and the least memory); then checks of the programs
@@ -191,11 +196,12 @@ def _table(
     budget: str | None = None,
     gap: float = 1e-3,
     searches: int = 1,
+    staged: bool = False,
 ) -> list[dict]:
     print(f"\n{title}\n{_HEADER}\n{'-' * len(_HEADER)}", flush=True)
     rows = []
     for spec, shape in configs:
-        r = run(spec, shape, hardware, limit_s, budget, gap, searches)
+        r = run(spec, shape, hardware, limit_s, budget, gap, searches, staged)
         r.update(model=spec[0], layers=spec[1], mesh="x".join(map(str, shape)))
         rows.append(r)
         print(_row(r), flush=True)
@@ -295,6 +301,27 @@ def three_axes_table(args) -> list[dict]:
     return rows
 
 
+def stages_table(args) -> list[dict]:
+    """The 8B shape at 32 layers on pp x 8 x 8 H100s, the first axis cut into 2, 4 and 8 pipeline
+    stages of twice as many micro-batches (1F1B): how planning time grows with the stages."""
+    rows = _table(
+        f"The 8B shape (32 layers) on pp x 8 x 8 {args.hardware}, pp pipeline stages, 2 x pp micro-batches",
+        [(("llama3-8b", 32), (count, 8, 8)) for count in (2, 4, 8)],
+        args.hardware,
+        args.limit_s,
+        staged=True,
+    )
+    for r in rows:
+        if r.get("stages"):
+            st = r["stages"]
+            units = ", ".join(str(len(x)) for x in st["segments"])
+            print(
+                f"{r['mesh']}: predicted step {r['predicted_step_s']:.3f} s, stages of {units} units, "
+                f"peak {max(st['peak_bytes']) / 2**30:.1f} GiB per device"
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-s", type=float, default=120.0, help="solver time limit per configuration")
@@ -308,9 +335,9 @@ def main() -> None:
     parser.add_argument("--stack-layers", default="8,32,80", help="block counts of autoparallel's stack")
     parser.add_argument(
         "--only",
-        choices=("stack", "relower", "3d"),
-        help="plan only autoparallel's stack, only the 8B and 70B shapes on meshes of three axes, or time only the "
-        "re-lowering (results to planning-<only>.json)",
+        choices=("stack", "relower", "3d", "stages"),
+        help="plan only autoparallel's stack, only the 8B and 70B shapes on meshes of three axes, only the 8B shape "
+        "in pipeline stages, or time only the re-lowering (results to planning-<only>.json)",
     )
     parser.add_argument("--relower-worker", nargs=2, metavar=("MODELS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -325,6 +352,9 @@ def main() -> None:
         write_results(
             RESULTS.with_name("planning-relower.json"), mesh=list(RELOWER_MESH), relower=relower_table(list(MODELS))
         )
+        return
+    if args.only == "stages":
+        write_results(RESULTS.with_name("planning-stages.json"), **settings, stages=stages_table(args))
         return
     if args.only == "3d":
         write_results(

@@ -651,7 +651,7 @@ def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategie
         keys, steps = [], []
         held = set(_held(plan, planned.members, states))
         for name, dst in zip(planned.members, planned.placements):
-            if name not in held and plan.stages is not None:
+            if name not in held:
                 continue
             if name not in states:
                 raise RewriteError(f"the plan gathers a parameter {name!r}, which the model has not. Fix: plan again")
