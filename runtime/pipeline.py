@@ -93,6 +93,19 @@ class StageRunner:
             if c.src == stage:
                 self.targets.setdefault(c.value, []).append(c.dst)
         self.mesh: Mesh = plan.mesh
+        holder = {
+            k.name: staged.stage_of[n.name]
+            for n, k in zip(captured.placeholders, captured.inputs)
+            if k.name in staged.shared
+        }
+        self.tied_in = {
+            name: holder[name] for name, readers in staged.shared.items() if stage in readers and holder[name] != stage
+        }
+        """Weights tied across stages whose gradient another stage makes: it sends it once per step."""
+        self.tied_out = {
+            name: [r for r in readers if r != stage] for name, readers in staged.shared.items() if holder[name] == stage
+        }
+        """Weights tied across stages whose gradient this stage makes, and the stages it sends it to."""
 
     def _form(self, m: int) -> str:
         if self.stages.microbatches == 1:
@@ -148,10 +161,31 @@ class StageRunner:
                     self.unsynced.add([v for _, v in mine], program.unreduced_layouts)
                 else:
                     grads = dict(mine)
+        if backward:
+            sends += self._share_tied(grads, len(microbatches))
         for work in sends:
             with named_timeouts(self.timeout_s, "pipeline sends"):
                 work.wait()
         return loss, grads
+
+    def _share_tied(self, grads: dict[str, torch.Tensor], microbatches: int) -> list:
+        """Send the gradients of tied weights this stage makes to the stages holding copies, and
+        put those the others make into ``grads``."""
+        tag = 2 * microbatches  # after every micro-batch's
+        sends = [
+            dist.isend(grads[name].contiguous(), dst=self.peers[t], tag=tag)
+            for name, targets in self.tied_out.items()
+            if name in grads
+            for t in targets
+        ]
+        node = {k.name: n for k, n in zip(self.captured.inputs, self.captured.placeholders)}
+        for name, source in self.tied_in.items():
+            val = node[name].meta["val"]
+            buffer = torch.empty(local_shape(tuple(val.shape), self.layouts[name], self.mesh), dtype=val.dtype)
+            with named_timeouts(self.timeout_s, "pipeline receives"):
+                dist.irecv(buffer, src=self.peers[source], tag=tag).wait()
+            grads[name] = buffer.to(self.device)
+        return sends
 
     def _backward(self, program, m: int, saved: list[torch.Tensor], weight: float) -> list:
         """Micro-batch ``m``'s backward, from ``weight`` as the loss's gradient and the gradients

@@ -183,11 +183,20 @@ class PipelinedModule(ParallelModule):
             return super().named_parameters(*args, **kwargs)
         self.parameters()
 
+    def _counted(self) -> list[torch.nn.Parameter]:
+        """This stage's parameters but the copies of weights tied to another stage's, which that
+        stage counts."""
+        return [
+            self.module.get_parameter(k.name)
+            for k in self._captured.inputs
+            if k.kind == "param" and k.name not in self._runner.tied_in
+        ]
+
     def parameter_counts(self) -> ParameterCounts:
         """How many parameter values the model has (every stage's, tied ones once), and on this rank."""
         if not self._in_stages:
             return super().parameter_counts()
-        mine = self.stage_parameters()
+        mine = self._counted()
         whole = torch.tensor([sum(p.numel() for p in mine)], device=self._device)
         dist.all_reduce(whole, group=self._stage_group)
         return ParameterCounts(whole=int(whole), this_rank=sum(local_of(p).numel() for p in mine))
@@ -219,7 +228,7 @@ class PipelinedModule(ParallelModule):
         and every stage scales its gradients by the same factor. Returns the total norm."""
         if not self._in_stages:
             return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
-        grads = [p.grad for p in self.stage_parameters() if p.grad is not None]
+        grads = [p.grad for p in self._counted() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self._device)
         norm = local_of(norm.full_tensor() if hasattr(norm, "full_tensor") else norm).to(self._device)
         if norm_type == float("inf"):

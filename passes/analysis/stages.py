@@ -7,7 +7,8 @@ model's own code between units runs where its operands are: a forward op on the 
 it reads from (values only flow forward), a backward op on the earliest (gradients only flow
 back). Forward ops that read nothing but inputs, parameters and constants (positions, masks,
 the targets' reshapes) run on the first stage that reads them. A parameter or buffer lives on
-the one stage whose ops read it; one read by two stages (weights tied across stages) is refused.
+the stages whose ops read it: on one, or as copies on several (a weight tied across stages,
+like an embedding shared with the output head), whose gradient one of them makes.
 
 Every other value one stage makes and another reads crosses between them (:class:`Crossing`):
 :func:`stage_graph` gives each stage a graph with a placeholder per value it receives and an
@@ -73,6 +74,11 @@ class Staged:
     """In the order the joint graph makes the values."""
     output_stage: int
     """The stage that makes the model's result."""
+    shared: dict[str, tuple[int, ...]]
+    """Parameters and buffers more than one stage reads (by qualified name: a weight tied across
+    stages), with the stages reading them. Each holds a copy; the stage in ``stage_of`` (the one
+    making the gradient) sends the gradient to the others once per step, so that every copy
+    steps alike."""
 
 
 def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Staged:
@@ -109,24 +115,24 @@ def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Stag
         for user in node.users:
             if user.target.__name__ == "getitem":
                 stage[user] = stage[node]
+    gradient = {k.name: v for k, v in zip(captured.outputs, outputs) if k is not None and k.kind == "grad"}
+    shared: dict[str, tuple[int, ...]] = {}
     for node, kind in kinds.items():
         if kind.kind == "tangent":
             stage[node] = stage[outputs[int(kind.name.removeprefix("output"))]]
         elif kind.kind in ("param", "buffer"):
-            readers = {stage[u] for u in node.users if u in stage}
+            readers = sorted({stage[u] for u in node.users if u in stage})
+            made = gradient.get(kind.name)
+            stage[node] = stage[made] if made in stage else (readers[0] if readers else 0)
             if len(readers) > 1:
-                raise InputError(
-                    f"{kind.kind} {kind.name} is read by pipeline stages {sorted(readers)} (a weight tied across "
-                    "stages, like an embedding shared with the output head), and each stage holds its own "
-                    "parameters. Fix: untie it (e.g. tie_word_embeddings=False), or compile without pipeline="
-                )
-            stage[node] = readers.pop() if readers else 0
+                shared[kind.name] = tuple(readers)
     _check_outputs(captured, stage)
     made = [o for o, k in zip(outputs, captured.outputs) if k is not None and k.kind == "output"]
     return Staged(
         stage_of={n.name: s for n, s in stage.items()},
         crossings=_crossings(graph, stage, backward),
         output_stage=stage[made[0]] if made and made[0] in stage else len(segments) - 1,
+        shared=shared,
     )
 
 

@@ -20,7 +20,6 @@ from autopar.passes.solve.stages import balanced_runs
 from autopar.runtime.pipeline import schedule
 
 import autopar
-from autopar.core.errors import InputError
 from autopar.core.pipeline import Pipeline, Stages
 from tests.cases import SYNTHETIC
 
@@ -63,6 +62,7 @@ CASES = {
     "gpt-pp4-1f1b": ("gpt", (4,), ("pp",), Pipeline(axis="pp", microbatches=4), None),
     "hf-llama-dp2xpp2-1f1b": ("llama", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), "dp"),
     "gpt-auto-slow-hosts": ("gpt", (2, 2), ("pp", "gpu"), "auto", None),
+    "gpt-tied-pp2xdp2-1f1b": ("gpt-tied", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "dp"),
     "gpt-pp2xdp2xtp2-1f1b": ("gpt", (2, 2, 2), ("pp", "dp", "tp"), Pipeline(axis="pp", microbatches=2), "2d"),
 }
 
@@ -80,13 +80,13 @@ def _train(pmodel_or_model, batches, optimizer, clip):
 
 
 def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
-    model, batches = _gpt() if model_name == "gpt" else _llama()
+    model, batches = _llama() if model_name == "llama" else _gpt(tie=model_name == "gpt-tied")
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     ref_losses, ref_norms = _train(
         reference, batches, ref_opt, lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
     )
-    inputs = ("idx", "targets") if model_name == "gpt" else ("input_ids", "labels")
+    inputs = ("input_ids", "labels") if model_name == "llama" else ("idx", "targets")
     pins = {
         "dp": {name: "S(0)" for name in inputs},
         "megatron": _megatron(4),
@@ -197,12 +197,14 @@ def test_stages_send_one_activation_forward_and_its_gradient_back():
     assert staged.output_stage == 1
 
 
-def test_weights_tied_across_stages_are_refused():
+def test_a_weight_tied_across_stages_has_a_copy_on_each():
     model, batches = _gpt(tie=True)
     captured = capture(model, tuple(x[:4] for x in batches[0]))
     layers = layer_order(captured)
-    with pytest.raises(InputError, match="tok.weight is read by pipeline stages"):
-        assign_stages(captured, (tuple(layers[:4]), tuple(layers[4:])))
+    staged = assign_stages(captured, (tuple(layers[:4]), tuple(layers[4:])))
+    assert staged.shared == {"tok.weight": (0, 1)}
+    backward = [c for c in staged.crossings if c.backward]
+    assert len(backward) == 2, "the head's part of the gradient goes back to the embedding's stage"
 
 
 def test_bad_pipelines_name_the_fix():
