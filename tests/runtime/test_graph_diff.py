@@ -188,6 +188,9 @@ def test_vocabulary_parallel_lookups_and_cross_entropy_match_one_device(results)
     for name in ("_log_softmax", "scatter", "_log_softmax_backward_data"):
         assert plan.node(name).outputs == ((S(0), S(1)),), plan.node(name)
     assert plan.node("gather").outputs == ((S(0), P),)
-    assert plan.node("embedding_dense_backward").outputs == ((R, S(0)),)
+    # the table's gradient is the rank's piece of the vocabulary; over dp it is reduced at the op or in
+    # its bucket, priced alike, so the solver may return either
+    (table,) = plan.node("embedding_dense_backward").outputs
+    assert table[1] == S(0) and table[0] in (R, P), table
     own = collections.Counter((c.kind, c.phase) for c in plan.collectives if c.consumer.startswith("_log_softmax"))
     assert own == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 1}

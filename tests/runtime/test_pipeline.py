@@ -2,10 +2,11 @@
 
 Each case trains 3 steps (AdamW, the global gradient norm clipped) on one device and on the
 mesh with one axis as pipeline stages; losses must match within 1e-5 relative, the clipping's
-total norms likewise, and every stage's parameters after the 3 steps within rtol 1e-4 /
-atol 1e-5. The GPT's targets ignore (``-100``) a different number of tokens in each micro-batch,
-all of them in the first half of the second batch, so that the micro-batches' parts add up to
-the batch's loss only if each divides by the batch's count of targets.
+total norms and a call under ``torch.no_grad`` after the steps likewise, and every stage's
+parameters after the 3 steps within rtol 1e-4 / atol 1e-5. The GPT's targets ignore
+(``-100``) a different number of tokens in each micro-batch, all of them in the first half of
+the second batch, so that the micro-batches' parts add up to the batch's loss only if each
+divides by the batch's count of targets.
 """
 
 import collections
@@ -99,6 +100,9 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         pmodel.parameters()
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     losses, norms = _train(pmodel, batches, opt, lambda: pmodel.clip_grad_norm_(0.5))
+    with torch.no_grad():  # forwards only, after the steps
+        evaluated = float(pmodel(*batches[0]))
+        ref_evaluated = float(reference(*batches[0]))
     ref_params = dict(reference.named_parameters())
     mine = sorted(k.name for k in pmodel._captured.inputs if k.kind == "param")  # one order on every rank
     errors = {
@@ -112,6 +116,7 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
     return {
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
         "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)),
+        "no_grad_rel": abs(evaluated - ref_evaluated) / abs(ref_evaluated),
         "params": mine,
         "param_ok": close,
         "param_max": max(errors.values()),
@@ -147,6 +152,7 @@ def test_pipelined_training_matches_one_device(results, case):
     for rank, r in enumerate(runs):
         assert r["loss_rel"] <= 1e-5, f"rank {rank}: loss differs by {r['loss_rel']:.2e}"
         assert r["norm_rel"] <= 1e-5, f"rank {rank}: clipped norm differs by {r['norm_rel']:.2e}"
+        assert r["no_grad_rel"] <= 1e-5, f"rank {rank}: a call under no_grad differs by {r['no_grad_rel']:.2e}"
         assert r["param_ok"], f"rank {rank}: parameters differ by up to {r['param_max']:.2e}"
     held = set().union(*(r["params"] for r in runs))
     assert held == set(runs[0]["all_params"]), "every parameter is held by some stage"
