@@ -124,6 +124,11 @@ def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Stag
             readers = sorted({stage[u] for u in node.users if u in stage})
             made = gradient.get(kind.name)
             stage[node] = stage[made] if made in stage else (readers[0] if readers else 0)
+            if readers and stage[node] not in readers:
+                raise InputError(
+                    f"the gradient of {kind.name} is made on pipeline stage {stage[node]}, which does not read it "
+                    f"(stages {readers} do). Fix: cut the stages elsewhere, or compile without pipeline="
+                )
             if len(readers) > 1:
                 shared[kind.name] = tuple(readers)
     _check_outputs(captured, stage)
