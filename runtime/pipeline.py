@@ -68,6 +68,8 @@ class StageRunner:
         self.output_stage = staged.output_stage
         self.divisor = check_stageable(captured)
         given = frozenset({self.divisor[1]} if self.divisor else ())
+        nodes = {n.name: n for n in captured.graph.graph.nodes}
+        self.divisor_dtype = nodes[self.divisor[1]].meta["val"].dtype if self.divisor else None
         self.captured = stage_graph(captured, staged, stage, getitem_aliases(captured.graph.graph), given)
         self.loss_dtype = next(
             v.meta["val"].dtype
@@ -93,17 +95,21 @@ class StageRunner:
             if c.src == stage:
                 self.targets.setdefault(c.value, []).append(c.dst)
         self.mesh: Mesh = plan.mesh
+        shared = staged.shared
         holder = {
-            k.name: staged.stage_of[n.name]
-            for n, k in zip(captured.placeholders, captured.inputs)
-            if k.name in staged.shared
+            k.name: staged.stage_of[n.name] for n, k in zip(captured.placeholders, captured.inputs) if k.name in shared
         }
-        self.tied_in = {
-            name: holder[name] for name, readers in staged.shared.items() if stage in readers and holder[name] != stage
-        }
+        self.copies = {name for name, readers in shared.items() if stage in readers and holder[name] != stage}
+        """Tensors tied across stages whose copy another stage counts (and makes the gradient of)."""
+        graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+        self.tied = sorted(name for name in shared if name in graded)
+        """Every stage's weights tied across stages whose gradients are sent, in one order on every rank."""
+        self.tied_in = {name: holder[name] for name in self.copies if name in graded}
         """Weights tied across stages whose gradient another stage makes: it sends it once per step."""
         self.tied_out = {
-            name: [r for r in readers if r != stage] for name, readers in staged.shared.items() if holder[name] == stage
+            name: [r for r in readers if r != stage]
+            for name, readers in shared.items()
+            if holder[name] == stage and name in graded
         }
         """Weights tied across stages whose gradient this stage makes, and the stages it sends it to."""
 
@@ -117,7 +123,8 @@ class StageRunner:
         from every micro-batch's whole inputs; ``None`` for a mean over a fixed number of values."""
         if self.divisor is None:
             return None
-        return sum(self.divisor[0](*inputs) for inputs in microbatches)
+        total = sum(self.divisor[0](*inputs).to(torch.float64) for inputs in microbatches)
+        return total.to(self.divisor_dtype)
 
     def step(
         self, state: list[torch.Tensor], microbatches: list[list[torch.Tensor]], divisor, backward: bool
@@ -171,20 +178,20 @@ class StageRunner:
     def _share_tied(self, grads: dict[str, torch.Tensor], microbatches: int) -> list:
         """Send the gradients of tied weights this stage makes to the stages holding copies, and
         put those the others make into ``grads``."""
-        tag = 2 * microbatches  # after every micro-batch's
+        tag = {name: 2 * microbatches + i for i, name in enumerate(self.tied)}  # after every micro-batch's
         sends = [
-            dist.isend(grads[name].contiguous(), dst=self.peers[t], tag=tag)
+            dist.isend(grads[name].contiguous(), dst=self.peers[t], tag=tag[name])
             for name, targets in self.tied_out.items()
-            if name in grads
             for t in targets
         ]
         node = {k.name: n for k, n in zip(self.captured.inputs, self.captured.placeholders)}
         for name, source in self.tied_in.items():
             val = node[name].meta["val"]
-            buffer = torch.empty(local_shape(tuple(val.shape), self.layouts[name], self.mesh), dtype=val.dtype)
+            shape = local_shape(tuple(val.shape), self.layouts[name], self.mesh)
+            buffer = torch.empty(shape, dtype=val.dtype, device=self.device)
             with named_timeouts(self.timeout_s, "pipeline receives"):
-                dist.irecv(buffer, src=self.peers[source], tag=tag).wait()
-            grads[name] = buffer.to(self.device)
+                dist.irecv(buffer, src=self.peers[source], tag=tag[name]).wait()
+            grads[name] = buffer
         return sends
 
     def _backward(self, program, m: int, saved: list[torch.Tensor], weight: float) -> list:

@@ -189,17 +189,18 @@ class PipelinedModule(ParallelModule):
         return [
             self.module.get_parameter(k.name)
             for k in self._captured.inputs
-            if k.kind == "param" and k.name not in self._runner.tied_in
+            if k.kind == "param" and k.name not in self._runner.copies
         ]
 
     def parameter_counts(self) -> ParameterCounts:
-        """How many parameter values the model has (every stage's, tied ones once), and on this rank."""
+        """How many parameter values the model has (every stage's, tied ones once), and on this rank
+        (copies of weights tied to another stage included)."""
         if not self._in_stages:
             return super().parameter_counts()
         mine = self._counted()
         whole = torch.tensor([sum(p.numel() for p in mine)], device=self._device)
         dist.all_reduce(whole, group=self._stage_group)
-        return ParameterCounts(whole=int(whole), this_rank=sum(local_of(p).numel() for p in mine))
+        return ParameterCounts(whole=int(whole), this_rank=sum(local_of(p).numel() for p in self.stage_parameters()))
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **options):
         """An optimizer of ``optimizer_class`` over this rank's stage's parameters."""

@@ -86,8 +86,8 @@ class Stages:
     α-β on the pipeline axis's link."""
     sync_s: tuple[float, ...]
     """Modelled time of each stage's gradient collectives, once per step after the last
-    micro-batch's backward (the plan's gradient buckets, shared out by the stage's share of
-    the gradients' bytes)."""
+    micro-batch's backward (its gradient buckets), and of its sends of the gradients of weights
+    tied across stages to the stages holding copies."""
     peak_bytes: tuple[int, ...]
     """Predicted peak per device of each stage: its parameters, gradients and optimizer state,
     the activations of the micro-batches the schedule holds at once

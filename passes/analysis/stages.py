@@ -77,8 +77,8 @@ class Staged:
     shared: dict[str, tuple[int, ...]]
     """Parameters and buffers more than one stage reads (by qualified name: a weight tied across
     stages), with the stages reading them. Each holds a copy; the stage in ``stage_of`` (the one
-    making the gradient) sends the gradient to the others once per step, so that every copy
-    steps alike."""
+    making a parameter's gradient, else the first) holds the one that counts, and sends the
+    gradient to the others once per step, so that every copy steps alike."""
 
 
 def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Staged:
@@ -111,6 +111,8 @@ def assign_stages(captured: Captured, segments: Sequence[Sequence[str]]) -> Stag
             candidates = [s for s in (own, *flowing) if s is not None]
             stage[node] = min(candidates) if candidates else len(segments) - 1
     for node in reversed(deferred):  # where they are first read: later readers receive them
+        if not node.users:  # a check of a value's metadata, which no stage needs to run
+            continue
         stage[node] = min(_reader_stages(node, stage), default=0)
         for user in node.users:
             if user.target.__name__ == "getitem":
@@ -234,8 +236,8 @@ def stage_graph(
 def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
     """How the loss of a batch is the micro-batches': ``None`` where it is a mean over a fixed
     number of values (the mean of the micro-batches' losses), else a graph computing its divisor
-    from a micro-batch's inputs (a mean cross-entropy's count of targets) and the divisor's
-    node (the batch's loss is each micro-batch's dividend over the batch's divisor, added up);
+    from a micro-batch's inputs (a mean cross-entropy's count of targets, before any cast) and the
+    divisor's node (the batch's loss is each micro-batch's dividend over the batch's divisor, added up);
     refused for any other loss, and for models returning more than one scalar loss."""
     kinds = dict(zip(captured.placeholders, captured.inputs))
     results = [
@@ -265,8 +267,15 @@ def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
             env[node] = g.node_copy(node)
         elif node in ancestors and node.op != "placeholder":
             env[node] = g.node_copy(node, lambda n: env[n])
-    g.output(env[divisor])
+    g.output(env[_before_cast(divisor)])
     return fx.GraphModule(captured.graph, g), divisor.name
+
+
+def _before_cast(node: fx.Node) -> fx.Node:
+    """The value ``node`` casts (a count cast to the loss's dtype), or ``node`` itself: the
+    micro-batches' parts add up before the one cast, as one device casts the batch's."""
+    casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+    return node.args[0] if node.target in casts and isinstance(node.args[0], fx.Node) else node
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

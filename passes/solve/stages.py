@@ -67,7 +67,9 @@ def with_stages(
     for c in plan.collectives:
         if c.consumer in where:
             compute[where[c.consumer]] += c.time_s
-    held = _state_bytes(plan, captured, where, count)
+    held = _state_bytes(plan, captured, staged, count)
+    synced = _sync_times(plan, captured, where, count)
+    tied = _tied_sends(plan, captured, staged, link, count)
     stages = Stages(
         axis=pipeline.axis,
         mesh=mesh,
@@ -76,7 +78,7 @@ def with_stages(
         segments=segments,
         compute_s=tuple(compute),
         send_s=tuple(_send_times(plan, captured, staged, link, count)),
-        sync_s=tuple(_sync_times(plan, captured, where, count)),
+        sync_s=tuple(a + b for a, b in zip(synced, tied)),
         peak_bytes=tuple(_peaks(plan, pipeline, where, held, count)),
     )
     worst = max(range(count), key=lambda s: stages.peak_bytes[s])
@@ -122,15 +124,32 @@ def _send_times(plan: ShardingPlan, captured: Captured, staged: Staged, link: Li
     return times
 
 
-def _state_bytes(plan: ShardingPlan, captured: Captured, where: dict[str, int], count: int) -> list[int]:
-    """Each stage's parameters' bytes per device, with their gradients and optimizer state."""
+def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, count: int) -> list[int]:
+    """Each stage's parameters' bytes per device, with their gradients and optimizer state (a
+    weight tied across stages on each stage holding a copy)."""
     held = [0] * count
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.kind == "param":
-            val = node.meta["val"]
-            local = math.prod(local_shape(tuple(val.shape), plan.placements[kind.name], plan.mesh))
-            held[where.get(node.name, 0)] += local * val.element_size() * (2 + plan.optimizer_slots)
+            for stage in staged.shared.get(kind.name, (staged.stage_of.get(node.name, 0),)):
+                held[stage] += _local_bytes(plan, node, kind.name) * (2 + plan.optimizer_slots)
     return held
+
+
+def _local_bytes(plan: ShardingPlan, placeholder, name: str) -> int:
+    val = placeholder.meta["val"]
+    return math.prod(local_shape(tuple(val.shape), plan.placements[name], plan.mesh)) * val.element_size()
+
+
+def _tied_sends(plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int) -> list[float]:
+    """Each stage's sends, once per step, of the gradients of weights tied across stages that it makes."""
+    times = [0.0] * count
+    graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    for node, kind in zip(captured.placeholders, captured.inputs):
+        if kind.name in staged.shared and kind.name in graded:
+            copies = len(staged.shared[kind.name]) - 1
+            holder = staged.stage_of[node.name]
+            times[holder] += copies * (link.latency_s + _local_bytes(plan, node, kind.name) * link.s_per_byte)
+    return times
 
 
 def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: list[int], count: int) -> list[int]:
