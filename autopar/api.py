@@ -15,10 +15,10 @@ from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.liveness import ADAM_SLOTS
-from autopar.planner import check_mesh, check_pipeline, plan_stages, plan_with
+from autopar.planner import check_mesh, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
 from autopar.runtime.staged_module import PipelinedModule
-from autopar.stage_search import plan_auto
+from autopar.stage_search import check_pipeline, plan_auto, plan_stages
 
 
 def default_backend(model: torch.nn.Module) -> str:

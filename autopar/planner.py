@@ -20,10 +20,9 @@ from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
 from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
-from autopar.cost_model.hardware import InsideStages, Profile
+from autopar.cost_model.hardware import Profile
 from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, module_paths
 from autopar.passes.analysis.liveness import ADAM_SLOTS, Liveness
-from autopar.passes.analysis.stages import assign_stages, check_stageable
 from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
 from autopar.passes.solve.layers import LayerClasses, repeated_layers
@@ -32,7 +31,6 @@ from autopar.passes.solve.merged import lifted, merged_mesh
 from autopar.passes.solve.planning import build_plan, moment_bytes
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
 from autopar.passes.solve.solver import Problem, SearchOptions, Solution, least_memory_bound, program_size, solve
-from autopar.passes.solve.stages import cut_stages, with_stages
 
 log = logging.getLogger("autopar")
 
@@ -58,51 +56,6 @@ def plan_captured(captured: Captured, mesh: Mesh, **options) -> ShardingPlan:
     """Plan an already captured graph with the options of :func:`autopar.plan` (and
     ``bucket_bytes``, see :class:`~autopar.config.PlanConfig`)."""
     return plan_with(captured, mesh, PlanConfig(**options))
-
-
-def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
-    """``pipeline`` checked for ``mesh``: ``None`` (or ``"off"``), ``"auto"`` or a
-    :class:`~autopar.core.pipeline.Pipeline` over one of its axes."""
-    if pipeline in (None, "off"):
-        return None
-    if pipeline == "auto":
-        if pins:
-            raise ValueError(
-                "pins with pipeline='auto' are not supported yet: they would name placements on the whole mesh for "
-                "plans without stages and on the mesh inside the stages for the others. Fix: pipeline=None, or "
-                "pipeline=Pipeline(axis=..., microbatches=...) with pins on the mesh inside the stages"
-            )
-        return pipeline
-    if not isinstance(pipeline, Pipeline):
-        raise TypeError(f"pipeline must be None, 'auto' or an autopar.Pipeline, got {pipeline!r}")
-    pipeline.check(mesh)
-    return pipeline
-
-
-def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
-    """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, and
-    cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
-    pipeline.check(mesh)
-    check_stageable(captured)
-    segments = cut_stages(captured, mesh.shape[mesh.axis_names.index(pipeline.axis)])
-    staged = assign_stages(captured, segments)
-    inside = dataclasses.replace(
-        config,
-        hardware=InsideStages(config.profile, mesh),
-        memory_budget=None,
-        gradient_share=1.0 / pipeline.microbatches,
-        bucket_groups={
-            k.name: staged.stage_of[n.name]
-            for n, k in zip(captured.placeholders, captured.inputs)
-            if k.kind == "param" and n.name in staged.stage_of
-        },
-    )
-    plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)
-    link = config.profile.link(mesh, mesh.axis_names.index(pipeline.axis))
-    plan = with_stages(plan, captured, staged, segments, pipeline, mesh, link, config.budget_bytes)
-    if config.budget_bytes is None:
-        warn_over_device(plan, config.profile)
-    return plan
 
 
 def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
@@ -166,7 +119,7 @@ def _report(result: ShardingPlan, problem: "_Problem") -> None:
         result.peak_memory_bytes / 1e9,
         len(result.collectives),
     )
-    if problem.budget is None and problem.config.bucket_groups is None:  # a pipeline stage's: see plan_stages
+    if problem.budget is None and problem.config.bucket_groups is None:  # stages warn on their own peaks
         warn_over_device(result, problem.profile)
 
 
@@ -725,6 +678,8 @@ def plan(
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("example_inputs must be a tuple of tensors, e.g. (x, y)")
     config = PlanConfig.of(locals())
+    from autopar.stage_search import check_pipeline, plan_auto, plan_stages  # they plan through this module
+
     pipeline = check_pipeline(pipeline, mesh, pins)
     config.pins_for(inner_mesh(mesh, pipeline.axis) if isinstance(pipeline, Pipeline) else mesh)
 
@@ -742,7 +697,5 @@ def plan(
         return capture(model, tuple(x[: x.shape[0] // microbatches] for x in example_inputs), config.param_dtype)
 
     if pipeline == "auto":
-        from autopar.stage_search import plan_auto  # it plans through this module
-
         return plan_auto(capture_at, batch, mesh, config)
     return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)

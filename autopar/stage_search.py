@@ -1,5 +1,6 @@
-"""``pipeline="auto"``: whether to cut the model into pipeline stages, over which mesh axis, and
-into how many micro-batches.
+"""Planning with pipeline stages: a plan cut into given stages (:func:`plan_stages`), and
+``pipeline="auto"``: whether to cut the model into stages, over which mesh axis, and into how
+many micro-batches (:func:`plan_auto`).
 
 The candidates are the plan without stages on the whole mesh, and for every mesh axis of two
 positions or more and every micro-batch count among 1, 2 and 4 times its positions that divides
@@ -11,6 +12,7 @@ layers for the axis, weights tied across stages, a loss that is no mean) is left
 one whose plan does not fit.
 """
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -18,10 +20,13 @@ from collections.abc import Callable
 from autopar.config import PlanConfig
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline
+from autopar.core.pipeline import Pipeline, inner_mesh
 from autopar.core.plan import ShardingPlan
+from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
-from autopar.planner import plan_stages, plan_with
+from autopar.passes.analysis.stages import assign_stages, check_stageable
+from autopar.passes.solve.stages import cut_stages, with_stages
+from autopar.planner import plan_with, warn_over_device
 
 log = logging.getLogger("autopar")
 
@@ -59,3 +64,48 @@ def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, con
         what = "no stages" if p.stages is None else f"stages over {p.stages.axis} x {p.stages.microbatches} micro"
         log.info("pipeline=auto: %s, %.3g s per step%s", what, p.predicted_step_s, " (chosen)" if p is best else "")
     return best
+
+
+def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
+    """``pipeline`` checked for ``mesh``: ``None`` (or ``"off"``), ``"auto"`` or a
+    :class:`~autopar.core.pipeline.Pipeline` over one of its axes."""
+    if pipeline in (None, "off"):
+        return None
+    if pipeline == "auto":
+        if pins:
+            raise ValueError(
+                "pins with pipeline='auto' are not supported yet: they would name placements on the whole mesh for "
+                "plans without stages and on the mesh inside the stages for the others. Fix: pipeline=None, or "
+                "pipeline=Pipeline(axis=..., microbatches=...) with pins on the mesh inside the stages"
+            )
+        return pipeline
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"pipeline must be None, 'auto' or an autopar.Pipeline, got {pipeline!r}")
+    pipeline.check(mesh)
+    return pipeline
+
+
+def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
+    """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, and
+    cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
+    pipeline.check(mesh)
+    check_stageable(captured)
+    segments = cut_stages(captured, mesh.shape[mesh.axis_names.index(pipeline.axis)])
+    staged = assign_stages(captured, segments)
+    inside = dataclasses.replace(
+        config,
+        hardware=InsideStages(config.profile, mesh),
+        memory_budget=None,
+        gradient_share=1.0 / pipeline.microbatches,
+        bucket_groups={
+            k.name: staged.stage_of[n.name]
+            for n, k in zip(captured.placeholders, captured.inputs)
+            if k.kind == "param" and n.name in staged.stage_of
+        },
+    )
+    plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)
+    link = config.profile.link(mesh, mesh.axis_names.index(pipeline.axis))
+    plan = with_stages(plan, captured, staged, segments, pipeline, mesh, link, config.budget_bytes)
+    if config.budget_bytes is None:
+        warn_over_device(plan, config.profile)
+    return plan

@@ -225,7 +225,7 @@ def test_bad_pipelines_name_the_fix():
 
 def test_a_plan_with_stages_round_trips_through_json():
     from autopar.config import PlanConfig
-    from autopar.planner import plan_stages
+    from autopar.stage_search import plan_stages
 
     model, batches = _gpt()
     captured = capture(model, tuple(x[:4] for x in batches[0]))
