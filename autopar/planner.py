@@ -14,7 +14,7 @@ from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
 from autopar.core.graph import segment_of
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, inner_mesh
+from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, shared_batch
 from autopar.core.placement import Placements
 from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
@@ -685,8 +685,7 @@ def plan(
 
     if pipeline is None:
         return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)
-    sizes = {x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else 0 for x in example_inputs}
-    batch = sizes.pop() if len(sizes) == 1 else 0
+    batch = shared_batch(example_inputs)
     if isinstance(pipeline, Pipeline) and (not batch or batch % pipeline.microbatches):
         raise ValueError(
             f"pipeline stages cut every input along dim 0 into {pipeline.microbatches} micro-batches; the inputs "
@@ -694,7 +693,7 @@ def plan(
         )
 
     def capture_at(microbatches: int) -> Captured:
-        return capture(model, tuple(x[: x.shape[0] // microbatches] for x in example_inputs), config.param_dtype)
+        return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype)
 
     if pipeline == "auto":
         return plan_auto(capture_at, batch, mesh, config)

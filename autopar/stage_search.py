@@ -8,7 +8,7 @@ the batch, the plan of one micro-batch on the other axes cut into stages over it
 schedule (:mod:`autopar.passes.solve.stages`; 1F1B takes as long as GPipe and holds fewer
 micro-batches). Each is planned by the integer program; the fastest by predicted step time
 whose stages fit the memory budget is the plan. A candidate the model cannot take (too few
-layers for the axis, weights tied across stages, a loss that is no mean) is left out, and so is
+layers for the axis, buffers the forward updates, a loss that is no mean) is left out, and so is
 one whose plan does not fit.
 """
 

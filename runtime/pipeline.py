@@ -15,8 +15,8 @@ each micro-batch divides by the batch's count of targets (computed from the inpu
 micro-batch's own count), and the parts are added; a plain mean is the mean of the
 micro-batches'. Each backward starts from its part's gradient (1, or one over the
 micro-batches), so the gradients add up to the batch's. Within the micro-batches but the last,
-each backward keeps its gradients as made and sums them; the last one's adds the sums before its collectives, which then
-run once per step (the ``"unreduced"`` and ``"accumulated"`` programs of gradient accumulation).
+each backward keeps its gradients as made and sums them; the last one's adds the sums before its
+collectives, which then run once per step (the ``"unreduced"`` and ``"accumulated"`` programs of gradient accumulation).
 """
 
 from collections.abc import Sequence
@@ -87,6 +87,8 @@ class StageRunner:
         self.layouts = first.layouts
         self.collectives = self.lowered[forms[-1]].collectives
         """The collectives of the last micro-batch's program: its own and the step's gradient buckets."""
+        self.forward_kinds = [k for k in self.captured.outputs if not k.in_backward]
+        self.backward_kinds = [k for k in self.captured.outputs if k.in_backward]
         inputs = self.captured.inputs
         self.received = [(k, n) for k, n in zip(inputs, self.captured.placeholders) if k.kind in ("recv", "recv_grad")]
         self.sources = {c.value: c.src for c in staged.crossings if c.dst == stage}
@@ -149,17 +151,15 @@ class StageRunner:
                     results = program.forward(*state, *microbatches[m], *got, *given)
                 if backward:
                     saved[m] = list(results[program.num_outputs :])
-                fwd_kinds = [k for k in self.captured.outputs if not k.in_backward]
-                for kind, value in zip(fwd_kinds, results[: program.num_outputs]):
+                for kind, value in zip(self.forward_kinds, results[: program.num_outputs]):
                     if kind.kind == "output":
                         loss = value.detach() * weight if loss is None else loss + value.detach() * weight
                     else:
                         sends += self._send(kind.name, value, m, False)
             else:
                 made = self._backward(program, m, saved.pop(m), weight)
-                bwd_kinds = [k for k in self.captured.outputs if k.in_backward]
                 mine = []
-                for kind, value in zip(bwd_kinds, made):
+                for kind, value in zip(self.backward_kinds, made):
                     if kind.kind == "send_grad":
                         sends += self._send(kind.name, value, m, True)
                     else:

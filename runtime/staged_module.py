@@ -25,7 +25,7 @@ from autopar.runtime.state import ParameterCounts, local_of, release
 
 from autopar.core.errors import InputError, RewriteError, StalePlanError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, inner_mesh
+from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, shared_batch
 from autopar.core.plan import ShardingPlan
 
 
@@ -67,7 +67,7 @@ class PipelinedModule(ParallelModule):
             )
         keep_freed_memory()
         self._whole_shapes = _batch_shapes(inputs, self._pipeline.microbatches)
-        captured = capture(self.module, _micro(inputs, self._pipeline.microbatches), self._param_dtype)
+        captured = capture(self.module, first_microbatch(inputs, self._pipeline.microbatches), self._param_dtype)
         self._modes_built = _modes(self.module)
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
@@ -108,7 +108,8 @@ class PipelinedModule(ParallelModule):
         laid = whole if set(inner.axis_names) <= set(whole.axis_names) else _with_axis(whole, inner)
         timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
         mesh = device_mesh(laid, device_type, timeout)
-        self._world = None if timeout is None else dist.new_group(timeout=timeout)
+        if not hasattr(self, "_world"):  # pipeline="auto" made it to broadcast its choice
+            self._world = None if timeout is None else dist.new_group(timeout=timeout)
         self._device = torch.device("cpu")
         where = tuple(int(c) for c in mesh.get_coordinate())
         at = laid.axis_names.index(axis)
@@ -277,16 +278,10 @@ class MicroBatches:
 
     def __init__(self, module: torch.nn.Module, inputs: tuple, param_dtype):
         self.module, self.inputs, self.param_dtype = module, inputs, param_dtype
-        self.batch = _common_batch(inputs)
+        self.batch = shared_batch(inputs)
 
     def __call__(self, microbatches: int):
-        return capture(self.module, _micro(self.inputs, microbatches), self.param_dtype)
-
-
-def _common_batch(inputs: tuple) -> int:
-    """The size of dim 0 all inputs share (0 where they share none: no micro-batches then)."""
-    sizes = {x.shape[0] if x.ndim else 0 for x in inputs}
-    return sizes.pop() if len(sizes) == 1 else 0
+        return capture(self.module, first_microbatch(self.inputs, microbatches), self.param_dtype)
 
 
 class _Step(torch.autograd.Function):
@@ -330,11 +325,6 @@ def _on_every_stage(build):
     return made
 
 
-def _micro(inputs: tuple, microbatches: int) -> tuple:
-    """The first of ``microbatches`` micro-batches of ``inputs`` (all of them for one)."""
-    return tuple(inputs) if microbatches == 1 else tuple(x[: x.shape[0] // microbatches] for x in inputs)
-
-
 def _with_axis(mesh: Mesh, inner: Mesh) -> Mesh:
     """``mesh`` with the one-position axis of ``inner`` (a mesh that is all pipeline axis)."""
     return Mesh(mesh.shape + inner.shape, mesh.axis_names + inner.axis_names)
@@ -342,7 +332,7 @@ def _with_axis(mesh: Mesh, inner: Mesh) -> Mesh:
 
 def _batch_shapes(inputs: tuple, microbatches: int) -> tuple:
     """The inputs' shapes, once checked to share a dim 0 (the batch) that ``microbatches`` divides."""
-    batch = _common_batch(inputs)
+    batch = shared_batch(inputs)
     if not batch or batch % microbatches:
         raise InputError(
             f"inputs of shapes {', '.join(str(tuple(x.shape)) for x in inputs)} cannot be cut into {microbatches} "

@@ -55,6 +55,18 @@ class Pipeline:
             raise ValueError(f"Pipeline(axis={self.axis!r}) has one position in {mesh}: give an axis of 2 or more")
 
 
+def shared_batch(inputs) -> int:
+    """The size of dim 0 every input shares (the batch the stages cut into micro-batches), or 0
+    where they share none."""
+    sizes = {x.shape[0] if getattr(x, "ndim", 0) else 0 for x in inputs}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def first_microbatch(inputs, microbatches: int) -> tuple:
+    """The first of ``microbatches`` micro-batches of ``inputs`` (all of them for one)."""
+    return tuple(inputs) if microbatches == 1 else tuple(x[: x.shape[0] // microbatches] for x in inputs)
+
+
 def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
     """The mesh inside each stage: ``mesh`` without the pipeline ``axis`` (an axis of one
     position where that leaves none)."""
