@@ -51,8 +51,8 @@ import time
 
 import torch
 
+from autopar.core.move import COLLECTIVE_KINDS
 from autopar.cost_model.hardware import Fitted, HardwareProfile, Link, save_profile
-from autopar.passes.propagation.redistribute import COLLECTIVE_KINDS
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.step_scales import CalibrationModel, step_scales
 

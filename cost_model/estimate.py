@@ -11,10 +11,11 @@ from autopar.cost_model.op_timing import OpTimer
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.liveness import ADAM_SLOTS
 from autopar.passes.propagation.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
-from autopar.passes.propagation.redistribute import Step, local_shape, one_step_moves, step_s, transition
+from autopar.passes.propagation.redistribute import local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
 
 from autopar.core.mesh import Mesh
+from autopar.core.move import Step
 from autopar.core.placement import Placements, R
 from autopar.core.plan import MemoryEstimate
 from autopar.core.strategy import Strategy, StrategySpace, ValueRef

@@ -13,10 +13,11 @@ from autopar.cost_model.hardware import (
     resolve_profile,
     save_profile,
 )
-from autopar.passes.propagation.redistribute import Step, step_s
+from autopar.passes.propagation.redistribute import step_s
 
 import autopar
 from autopar.core.mesh import Mesh
+from autopar.core.move import Step
 
 
 def _measured() -> HardwareProfile:

@@ -11,7 +11,7 @@ from typing import Literal
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 """A collective the per-rank program runs: :attr:`autopar.core.plan.Collective.kind`, the kinds a
 link measures apart (:attr:`autopar.core.mesh.Link.per_kind`), and the collective steps of a
-transition (:class:`autopar.passes.propagation.redistribute.Step`)."""
+transition (:class:`autopar.core.move.Step`)."""
 
 Phase = Literal["forward", "backward"]
 """Where a node of the joint graph runs: in the backward when it depends on the outputs'

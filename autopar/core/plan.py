@@ -13,6 +13,7 @@ from typing import Literal, Mapping
 
 from autopar.core.kinds import Activation, CollectiveKind, CollectivePhase, Phase, SolverStatus
 from autopar.core.mesh import Link, Mesh
+from autopar.core.move import Step
 from autopar.core.pipeline import Stages
 from autopar.core.placement import (
     Placements,
@@ -22,7 +23,7 @@ from autopar.core.placement import (
     parse_placements_text,
 )
 
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 
 
 def format_layouts(layouts: tuple[Placements, ...]) -> str:
@@ -94,20 +95,61 @@ class PlannedBucket:
     """The parameters, by qualified name, in the order the bucket packs them."""
     placements: tuple[Placements, ...]
     """Each one's placements after the move."""
+    steps: tuple[tuple[Step, ...], ...]
+    """Each one's collectives in the bucket (the same kinds on the same mesh axes for all): the
+    one all-gather of a parameter; a gradient's reduce-scatter, or its all-reduces over one or
+    more mesh axes."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self, mesh: Mesh) -> dict:
         """Its JSON object, placements written as text."""
-        return {**_fields(self), "placements": [format_placements(p) for p in self.placements]}
+        return {
+            **_fields(self),
+            "placements": [format_placements(p) for p in self.placements],
+            "steps": [[s.to_dict(mesh) for s in chain] for chain in self.steps],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PlannedBucket":
+    def from_dict(cls, data: dict, mesh: Mesh) -> "PlannedBucket":
         """Inverse of :meth:`to_dict`."""
         return cls(
             **{
                 **data,
                 "members": tuple(data["members"]),
                 "placements": tuple(parse_placements_text(p) for p in data["placements"]),
+                "steps": tuple(tuple(Step.from_dict(s, mesh) for s in chain) for chain in data["steps"]),
             }
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedMove:
+    """A tensor's move between placements, as the plan priced it and the per-rank program runs
+    it: its steps, one mesh axis each (:mod:`autopar.passes.propagation.redistribute`). Moves
+    made in a bucket are the bucket's (:class:`PlannedBucket`)."""
+
+    tensor: str
+    """The graph value moved, ``node`` or ``node[i]``."""
+    src: Placements
+    dst: Placements
+    steps: tuple[Step, ...]
+
+    def to_dict(self, mesh: Mesh) -> dict:
+        """Its JSON object, placements written as text."""
+        return {
+            "tensor": self.tensor,
+            "src": format_placements(self.src),
+            "dst": format_placements(self.dst),
+            "steps": [s.to_dict(mesh) for s in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, mesh: Mesh) -> "PlannedMove":
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            data["tensor"],
+            parse_placements_text(data["src"]),
+            parse_placements_text(data["dst"]),
+            tuple(Step.from_dict(s, mesh) for s in data["steps"]),
         )
 
 
@@ -306,6 +348,9 @@ class ShardingPlan:
     buckets: tuple[PlannedBucket, ...] = ()
     """The bucketed collectives: which gradients are reduced together and which parameters
     gathered together. The per-rank program runs them as listed here."""
+    moves: tuple[PlannedMove, ...] = ()
+    """Every move of a tensor to other placements the step makes outside a bucket, once per
+    tensor, source and destination, with the steps the per-rank program runs."""
     graph_lines: tuple[str, ...] = ()
     """One line per node of the captured graph (:func:`autopar.passes.analysis.capture.graph_lines`): a
     plan refused as stale names the first line that differs."""
@@ -371,7 +416,8 @@ class ShardingPlan:
             "host_params": list(self.host_params),
             "optimizer_slots": self.optimizer_slots,
             "prefetched": list(self.prefetched),
-            "buckets": [b.to_dict() for b in self.buckets],
+            "buckets": [b.to_dict(self.mesh) for b in self.buckets],
+            "moves": [m.to_dict(self.mesh) for m in self.moves],
             "graph_lines": list(self.graph_lines),
             "stages": None if self.stages is None else self.stages.to_dict(),
             "predicted_step_s": self.predicted_step_s,
@@ -388,8 +434,9 @@ class ShardingPlan:
                 f"plan format version {version} is not supported (this autopar reads version {FORMAT_VERSION}); "
                 "plan the model again"
             )
+        mesh = Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
         return cls(
-            mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
+            mesh=mesh,
             hardware=data["hardware"],
             links=tuple(Link.from_dict(link) for link in data["links"]),
             graph_hash=data["graph_hash"],
@@ -413,7 +460,8 @@ class ShardingPlan:
             host_params=tuple(data["host_params"]),
             optimizer_slots=data.get("optimizer_slots", 2),
             prefetched=tuple(data["prefetched"]),
-            buckets=tuple(PlannedBucket.from_dict(b) for b in data["buckets"]),
+            buckets=tuple(PlannedBucket.from_dict(b, mesh) for b in data["buckets"]),
+            moves=tuple(PlannedMove.from_dict(m, mesh) for m in data["moves"]),
             graph_lines=tuple(data["graph_lines"]),
             stages=None if data.get("stages") is None else Stages.from_dict(data["stages"]),
         )
@@ -435,6 +483,7 @@ class ShardingPlan:
             self.optimizer_slots,
             self.prefetched,
             self.buckets,
+            self.moves,
             self.stages,
         )
 

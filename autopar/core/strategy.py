@@ -11,6 +11,12 @@ ValueRef = tuple[str, int]
 """A tensor of the graph: (name of the node producing it, index among that node's outputs)."""
 
 
+def ref_name(ref: ValueRef) -> str:
+    """How the plan names a tensor of the graph: ``node``, or ``node[i]`` for an output past
+    the first."""
+    return ref[0] if ref[1] == 0 else f"{ref[0]}[{ref[1]}]"
+
+
 def getitem_aliases(graph: fx.Graph) -> dict[str, ValueRef]:
     """Nodes that only pick one output of a multi-output op (``getitem``), by name."""
     return {

@@ -1,8 +1,8 @@
 """Rewrite the joint graph into one rank's program: local shapes and functional collectives.
 
 The rewriter interprets the captured joint graph on the rank's local pieces, following the plan:
-before each op it moves every argument into the placements the op's strategy needs
-(:func:`autopar.passes.propagation.redistribute.transition`), then runs the op on local tensors with shape
+before each op it moves every argument into the placements the op's strategy needs, by the
+steps the plan priced (:attr:`~autopar.core.plan.ShardingPlan.moves`), then runs the op on local tensors with shape
 arguments made local. ``make_fx`` traces that interpretation on fake tensors into a plain aten
 graph whose collectives are ``torch.ops._c10d_functional`` ops, so Inductor can compile it.
 
@@ -54,10 +54,10 @@ from typing import Literal
 import torch
 import torch.fx.traceback as fx_traceback
 from autopar.passes.analysis.capture import Captured, backward_segment_starts, captured_backward, module_paths
-from autopar.passes.propagation.buckets import Bucket, ParameterGather, bucket_of, gradient_chain
+from autopar.passes.propagation.buckets import Bucket, ParameterGather, bucket_of, bucketed_steps
 from autopar.passes.propagation.propagate import placement_problem, propagate
 from autopar.passes.propagation.rank_ops import Rank, local_call
-from autopar.passes.propagation.redistribute import Step, local_shape, transition
+from autopar.passes.propagation.redistribute import local_shape
 from autopar.passes.rules import tensor_args
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,10 +66,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.core.errors import InputError, RewriteError
 from autopar.core.graph import segment_of
 from autopar.core.kinds import Phase
+from autopar.core.move import Step
 from autopar.core.offload_ops import offload, reload, reload_wait
 from autopar.core.placement import Placements, R, format_placements
 from autopar.core.plan import ShardingPlan
-from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
+from autopar.core.strategy import Strategy, ValueRef, getitem_aliases, ref_name
 
 IN_BACKWARD: dict[str, Phase] = {"autopar": "backward"}
 """The ``node.meta["custom"]`` of per-rank nodes that run in the backward: the backward's ops,
@@ -180,7 +181,7 @@ def rewrite(
     gradient in the parameter's placement (as made, for ``"unreduced"``) and the new value of
     each buffer the forward updates in the buffer's.
     """
-    lowering = _Lowering.of(captured, plan, Rank(plan.mesh, plan.links, coordinate, group_names), gradients)
+    lowering = _Lowering.of(captured, plan, Rank(plan.mesh, coordinate, group_names), gradients)
     mesh = plan.mesh
     fake_mode = FakeTensorMode()
     with fake_mode:
@@ -274,6 +275,9 @@ class _Lowering:
     """:func:`unreduced_gradients`."""
     accumulated_at: dict[str, list[int]]
     """For ``"accumulated"``: per backward op, the gradients it makes that take the accumulated sums."""
+    moves: dict[tuple[str, Placements, Placements], tuple[Step, ...]]
+    """The steps of each move the plan priced outside a bucket (:attr:`ShardingPlan.moves`), by
+    tensor, source and destination."""
 
     @classmethod
     def of(cls, captured: Captured, plan: ShardingPlan, rank: Rank, gradients: Gradients) -> "_Lowering":
@@ -331,8 +335,20 @@ class _Lowering:
             gradients=gradients,
             unreduced=unreduced,
             accumulated_at=_accumulated_at(unreduced, nodes, backward) if gradients == "accumulated" else {},
+            moves={(m.tensor, m.src, m.dst): m.steps for m in plan.moves},
             **lowering,
         )
+
+    def steps(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[Step, ...]:
+        """The steps the plan priced for moving ``ref`` from ``src`` to ``dst``; refused when the
+        plan priced no such move, as the program would then run work the plan does not count."""
+        found = self.moves.get((ref_name(ref), src, dst))
+        if found is None:
+            raise RewriteError(
+                f"the program moves {ref_name(ref)} from {format_placements(src)} to {format_placements(dst)}, "
+                "a move the plan did not price (a plan made for another graph or another autopar). Fix: plan again"
+            )
+        return found
 
 
 @dataclass(frozen=True)
@@ -364,7 +380,7 @@ class _Buckets:
         keys, steps, buckets = (
             ([], [], []) if unreduced else _gradient_buckets(plan, states, grad_of, strategies, aliases, backward)
         )
-        gathers = _parameter_gathers(plan, states, strategies)
+        gathers = _parameter_gathers(plan, states)
         inputs = {n.name for n in captured.placeholders}
         producers = [{keys[i][1][0] for i in b.members} - inputs for b in buckets]
         filled_by: dict[str, list[int]] = {}
@@ -493,7 +509,7 @@ class _RankProgram:
                     )
                     self.moved.update(zip(gather.keys, pieces))
                 else:
-                    self.moved[key] = low.rank.move(t, src, dst, tuple(arg.meta["val"].shape))
+                    self.moved[key] = low.rank.move(t, low.steps(ref, src, dst))
         return self.moved[key]
 
     def start_reload(self, ref: ValueRef) -> None:
@@ -581,38 +597,33 @@ def _prefetches(
 def _gradient_buckets(
     plan: ShardingPlan, states: dict[str, fx.Node], grad_of: dict[str, fx.Node], strategies, aliases, backward
 ) -> tuple[list, list[Step], list[Bucket]]:
-    """The gradient buckets the plan lists, in its order: each bucketed move's key ``(in
-    backward, gradient, parameter's placements)`` and first collective step, and the buckets;
-    refused where a listed gradient's move is not one a bucket makes (a plan made for another
-    graph). The rewriter makes each bucket's collectives as soon as the backward has made all
-    of its gradients."""
+    """The gradient buckets the plan lists, in its order, with the collectives it priced: each
+    bucketed move's key ``(in backward, gradient, parameter's placements)`` and first collective
+    step, and the buckets; refused where the plan does not fit the graph. The rewriter makes each
+    bucket's collectives as soon as the backward has made all of its gradients."""
     keys: list = []
     steps: list[Step] = []
     buckets: list[Bucket] = []
     for planned in (b for b in plan.buckets if b.of == "gradients"):
         chains, members = [], []
-        for name in _held(plan, planned.members, grad_of):
+        held = set(_held(plan, planned.members, grad_of))
+        for name, planned_dst, chain in zip(planned.members, planned.placements, planned.steps):
+            if name not in held:
+                continue
             if name not in grad_of:
                 raise RewriteError(f"the plan reduces a gradient of {name!r}, which the model has not. Fix: plan again")
             param, value = states[name], grad_of[name]
             ref = aliases.get(value.name, (value.name, 0))
-            src, dst = strategies[ref[0]].outputs[ref[1]], strategies[param.name].outputs[0]
-            val = value.meta["val"]
-            chain = gradient_chain(
-                src,
-                dst,
-                tuple(val.shape),
-                val.element_size(),
-                val.dtype.is_floating_point,
-                plan.mesh,
-                plan.links,
-                plan.bucket_bytes,
-            )
-            if chain is None or (chains and _collectives_of(chain) != _collectives_of(chains[0])):
+            dst = strategies[param.name].outputs[0]
+            if dst != planned_dst:
                 raise RewriteError(
-                    f"the plan reduces the gradient of {name} in a bucket, but its move from "
-                    f"{format_placements(src)} to {format_placements(dst)} is not one that bucket makes. "
-                    "Fix: plan again"
+                    f"the plan reduces the gradient of {name} in a bucket into {format_placements(planned_dst)}, "
+                    f"but places {name} as {format_placements(dst)}. Fix: plan again"
+                )
+            if not bucketed_steps(chain) or (chains and _collectives_of(chain) != _collectives_of(chains[0])):
+                raise RewriteError(
+                    f"the plan reduces the gradient of {name} in a bucket by {_collectives_of(chain)}, which is not "
+                    "what that bucket runs. Fix: plan again"
                 )
             members.append(len(keys))
             keys.append((value in backward, ref, dst))
@@ -642,31 +653,25 @@ def _collectives_of(chain: Sequence[Step]) -> tuple:
     return tuple((s.kind, s.axis) for s in chain)
 
 
-def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node], strategies) -> list[ParameterGather]:
-    """The buckets of parameters gathered together that the plan lists, each made when the first
-    op of its layer and phase reads one of them; refused where a listed move is not one
-    all-gather."""
+def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node]) -> list[ParameterGather]:
+    """The buckets of parameters gathered together that the plan lists, with the all-gather it
+    priced for each, each made when the first op of its layer and phase reads one of them."""
     found = []
     for planned in (b for b in plan.buckets if b.of == "parameters"):
         keys, steps = [], []
         held = set(_held(plan, planned.members, states))
-        for name, dst in zip(planned.members, planned.placements):
+        for name, dst, (gather,) in zip(planned.members, planned.placements, planned.steps):
             if name not in held:
                 continue
             if name not in states:
                 raise RewriteError(f"the plan gathers a parameter {name!r}, which the model has not. Fix: plan again")
-            param = states[name]
-            src, val = strategies[param.name].outputs[0], param.meta["val"]
-            moved = transition(
-                src, dst, tuple(val.shape), val.element_size(), val.dtype.is_floating_point, plan.mesh, plan.links
-            )
-            if len(moved) != 1 or moved[0].kind != "all_gather" or (steps and moved[0].axis != steps[0].axis):
+            if gather.kind != "all_gather" or (steps and gather.axis != steps[0].axis):
                 raise RewriteError(
-                    f"the plan gathers {name} in a bucket, but its move from {format_placements(src)} to "
-                    f"{format_placements(dst)} is not one all-gather. Fix: plan again"
+                    f"the plan gathers {name} in a bucket by {_collectives_of((gather,))}, not one all-gather. "
+                    "Fix: plan again"
                 )
-            keys.append((planned.phase != "forward", (param.name, 0), dst))
-            steps.append(moved[0])
+            keys.append((planned.phase != "forward", (states[name].name, 0), dst))
+            steps.append(gather)
         if not steps:
             continue
         bucket = bucket_of([(s,) for s in steps], range(len(steps)))

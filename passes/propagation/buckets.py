@@ -29,12 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
-from autopar.passes.propagation.redistribute import Step, bandwidth_s, one_axis_step, step_s, transition
+from autopar.passes.propagation.redistribute import bandwidth_s, one_axis_step, step_s, transition
 from autopar.passes.rules import tensor_args
 
 from autopar.core.graph import segment_of
 from autopar.core.kinds import CollectiveKind, CollectivePhase
 from autopar.core.mesh import Link, Mesh
+from autopar.core.move import Step
 from autopar.core.placement import Placements
 from autopar.core.strategy import Strategy, ValueRef, getitem_aliases
 

@@ -12,15 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
-from autopar.passes.propagation.redistribute import Step, local_shape, transition
+from autopar.passes.propagation.redistribute import local_shape
 from autopar.passes.rules import ReduceOp, Split, arg_layout, shape_arg, split_op
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.core.errors import RewriteError
 from autopar.core.kinds import CollectiveKind
-from autopar.core.mesh import Link, Mesh
-from autopar.core.placement import Placements
+from autopar.core.mesh import Mesh
+from autopar.core.move import Step
 from autopar.core.strategy import Strategy
 
 aten = torch.ops.aten
@@ -34,14 +34,14 @@ _AS_RESHAPE = {aten.view.default: aten.reshape.default, aten._unsafe_view.defaul
 class Rank:
     """Emits the local ops and collectives of one rank while ``make_fx`` traces."""
 
-    def __init__(self, mesh: Mesh, links: tuple[Link, ...], coordinate: Sequence[int], group_names: Sequence[str]):
+    def __init__(self, mesh: Mesh, coordinate: Sequence[int], group_names: Sequence[str]):
         self.mesh = mesh
-        self.links = links
         self.coordinate = coordinate
         self.group_names = group_names
 
-    def move(self, t: torch.Tensor, src: Placements, dst: Placements, shape: tuple[int, ...]) -> torch.Tensor:
-        for step in transition(src, dst, shape, t.element_size(), t.dtype.is_floating_point, self.mesh, self.links):
+    def move(self, t: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
+        """``t`` moved by ``steps``, one mesh axis each (a move the plan priced)."""
+        for step in steps:
             t = getattr(self, step.kind)(t, step)
         return t
 
@@ -161,7 +161,7 @@ _GRAPH_COLLECTIVES: dict[object, tuple[CollectiveKind, Literal["in", "out"]]] = 
 
 def graph_collectives(gm: fx.GraphModule, group_names: Sequence[str]) -> list[tuple[CollectiveKind, int, int]]:
     """``(kind, mesh axis, bytes per rank)`` of every collective in a per-rank graph, read from
-    the graph itself, with bytes counted as :class:`~autopar.passes.propagation.redistribute.Step` does."""
+    the graph itself, with bytes counted as :class:`~autopar.core.move.Step` does."""
     axis_of = {name: axis for axis, name in enumerate(group_names)}
     found = []
     for node in gm.graph.nodes:

@@ -1,7 +1,8 @@
 """How a tensor moves from one placement to another: the steps, one mesh axis at a time.
 
-The same function prices a transition for the solver, lists it in the plan and drives the
-rewriter, so the collectives the plan reports are exactly the ones the per-rank graph runs.
+Planning prices each transition with this function and the plan records its steps
+(:class:`autopar.core.plan.PlannedMove`); the rewriter runs the recorded steps, so the
+collectives the plan reports are exactly the ones the per-rank graph runs.
 
 Per axis, from → to:
 
@@ -27,41 +28,10 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Literal, get_args
 
-from autopar.core.kinds import CollectiveKind
 from autopar.core.mesh import Link, Mesh
+from autopar.core.move import Step
 from autopar.core.placement import Partial, Placements, Replicate, Shard
-
-COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = get_args(CollectiveKind)
-"""Every collective kind, read from the one definition, :data:`autopar.core.kinds.CollectiveKind`."""
-
-StepKind = Literal[CollectiveKind, "slice", "zero"]
-"""A step of a transition: a collective, or one of the two local steps (a slice of the rank's
-piece, or zeros on every rank of the axis but the first). :class:`~autopar.passes.propagation.rank_ops.Rank`
-has one method of each name."""
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One per-axis step of a transition."""
-
-    kind: StepKind
-    """A collective (``COLLECTIVE_KINDS``) or a local ``"slice"`` / ``"zero"``."""
-    axis: int
-    """Mesh axis."""
-    dim: int | None = None
-    """Tensor dim gathered, scattered or sliced; for all-to-all the dim that is gathered."""
-    to_dim: int | None = None
-    """For all-to-all, the dim that becomes split."""
-    bytes: int = 0
-    """Bytes per rank: the result of an all-gather, the input of a reduce-scatter, the local
-    tensor of an all-reduce or all-to-all."""
-
-    @property
-    def is_collective(self) -> bool:
-        return self.kind in COLLECTIVE_KINDS
 
 
 def local_shape(shape: tuple[int, ...], placements: Placements, mesh: Mesh) -> tuple[int, ...]:

@@ -13,8 +13,8 @@ from autopar.passes.solve.solver import Solution
 
 from autopar.core.kinds import Activation, CollectivePhase, NodeKind
 from autopar.core.mesh import Mesh
-from autopar.core.plan import Collective, MemoryEstimate, NodePlan, PlannedBucket, ShardingPlan
-from autopar.core.strategy import Strategy, StrategySpace, ValueRef
+from autopar.core.plan import Collective, MemoryEstimate, NodePlan, PlannedBucket, PlannedMove, ShardingPlan
+from autopar.core.strategy import Strategy, StrategySpace, ref_name
 
 _MOVED_IN: dict[NodeKind, CollectivePhase] = {"param": "backward", "output": "output"}
 """The phase of the moves into a node of these kinds, where it is not the node's own: a
@@ -92,7 +92,8 @@ def build_plan(
         costs.bucket_groups,
     )
     buckets: list[PlannedBucket] = []
-    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers, buckets))
+    moves: dict[tuple, PlannedMove] = {}
+    collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers, buckets, moves))
     in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
     return ShardingPlan(
         mesh=mesh,
@@ -122,6 +123,7 @@ def build_plan(
         optimizer_slots=memory.optimizer_slots,
         prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
         buckets=tuple(buckets),
+        moves=tuple(moves.values()),
     )
 
 
@@ -360,15 +362,17 @@ def _collectives(
     mesh: Mesh,
     gathers: list[ParameterGather],
     buckets: list[PlannedBucket],
+    moves: dict[tuple, PlannedMove],
 ):
-    """The collectives of every planned move, then the all-reduces ops make themselves
+    """The collectives of every planned move (each move outside a bucket going to ``moves``),
+    then the all-reduces ops make themselves
     (:meth:`~autopar.cost_model.estimate.CostModel.split_steps`, again when recomputed), then one
     per bucket of the gradient moves that are bucketed
     (:func:`~autopar.passes.propagation.buckets.gradient_buckets`) and one per bucket of parameters
     gathered together (``gathers``), as the rewriter runs them, each with the local ops the
     rewriter runs around it. What each bucket moves goes to ``buckets``, which the rewriter runs."""
     gradients = []  # (steps, dtype, src, dst, parameter) of each bucketed gradient move, in parameter order
-    yield from _move_collectives(space, chosen, recomputed, costs, mesh, gathers, gradients)
+    yield from _move_collectives(space, chosen, recomputed, costs, mesh, gathers, gradients, moves)
     yield from _split_collectives(space, chosen, recomputed, costs, mesh)
     yield from _gradient_bucket_collectives(gradients, costs, mesh, buckets)
     yield from _gather_collectives(gathers, chosen, costs, mesh, space.index(), buckets)
@@ -382,9 +386,11 @@ def _move_collectives(
     mesh: Mesh,
     gathers: list[ParameterGather],
     gradients: list,
+    moves: dict[tuple, PlannedMove],
 ):
     """The collectives of the planned moves that are neither gathered with a bucket of
-    parameters nor bucketed; the bucketed gradient moves go to ``gradients``."""
+    parameters nor bucketed, each such move going to ``moves`` once; the bucketed gradient
+    moves go to ``gradients``."""
     in_gathers = {key for g in gathers for key in g.keys}
     for ref, src, dst, consumer, phase in planned_moves(space, chosen, recomputed):
         if (phase != "forward", ref, dst) in in_gathers:
@@ -394,6 +400,7 @@ def _move_collectives(
         if bucketed is not None:
             gradients.append((bucketed, costs.value(ref).dtype, src, dst, consumer.target))
             continue
+        moves.setdefault((ref, src, dst), PlannedMove(ref_name(ref), src, dst, steps))
         for step in steps:
             if step.is_collective:
                 yield Collective(
@@ -402,7 +409,7 @@ def _move_collectives(
                     bytes=step.bytes,
                     phase=phase,
                     time_s=costs.step_s(step),
-                    tensor=_ref_name(ref),
+                    tensor=ref_name(ref),
                     consumer=consumer.name,
                     src=(src,),
                     dst=(dst,),
@@ -437,7 +444,14 @@ def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh, 
     for bucket in gradient_buckets([(*g[:2], groups.get(g[4], 0)) for g in gradients], costs.bucket_bytes):
         members = [gradients[i] for i in bucket.members]
         buckets.append(
-            PlannedBucket("gradients", "backward", "", tuple(m[4] for m in members), tuple(m[3] for m in members))
+            PlannedBucket(
+                "gradients",
+                "backward",
+                "",
+                tuple(m[4] for m in members),
+                tuple(m[3] for m in members),
+                tuple(m[0] for m in members),
+            )
         )
         for k, step in enumerate(bucket.steps):  # the packing and the pieces' copies go with the first
             yield Collective(
@@ -467,6 +481,7 @@ def _gather_collectives(
                 g.segment,
                 tuple(by_name[k[1][0]].target for k in g.keys),
                 tuple(k[2] for k in g.keys),
+                tuple((s,) for s in g.steps),
             )
         )
         yield Collective(
@@ -480,7 +495,3 @@ def _gather_collectives(
             src=tuple(dict.fromkeys(chosen[k[1][0]].outputs[0] for k in g.keys)),
             dst=tuple(dict.fromkeys(k[2] for k in g.keys)),
         )
-
-
-def _ref_name(ref: ValueRef) -> str:
-    return ref[0] if ref[1] == 0 else f"{ref[0]}[{ref[1]}]"

@@ -15,13 +15,15 @@ from autopar.passes.analysis.capture import capture
 from autopar.passes.lower.rewrite import rewrite
 from autopar.passes.propagation.buckets import BucketShare, gradient_buckets
 from autopar.passes.propagation.rank_ops import graph_collectives
-from autopar.passes.propagation.redistribute import Step, step_s
+from autopar.passes.propagation.redistribute import step_s
 from autopar.runtime.launch import device_mesh
 
 import autopar
 from autopar import planner
 from autopar.core.explain import format_bytes
+from autopar.core.move import Step
 from autopar.core.placement import P, R, S
+from autopar.core.plan import PlannedMove
 from autopar.planner import plan_captured
 from tests.conftest import FLOP_EQ_BYTE
 from tests.harness import run_ranks
@@ -195,10 +197,10 @@ def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world
     groups = [device_mesh(mesh, "cpu").get_group(0).group_name]
     plan = plan_captured(captured, mesh, hardware=COMPUTE_DEAR, pins=pins, bucket_bytes=2**20)
 
-    def gathered(plan) -> list[int]:
+    def gathered(plan, as_listed: bool = True) -> list[int]:
         graph = rewrite(captured, plan, coordinate=(0,), group_names=groups)
         ran = graph_collectives(graph, groups)
-        if plan.buckets:
+        if as_listed:
             assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == collections.Counter(
                 (kind, mesh.axis_names[axis], nbytes) for kind, axis, nbytes in ran
             )
@@ -208,7 +210,18 @@ def test_a_layers_parameters_are_gathered_by_one_all_gather_per_phase(fake_world
     assert {c.consumer for c in buckets} >= {"parameters of blocks.0", "parameters of blocks.1"}
     assert {c.phase for c in buckets} >= {"forward", "backward"}
     assert len(set((c.phase, c.consumer) for c in buckets)) == len(buckets)  # one per layer and phase
-    together, alone = gathered(plan), gathered(dataclasses.replace(plan, buckets=()))  # none listed: each alone
+    # the same plan with each parameter gathered alone: its gather a move of its own
+    placeholder = {k.name: n.name for n, k in zip(captured.placeholders, captured.inputs)}
+    one_by_one = tuple(
+        PlannedMove(placeholder[name], plan.placements[name], dst, chain)
+        for b in plan.buckets
+        if b.of == "parameters"
+        for name, dst, chain in zip(b.members, b.placements, b.steps)
+    )
+    unbucketed = dataclasses.replace(
+        plan, buckets=tuple(b for b in plan.buckets if b.of == "gradients"), moves=plan.moves + one_by_one
+    )
+    together, alone = gathered(plan), gathered(unbucketed, as_listed=False)
     assert len(together) <= len(alone) - len(buckets) and sum(together) == sum(alone)
 
 
