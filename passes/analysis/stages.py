@@ -250,9 +250,10 @@ def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
             f"it returns {len(results)} results. Fix: return the loss alone, or compile without pipeline="
         )
     aten = torch.ops.aten
-    if loss.target in (aten.mean.default, aten.mean.dim):
-        return None
-    divisor = loss.args[1] if loss.target == aten.div.Tensor else None
+    divides = loss.target in (aten.div.Tensor, aten.div.Scalar, torch.ops.prims.div.default)
+    if loss.target in (aten.mean.default, aten.mean.dim) or (divides and isinstance(loss.args[1], (int, float))):
+        return None  # a mean over a fixed count (mse_loss decomposes to a sum over its numel)
+    divisor = loss.args[1] if divides else None
     ancestors = _ancestors(divisor) if isinstance(divisor, fx.Node) else None
     if ancestors is None or any(a in kinds and kinds[a].kind != "input" for a in ancestors):
         raise InputError(

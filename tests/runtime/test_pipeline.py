@@ -48,6 +48,31 @@ def _llama():
     return model, [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
 
 
+class _Odd(torch.nn.Module):
+    """Layers 33 wide, which no mesh axis of two splits, and a mean squared error: only stages
+    divide the parameters' memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(33, 33) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _odd():
+    torch.manual_seed(0)
+    return _Odd(), [(torch.randn(8, 33), torch.randn(8, 33)) for _ in range(3)]
+
+
+def _only_stages_fit(model, mesh, batch) -> int:
+    """A memory budget the plan in stages over ``pp`` meets and no plan without stages does."""
+    staged = autopar.plan(model, mesh, batch, hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
+    return int(staged.peak_memory_bytes * 1.02)
+
+
 def _megatron(layers: int) -> dict:
     split = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "fc1.weight": "S(0)", "fc1.bias": "S(0)"}
     return {f"blocks.{i}.{name}": p for i in range(layers) for name, p in {**split, "fc2.weight": "S(1)"}.items()}
@@ -63,6 +88,7 @@ CASES = {
     "gpt-pp4-1f1b": ("gpt", (4,), ("pp",), Pipeline(axis="pp", microbatches=4), None),
     "hf-llama-dp2xpp2-1f1b": ("llama", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), "dp"),
     "gpt-auto-slow-hosts": ("gpt", (2, 2), ("pp", "gpu"), "auto", None),
+    "mse-auto-budget": ("odd", (2, 2), ("pp", "dp"), "auto", "budget"),
     "gpt-tied-pp2xdp2-1f1b": ("gpt-tied", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "dp"),
     "gpt-pp2xdp2xtp2-1f1b": ("gpt", (2, 2, 2), ("pp", "dp", "tp"), Pipeline(axis="pp", microbatches=2), "2d"),
 }
@@ -81,7 +107,7 @@ def _train(pmodel_or_model, batches, optimizer, clip):
 
 
 def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
-    model, batches = _llama() if model_name == "llama" else _gpt(tie=model_name == "gpt-tied")
+    model, batches = {"llama": _llama, "odd": _odd}.get(model_name, lambda: _gpt(tie=model_name == "gpt-tied"))()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     ref_losses, ref_norms = _train(
@@ -94,8 +120,11 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "2d": {**{name: ("S(0)", "R") for name in inputs}, **{k: ("R", p) for k, p in _megatron(4).items()}},
     }.get(preset)
     mesh = autopar.Mesh(mesh_shape, axis_names)
-    hardware = SLOW_HOSTS if pipeline == "auto" else SYNTHETIC
-    pmodel = autopar.compile(model, mesh, batches[0], hardware=hardware, pins=pins, pipeline=pipeline)
+    hardware = SLOW_HOSTS if pipeline == "auto" and preset != "budget" else SYNTHETIC
+    budget = _only_stages_fit(model, mesh, batches[0]) if preset == "budget" else None
+    pmodel = autopar.compile(
+        model, mesh, batches[0], hardware=hardware, pins=pins, pipeline=pipeline, memory_budget=budget
+    )
     with pytest.raises(TypeError, match="stage_parameters"):
         pmodel.parameters()
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -259,6 +288,19 @@ def test_auto_pipelines_across_the_slow_link_and_splits_inside_the_hosts():
     assert split, "the devices inside each host share the matrix products' work"
     unstaged = autopar.plan(model, mesh, batch, hardware=SLOW_HOSTS)
     assert plan.predicted_step_s < unstaged.predicted_step_s
+
+
+def test_auto_pipelines_where_only_stages_meet_the_memory_budget():
+    """No plan without stages fits: no mesh axis splits a weight, so each rank would hold every
+    parameter; each stage holds half of them."""
+    model, batches = _odd()
+    mesh = autopar.Mesh((2,), ("pp",))
+    budget = _only_stages_fit(model, mesh, batches[0])
+    with pytest.raises(autopar.InfeasiblePlanError, match="fits memory_budget"):
+        autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, memory_budget=budget)
+    plan = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, memory_budget=budget, pipeline="auto")
+    assert plan.stages is not None and plan.stages.axis == "pp"
+    assert max(plan.stages.peak_bytes) <= budget
 
 
 def test_auto_keeps_one_stage_where_links_are_equal():
