@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from autopar.budget_check import NoPlanUnderBudget, OverByLiveness, over_by_liveness, within_budget
 from autopar.config import Pins, PlanConfig
 from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
@@ -91,16 +92,16 @@ def _searched(problem: "_Problem", mesh: Mesh) -> tuple[ShardingPlan, Liveness |
     """The plan the search finds, or the fastest standard layout when that is faster or the
     search finds none in time; with its program's liveness and the stage times."""
     try:
-        result, live, times, _ = _within_budget(problem.attempt, problem.budget, mesh)
+        result, live, times, _ = within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
         return problem.no_plan_in_time(exc)
-    except _OverByLiveness as exc:
+    except OverByLiveness as exc:
         fallback = problem.layout_within_budget()
         if fallback is None:
             raise InfeasiblePlanError(str(exc)) from None
         log.warning("no searched plan's program fits the budget; returning the %s layout", fallback[0].solver.layout)
         return fallback
-    except _NoPlanUnderBudget:
+    except NoPlanUnderBudget:
         raise InfeasiblePlanError(problem.over_budget()) from None
     if result.solver.status == "FEASIBLE":
         result, live = problem.no_slower_than_a_layout(result, live)
@@ -330,8 +331,8 @@ class _Problem:
                 elif sub.budget < sub.least_memory_bound:
                     continue
                 else:
-                    solution = _within_budget(sub.attempt, sub.budget, flat)[3]
-            except (SolverTimeoutError, InfeasiblePlanError, _NoPlanUnderBudget):
+                    solution = within_budget(sub.attempt, sub.budget, flat)[3]
+            except (SolverTimeoutError, InfeasiblePlanError, NoPlanUnderBudget):
                 continue
             choice = lifted(sub.space, solution.choice, self.space, axis)
             if len(choice) < len(self.space.nodes):
@@ -359,7 +360,7 @@ class _Problem:
                 log.info("the program of %s is too large to search: its plan is the %s", self.mesh, plan.solver.layout)
                 return plan, live, {}
         if live is not None:
-            raise InfeasiblePlanError(_over_by_liveness(self.budget, live, self.mesh))
+            raise InfeasiblePlanError(over_by_liveness(self.budget, live, self.mesh))
         fits = "" if self.budget is None else f" fits memory_budget={format_bytes(self.budget)} per device"
         raise InfeasiblePlanError(
             f"no plan of a mesh with two of the axes of {self.mesh} merged, and no standard layout{fits} (the "
@@ -537,83 +538,6 @@ def _sharded_parameters(space, memory) -> dict[str, int]:
         for n in space.nodes
         if n.kind == "param"
     }
-
-
-LIVENESS_MARGIN = 2.5
-"""How many times what a plan's program holds beyond the solver's count the correction of
-:func:`_within_budget` leaves room for below the budget. Asked for less, the solver gathers,
-recomputes and offloads more, and the gap can widen: for the 4-rank GPT of the offload run
-(``tests/runtime/test_memory_budget.py``) it was 13% of the budget, then 21-27% in plans asked
-for 0.69-0.81 of it (2.1 times at most; the GPT-2 XL shape on 2x2 under 60% of its peak, 1.7
-times); at twice, the plan was still 1% over."""
-
-
-class _OverByLiveness(InfeasiblePlanError):
-    """The searched plans' programs hold more than the budget, after the one correction."""
-
-
-class _NoPlanUnderBudget(Exception):
-    """The solver finds no plan under the budget at all."""
-
-
-def _within_budget(attempt, budget: int | None, mesh: Mesh):
-    """``attempt(solver_budget) -> (plan, liveness, stage times, solution)`` under ``budget``, the
-    plan's program checked by its liveness peak, with one correction at most.
-
-    The solver's count of memory at the moments of the step and the program's liveness disagree
-    where the program holds together what the solver counts apart. Mostly the parameters'
-    all-gathers, which the program runs in one bucket per layer and phase
-    (:func:`~autopar.passes.propagation.buckets.parameter_gathers`): a layer's gathered parameters
-    are all alive from the read of its first one, beside the packed copy until they are unpacked,
-    where the solver counts each only while the op that reads it runs. The buckets are made from
-    the plan the solver returns, so its rows cannot count them: plans that gather parameters again
-    for the backward's recomputation are those this puts over a budget. A recomputing or offloading
-    backward also holds a little more than the solver counts where nothing is gathered.
-
-    A plan whose program is over the budget is solved once more, the solver asked for the budget
-    less ``LIVENESS_MARGIN`` times what the program held beyond its count (or beyond the budget,
-    where its count is over it). When that plan's program is over the budget too, or
-    the solver finds no plan under the lower ask, :class:`_OverByLiveness` says what the
-    program holds, and the standard layouts are tried; a :class:`SolverTimeoutError` goes up as
-    it is, for the standard layouts to answer. The stage times returned add up both solves'."""
-    if budget is None:
-        return attempt(None)
-    try:
-        plan, live, times, solution = attempt(float(budget))
-    except SolverTimeoutError:
-        raise
-    except InfeasiblePlanError as exc:
-        raise _NoPlanUnderBudget() from exc
-    if live.peak_bytes <= budget:
-        return plan, live, times, solution
-    unseen = live.peak_bytes - min(plan.memory.solver_bytes, budget)
-    log.info(
-        "the program holds %s at its peak, %s over the budget and %s beyond the solver's count: solving again "
-        "for %s less than the budget",
-        format_bytes(live.peak_bytes),
-        format_bytes(live.peak_bytes - budget),
-        format_bytes(unseen),
-        format_bytes(LIVENESS_MARGIN * unseen),
-    )
-    try:
-        plan, corrected, again, solution = attempt(budget - LIVENESS_MARGIN * unseen)
-    except SolverTimeoutError:
-        raise
-    except InfeasiblePlanError as exc:
-        raise _OverByLiveness(_over_by_liveness(budget, live, mesh)) from exc
-    if corrected.peak_bytes > budget:
-        raise _OverByLiveness(_over_by_liveness(budget, corrected, mesh))
-    return plan, corrected, {k: times.get(k, 0.0) + again.get(k, 0.0) for k in {**times, **again}}, solution
-
-
-def _over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:
-    return (
-        f"no plan on {mesh} found fits memory_budget={format_bytes(budget)} per device when its program runs: the "
-        f"last one holds {format_bytes(live.peak_bytes)} at its peak (forward {format_bytes(live.forward_bytes)}, "
-        f"backward {format_bytes(live.backward_bytes)}, optimizer step {format_bytes(live.optimizer_bytes)}).\n"
-        f"Fix: raise memory_budget to at least {live.peak_bytes} bytes ({format_bytes(live.peak_bytes)}), "
-        "or plan for a larger mesh"
-    )
 
 
 def _layer_classes(captured: Captured, space, node_costs, memory, share_layers: bool | None) -> LayerClasses:

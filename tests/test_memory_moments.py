@@ -95,7 +95,7 @@ def test_the_program_of_a_plan_under_a_budget_fits_it(offload):
     """The solver's count is what a budget is planned by; the per-rank program's liveness is what
     must fit. On 4 ranks the fastest plan by the count holds more when it runs (a layer's
     parameters gathered again for the backward in one bucket, which the solver counts one at a
-    time), and planning corrects it once (``autopar.planner._within_budget``)."""
+    time), and planning corrects it once (``autopar.budget_check.within_budget``)."""
     from tests.runtime.test_memory_budget import MESH as FOUR_RANKS
     from tests.runtime.test_memory_budget import WITH_HOST, _model, replicated_and_budget
 

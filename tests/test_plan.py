@@ -110,7 +110,7 @@ def test_tied_weights_are_one_parameter_whose_gradient_sums_every_use():
 
 
 def _attempts(outcomes):
-    """An ``attempt`` for ``_within_budget`` that answers with ``outcomes`` in turn (a program's
+    """An ``attempt`` for ``within_budget`` that answers with ``outcomes`` in turn (a program's
     liveness peak, or an exception to raise), recording the solver budgets it is asked for; each
     plan's solver count is 90."""
     from types import SimpleNamespace
@@ -130,34 +130,34 @@ def _attempts(outcomes):
 
 
 def test_a_plan_over_the_budget_is_solved_once_more_with_room_for_its_programs_gap_to_grow():
-    """The one correction of ``_within_budget``: a program holding 110 under a budget of 100, 20
+    """The one correction of ``within_budget``: a program holding 110 under a budget of 100, 20
     beyond the solver's count of 90, is solved again for 100 - 2.5 x 20; the stage times add up
     both solves'."""
-    from autopar.planner import _within_budget
+    from autopar.budget_check import within_budget
 
     attempt, asked = _attempts([110, 95])
-    plan, live, times, solution = _within_budget(attempt, 100, Mesh((2,)))
+    plan, live, times, solution = within_budget(attempt, 100, Mesh((2,)))
     assert asked == [100.0, 50.0] and (live.peak_bytes, solution) == (95, "plan holding 95")
     assert times == {"solve": 4.0, "memory": 1.0}
     attempt, asked = _attempts([100])
-    assert _within_budget(attempt, 100, Mesh((2,)))[3] == "plan holding 100" and asked == [100.0]
+    assert within_budget(attempt, 100, Mesh((2,)))[3] == "plan holding 100" and asked == [100.0]
 
 
 def test_a_correction_still_over_the_budget_or_without_a_plan_says_what_the_program_holds():
+    from autopar.budget_check import NoPlanUnderBudget, within_budget
     from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
-    from autopar.planner import _NoPlanUnderBudget, _within_budget
 
     for outcomes, held in (([110, 104], "104 B"), ([110, InfeasiblePlanError("no plan")], "110 B")):
         attempt, asked = _attempts(outcomes)
         with pytest.raises(InfeasiblePlanError, match=rf"fits memory_budget=100 B .* holds {held} at its peak"):
-            _within_budget(attempt, 100, Mesh((2,)))
+            within_budget(attempt, 100, Mesh((2,)))
         assert len(asked) == 2
     timeout = SolverTimeoutError("no plan within its time limit", solve_s=1.0, num_variables=9, num_constraints=9)
     for outcomes in ([timeout], [110, timeout]):  # for the standard layouts to answer
         with pytest.raises(SolverTimeoutError):
-            _within_budget(_attempts(outcomes)[0], 100, Mesh((2,)))
-    with pytest.raises(_NoPlanUnderBudget):  # for the least memory any plan needs to explain
-        _within_budget(_attempts([InfeasiblePlanError("no plan")])[0], 100, Mesh((2,)))
+            within_budget(_attempts(outcomes)[0], 100, Mesh((2,)))
+    with pytest.raises(NoPlanUnderBudget):  # for the least memory any plan needs to explain
+        within_budget(_attempts([InfeasiblePlanError("no plan")])[0], 100, Mesh((2,)))
 
 
 def test_a_plan_that_overflows_the_device_without_a_budget_says_which_budget_fits(caplog):

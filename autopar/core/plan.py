@@ -251,7 +251,7 @@ class MemoryEstimate:
     last reader (:mod:`autopar.passes.analysis.liveness`), measured for plans that recompute (under a
     memory budget, or with ``recompute="layers"``): the program gathers a layer's parameters in
     one bucket, whose packed copy the solver does not count, so it can exceed the solver's figure
-    (planning then solves once more, :func:`autopar.planner._within_budget`). 0 when not measured:
+    (planning then solves once more, :func:`autopar.budget_check.within_budget`). 0 when not measured:
     without a budget the solver's count is within a few percent of the program's peak, as the
     tests check."""
     bucket_bytes: int = 0
