@@ -10,7 +10,14 @@ from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.liveness import ADAM_SLOTS
-from autopar.passes.propagation.buckets import BUCKET_BYTES, BucketShare, bucket_fixed_s, gradient_chain, piece_s
+from autopar.passes.propagation.buckets import (
+    BUCKET_BYTES,
+    BucketShare,
+    bucket_fixed_s,
+    collectives_of,
+    gradient_chain,
+    piece_s,
+)
 from autopar.passes.propagation.redistribute import local_shape, one_step_moves, step_s, transition
 from autopar.passes.rules import split_op
 
@@ -209,7 +216,7 @@ class CostModel:
         if chain is None:
             return weight * sum(self.step_s(s) for s in steps), None
         fixed = bucket_fixed_s(chain, self.mesh, self.links)
-        group = (tuple((s.kind, s.axis) for s in chain), self.value(ref).dtype)
+        group = (collectives_of(chain), self.value(ref).dtype)
         share = BucketShare(group, min(1.0, chain[0].bytes / self.bucket_bytes), weight * fixed)
         return weight * piece_s(chain, self.mesh, self.links), share
 

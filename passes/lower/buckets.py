@@ -7,7 +7,7 @@ does not fit the graph is refused, naming the fix."""
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from autopar.passes.propagation.buckets import Bucket, ParameterGather, bucket_of, bucketed_steps
+from autopar.passes.propagation.buckets import Bucket, ParameterGather, bucket_of, bucketed_steps, collectives_of
 from torch import fx
 
 from autopar.core.errors import RewriteError
@@ -20,7 +20,7 @@ from autopar.core.plan import ShardingPlan
 class LoweredBuckets:
     """The gradient buckets of a per-rank program and the parameter gathers, with what makes
     each gradient: ``keys[i]`` is the move ``(in backward, value, placements)`` of the ``i``-th
-    bucketed gradient and ``steps[i]`` its steps; ``filled_by`` lists per op the buckets it
+    bucketed gradient and ``steps[i]`` its first collective; ``filled_by`` lists per op the buckets it
     makes a gradient of; ``made_by`` per op the outputs (gradients moving alone) it makes, and
     ``reduced_with`` per bucketed move the outputs it gives."""
 
@@ -94,9 +94,9 @@ def _gradient_buckets(
                     f"the plan reduces the gradient of {name} in a bucket into {format_placements(planned_dst)}, "
                     f"but places {name} as {format_placements(dst)}. Fix: plan again"
                 )
-            if not bucketed_steps(chain) or (chains and _collectives_of(chain) != _collectives_of(chains[0])):
+            if not bucketed_steps(chain) or (chains and collectives_of(chain) != collectives_of(chains[0])):
                 raise RewriteError(
-                    f"the plan reduces the gradient of {name} in a bucket by {_collectives_of(chain)}, which is not "
+                    f"the plan reduces the gradient of {name} in a bucket by {collectives_of(chain)}, which is not "
                     "what that bucket runs. Fix: plan again"
                 )
             members.append(len(keys))
@@ -122,11 +122,6 @@ def _held(plan: ShardingPlan, members: Sequence[str], held: Mapping[str, object]
     return mine
 
 
-def _collectives_of(chain: Sequence[Step]) -> tuple:
-    """What makes moves share a bucket: the kinds and mesh axes of their collectives."""
-    return tuple((s.kind, s.axis) for s in chain)
-
-
 def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node]) -> list[ParameterGather]:
     """The buckets of parameters gathered together that the plan lists, with the all-gather it
     priced for each, each made when the first op of its layer and phase reads one of them."""
@@ -141,7 +136,7 @@ def _parameter_gathers(plan: ShardingPlan, states: dict[str, fx.Node]) -> list[P
                 raise RewriteError(f"the plan gathers a parameter {name!r}, which the model has not. Fix: plan again")
             if gather.kind != "all_gather" or (steps and gather.axis != steps[0].axis):
                 raise RewriteError(
-                    f"the plan gathers {name} in a bucket by {_collectives_of((gather,))}, not one all-gather. "
+                    f"the plan gathers {name} in a bucket by {collectives_of((gather,))}, not one all-gather. "
                     "Fix: plan again"
                 )
             keys.append((planned.phase != "forward", (states[name].name, 0), dst))

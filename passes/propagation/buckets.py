@@ -76,6 +76,11 @@ def bucketed_steps(steps: Sequence[Step]) -> tuple[Step, ...] | None:
     return None
 
 
+def collectives_of(chain: Sequence[Step]) -> tuple:
+    """What makes moves share a bucket: the kinds and mesh axes of their collectives."""
+    return tuple((s.kind, s.axis) for s in chain)
+
+
 def gradient_chain(
     src: Placements,
     dst: Placements,
@@ -117,7 +122,7 @@ def gradient_buckets(moves: Sequence[tuple], bucket_bytes: int) -> list[Bucket]:
     filling: dict[tuple, int] = {}  # (collectives, dtype, label) -> the index of its bucket being filled
     size: list[int] = []
     for i, (chain, dtype, *label) in enumerate(moves):
-        key = (tuple((s.kind, s.axis) for s in chain), dtype, *label)
+        key = (collectives_of(chain), dtype, *label)
         b = filling.get(key)
         if b is None or size[b] + chain[0].bytes > bucket_bytes:
             b = filling[key] = len(buckets)
