@@ -103,6 +103,7 @@ class ParallelModule(torch.nn.Module):
         self._timeout_s = timeout_s
         self._param_dtype = param_dtype
         self._built = False
+        self._state_slots: tuple = (None, [])
         self._optimizer_checked = False
         self._sync = True
         self._unsynced = Unsynced()
@@ -461,15 +462,19 @@ class ParallelModule(torch.nn.Module):
                 release(tensor)
 
     def _state(self) -> list[torch.Tensor]:
-        """The local pieces of the parameters and buffers, in the program's order; a parameter's
-        piece is taken differentiably, so that its gradient arrives as a DTensor."""
-        return [
-            self.module.get_parameter(k.name).to_local()
-            if k.kind == "param"
-            else self.module.get_buffer(k.name).to_local()
-            for k in self._captured.inputs
-            if k.kind in ("param", "buffer")
-        ]
+        """The parameters and buffers, DTensors, in the program's order (:class:`Step` takes
+        their local pieces and gives the parameters' gradients back as DTensors). Read from the
+        submodules' tables, found once per captured graph: a state dict loaded or a parameter
+        replaced changes the tables, not the submodules."""
+        if self._state_slots[0] is not self._captured:
+            slots = []
+            for k in self._captured.inputs:
+                if k.kind in ("param", "buffer"):
+                    owner, _, attr = k.name.rpartition(".")
+                    module = self.module.get_submodule(owner)
+                    slots.append((module._parameters if k.kind == "param" else module._buffers, attr))
+            self._state_slots = (self._captured, slots)
+        return [table[attr] for table, attr in self._state_slots[1]]
 
     def _local_inputs(self, inputs: tuple) -> list[torch.Tensor]:
         return [

@@ -20,6 +20,8 @@ from autopar.passes.lower.rewrite import Gradients, placeholder_layouts, rewrite
 from autopar.passes.propagation.propagate import whole_on_one_rank
 from autopar.passes.propagation.rank_ops import graph_collectives
 from autopar.runtime.release import GivenRelease, release_collective_buffers
+from autopar.runtime.state import gradient_as, piece_of
+from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CollectiveError, InputError, StalePlanError
 from autopar.core.mesh import Mesh
@@ -98,10 +100,15 @@ def _offload_safe(graph: torch.fx.GraphModule) -> dict:
 
 
 class Step(torch.autograd.Function):
+    """A program's forward and backward as one autograd function of its inputs: parameters and
+    buffers (DTensors, run on their local pieces; each parameter's gradient comes back as a
+    DTensor laid out as the parameter) and the local pieces of the model's inputs."""
+
     @staticmethod
     def forward(ctx, program: Program, *flat):
+        ctx.specs = [x._spec if isinstance(x, DTensor) else None for x in flat]
         with named_timeouts(program.timeout_s, "forward"):
-            results = program.forward(*flat)
+            results = program.forward(*(piece_of(x) for x in flat))
         ctx.program = program
         ctx.save_for_backward(*results[program.num_outputs :])
         outputs = tuple(results[: program.num_outputs])
@@ -133,7 +140,13 @@ class Step(torch.autograd.Function):
             program.unsynced.add(grads, program.unreduced_layouts)
             return (None,) * (1 + len(program.grad_slots))
         grads = iter(grads)
-        return (None, *(next(grads) if has_grad else None for has_grad in program.grad_slots))
+        return (
+            None,
+            *(
+                gradient_as(next(grads), spec) if has_grad else None
+                for has_grad, spec in zip(program.grad_slots, ctx.specs)
+            ),
+        )
 
 
 class Unsynced:

@@ -21,7 +21,8 @@ from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_g
 from autopar.runtime.module import ParallelModule, _modes, _refuse_split_pins_of_parts
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import check_plan, check_tensors, refuse_autocast
-from autopar.runtime.state import ParameterCounts, local_of, release
+from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release
+from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import InputError, RewriteError, StalePlanError
 from autopar.core.mesh import Mesh
@@ -291,9 +292,10 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module: PipelinedModule, local, divisor, backward: bool, *state):
         runner = module._runner
-        loss, grads = runner.step(list(state), local, divisor, backward)
+        loss, grads = runner.step([piece_of(x) for x in state], local, divisor, backward)
         kinds = [k for k in module._captured.inputs if k.kind in ("param", "buffer")]
         ctx.grads = [grads.get(k.name) if k.kind == "param" else None for k in kinds]
+        ctx.specs = [x._spec if isinstance(x, DTensor) else None for x in state]
         if module._stage == runner.output_stage:
             whole = loss.contiguous()
         else:
@@ -304,7 +306,10 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, tangent):
         scale = None if bool(tangent == 1) else tangent
-        grads = [g if g is None or scale is None else g * scale.to(g.dtype) for g in ctx.grads]
+        grads = [
+            gradient_as(g if g is None or scale is None else g * scale.to(g.dtype), spec)
+            for g, spec in zip(ctx.grads, ctx.specs)
+        ]
         ctx.grads = None
         return (None, None, None, None, *grads)
 

@@ -60,6 +60,22 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def piece_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` itself, outside autograd (the tensor when it is no
+    DTensor): the per-rank program's autograd function takes the DTensors and hands back their
+    gradients as DTensors itself (:func:`gradient_as`), instead of ``to_local()`` and its
+    backward per parameter and step, whose DTensor checks cost more than a small model's step."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def gradient_as(grad: torch.Tensor | None, like: DTensorSpec | None) -> torch.Tensor | None:
+    """``grad``, a parameter's local gradient, as the gradient of a DTensor of spec ``like``
+    (``grad`` itself where ``like`` is ``None``: a parameter that is no DTensor)."""
+    if grad is None or like is None:
+        return grad
+    return DTensor(grad, like, requires_grad=False)
+
+
 def whole_of(tensor: torch.Tensor) -> torch.Tensor:
     """A whole copy of a parameter or buffer (a collective for a DTensor: every rank calls it)."""
     if not isinstance(tensor, DTensor):
