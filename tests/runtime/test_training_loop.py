@@ -8,6 +8,7 @@ import contextlib
 import copy
 import math
 import pickle
+from unittest import mock
 
 import pytest
 import torch
@@ -210,6 +211,45 @@ def test_parameters_are_dtensors_that_count_and_load_whole_values():
         assert r["plan_pickles"]
         assert "cannot be pickled" in r["deepcopy"] and "torch.save(pmodel.plan)" in r["deepcopy"]
         assert "has shape (1," in r["wrong_shape"] and "Fix:" in r["wrong_shape"]
+
+
+def conversions_in_a_step() -> dict:
+    """How often a training step converts between DTensors and local tensors, and the
+    gradients it leaves: the program runs on the pieces, so a step needs no conversion per
+    parameter (``to_local`` and its backward cost more than a small model's step)."""
+    model, batches = make_model("mlp")
+    pmodel = autopar.compile(
+        model, autopar.Mesh((2,), ("tp",)), batches[0], hardware=SYNTHETIC, pins=pins_for("megatron", "mlp", ("tp",))
+    )
+    pmodel(*batches[0]).backward()
+    pmodel.zero_grad()
+    calls = {"to_local": 0, "from_local": 0}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    with (
+        mock.patch.object(DTensor, "to_local", counted("to_local", DTensor.to_local)),
+        mock.patch.object(DTensor, "from_local", counted("from_local", DTensor.from_local)),
+    ):
+        pmodel(*batches[1]).backward()
+    return {
+        "calls": calls,
+        "grads_laid_out": all(
+            isinstance(p.grad, DTensor) and p.grad.placements == p.placements and p.grad.shape == p.shape
+            for p in pmodel.parameters()
+        ),
+    }
+
+
+def test_a_step_runs_on_the_pieces_without_converting_each_parameter():
+    for r in run_ranks(2, conversions_in_a_step):
+        assert r["calls"] == {"to_local": 0, "from_local": 0}
+        assert r["grads_laid_out"]
 
 
 def optimizer_before_the_plan() -> dict:
