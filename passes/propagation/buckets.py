@@ -160,7 +160,7 @@ _BUCKET_OPS: dict[CollectiveKind, tuple[int, int]] = {
 }
 """Local ops of a bucket's collective in the per-rank program (:meth:`autopar.passes.propagation.rank_ops.Rank.bucket`),
 per bucket and per tensor in it: an all-reduce flattens each tensor, concatenates them, splits
-the result and views each piece back; a reduce-scatter also chunks and stacks each gradient
+the result and views each piece back; a reduce-scatter also stacks each gradient's pieces
 into rows; an all-gather also views the result as rows and moves each piece's rows into its
 dim."""
 

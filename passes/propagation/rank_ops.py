@@ -55,20 +55,20 @@ class Rank:
     def all_gather(self, t, step):
         n, group = self._n_group(step)
         gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(t.contiguous(), n, group))
-        return gathered if step.dim == 0 else torch.cat(torch.chunk(gathered, n, 0), step.dim)
+        return gathered if step.dim == 0 else side_by_side(gathered.unflatten(0, (n, -1)), step.dim)
 
     def reduce_scatter(self, t, step):
         n, group = self._n_group(step)
         if step.dim != 0:
-            t = torch.cat(torch.chunk(t, n, step.dim), 0)
+            t = stacked_pieces(t, n, step.dim).flatten(0, 1)
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(t.contiguous(), "sum", n, group))
 
     def all_to_all(self, t, step):
         n, group = self._n_group(step)
-        send = torch.cat(torch.chunk(t, n, step.to_dim), 0).contiguous()
+        send = stacked_pieces(t, n, step.to_dim).flatten(0, 1).contiguous()
         splits = [send.shape[0] // n] * n
         received = c10d.wait_tensor(c10d.all_to_all_single(send, splits, splits, group))
-        return torch.cat(torch.chunk(received, n, 0), step.dim)
+        return side_by_side(received.unflatten(0, (n, -1)), step.dim)
 
     def slice(self, t, step):
         n = self.mesh.shape[step.axis]
@@ -101,11 +101,8 @@ class Rank:
 
             def gathered() -> list[torch.Tensor]:
                 rows = c10d.wait_tensor(launched).view(n, -1)
-                whole = []
-                for p, s, piece in zip(pieces, steps, rows.split([p.numel() for p in pieces], 1)):
-                    stacked = piece.reshape(n, *p.shape).movedim(0, s.dim)  # the n pieces side by side at dim s.dim
-                    whole.append(stacked.reshape(*p.shape[: s.dim], n * p.shape[s.dim], *p.shape[s.dim + 1 :]))
-                return whole
+                split = rows.split([p.numel() for p in pieces], 1)
+                return [side_by_side(piece.reshape(n, *p.shape), s.dim) for p, s, piece in zip(pieces, steps, split)]
 
             return gathered
         if step.kind == "all_reduce":
@@ -118,15 +115,28 @@ class Rank:
                 return [r.view(p.shape) for r, p in zip(flat.split([p.numel() for p in pieces]), pieces)]
 
             return reduced
-        shards = [torch.chunk(p, n, s.dim) for p, s in zip(pieces, steps)]
-        rows = torch.cat([torch.stack(chunks).reshape(n, -1) for chunks in shards], 1)  # row r: rank r's shards
+        shards = [stacked_pieces(p, n, s.dim) for p, s in zip(pieces, steps)]
+        rows = torch.cat([stacked.reshape(n, -1) for stacked in shards], 1)  # row r: rank r's shards
         launched = c10d.reduce_scatter_tensor(rows.reshape(-1), "sum", n, group)
 
         def scattered() -> list[torch.Tensor]:
             mine = c10d.wait_tensor(launched)
-            return [m.view(chunks[0].shape) for m, chunks in zip(mine.split([c[0].numel() for c in shards]), shards)]
+            return [m.view(s.shape[1:]) for m, s in zip(mine.split([s[0].numel() for s in shards]), shards)]
 
         return scattered
+
+
+def stacked_pieces(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``t``'s ``n`` equal pieces along ``dim``, stacked along a new dim 0 (a view): two ops
+    whatever ``n``, where ``torch.chunk`` traces one per piece (the per-rank program of the 8B
+    shape's budgeted plan on 64x8 has 3,712 nodes this way, 5,346 with chunks)."""
+    return t.unflatten(dim, (n, -1)).movedim(dim, 0)
+
+
+def side_by_side(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """The pieces stacked along dim 0 of ``stacked``, put side by side along ``dim`` of a piece:
+    the inverse of :func:`stacked_pieces`."""
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def piece_of(whole: int, axes: Sequence[int], mesh: Mesh, coordinate: Sequence[int]) -> tuple[int, int]:

@@ -128,9 +128,9 @@ def bandwidth_s(step: Step, mesh: Mesh, links: tuple[Link, ...]) -> float:
 def local_work(step: Step) -> tuple[int, int]:
     """``(ops, bytes copied)`` of the local ops the per-rank program
     (:class:`autopar.passes.propagation.rank_ops.Rank`) runs around a collective step on one tensor: an
-    all-gather or reduce-scatter along a dim other than 0 splits the tensor into chunks and
-    concatenates them along dim 0 or back (one copy); an all-to-all does that before and
-    after."""
+    all-gather or reduce-scatter along a dim other than 0 moves the tensor's pieces along that
+    dim to dim 0 or back (:func:`~autopar.passes.propagation.rank_ops.stacked_pieces`, one
+    copy); an all-to-all does that before and after."""
     if step.kind in ("all_gather", "reduce_scatter") and step.dim not in (None, 0):
         return 2, step.bytes
     if step.kind == "all_to_all":
