@@ -65,11 +65,11 @@ def partition(joint: fx.GraphModule, is_tangent: list[bool], output_is_grad: lis
         if node in backward and node.op != "placeholder":
             benv[node] = bw.node_copy(node, lambda n: benv[n])
     bw.output(tuple(benv[g] if g is not None else None for g in grads))
+    for graph in (fw, bw):  # before the modules are made: each compiles its graph's code once, when made
+        graph.eliminate_dead_code()
     forward, backward_gm = fx.GraphModule(joint, fw), fx.GraphModule(joint, bw)
     for gm in (forward, backward_gm):
-        gm.graph.eliminate_dead_code()
         gm.graph.lint()
-        gm.recompile()
     return Partitioned(forward, backward_gm, len(fwd_outputs), len(saved))
 
 
