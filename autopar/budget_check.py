@@ -2,8 +2,8 @@
 
 The solver counts memory by its rows (:mod:`autopar.passes.solve.memory_program`); the program
 the plan lowers to is measured by its liveness (:mod:`autopar.passes.lower.liveness`). Where the
-two disagree, for the reason :func:`within_budget` gives, the plan is solved once more, never
-more."""
+two disagree, for the reason :func:`within_budget` gives, the plan is solved once more (twice
+when the first ask has no plan), never more."""
 
 import logging
 
@@ -48,8 +48,9 @@ def within_budget(attempt, budget: int | None, mesh: Mesh):
 
     A plan whose program is over the budget is solved once more, the solver asked for the budget
     less ``LIVENESS_MARGIN`` times what the program held beyond its count (or beyond the budget,
-    where its count is over it). When that plan's program is over the budget too, or
-    the solver finds no plan under the lower ask, :class:`OverByLiveness` says what the
+    where its count is over it), or, when no plan fits that ask, less once what it held beyond.
+    When that plan's program is over the budget too, or the solver finds no plan under the lower
+    ask, :class:`OverByLiveness` says what the
     program holds, and the standard layouts are tried; a :class:`SolverTimeoutError` goes up as
     it is, for the standard layouts to answer. The stage times returned add up both solves'."""
     if budget is None:
@@ -72,7 +73,7 @@ def within_budget(attempt, budget: int | None, mesh: Mesh):
         format_bytes(LIVENESS_MARGIN * unseen),
     )
     try:
-        plan, corrected, again, solution = attempt(budget - LIVENESS_MARGIN * unseen)
+        plan, corrected, again, solution = _corrected(attempt, budget, unseen)
     except SolverTimeoutError:
         raise
     except InfeasiblePlanError as exc:
@@ -80,6 +81,19 @@ def within_budget(attempt, budget: int | None, mesh: Mesh):
     if corrected.peak_bytes > budget:
         raise OverByLiveness(over_by_liveness(budget, corrected, mesh))
     return plan, corrected, {k: times.get(k, 0.0) + again.get(k, 0.0) for k in {**times, **again}}, solution
+
+
+def _corrected(attempt, budget: int, unseen: float):
+    """The plan of the correction: under the budget less ``LIVENESS_MARGIN`` times ``unseen``, or,
+    when no plan fits that ask, less ``unseen`` once, the least that can bring the first plan's
+    program under the budget."""
+    try:
+        return attempt(budget - LIVENESS_MARGIN * unseen)
+    except SolverTimeoutError:
+        raise
+    except InfeasiblePlanError:
+        log.info("no plan fits that ask: solving again for %s less than the budget", format_bytes(unseen))
+        return attempt(budget - unseen)
 
 
 def over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:

@@ -147,11 +147,18 @@ def test_a_correction_still_over_the_budget_or_without_a_plan_says_what_the_prog
     from autopar.budget_check import NoPlanUnderBudget, within_budget
     from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 
-    for outcomes, held in (([110, 104], "104 B"), ([110, InfeasiblePlanError("no plan")], "110 B")):
+    no_plan = InfeasiblePlanError("no plan")
+    for outcomes, held, asks in (
+        ([110, 104], "104 B", [100.0, 50.0]),
+        ([110, no_plan, 103], "103 B", [100.0, 50.0, 80.0]),  # the ask less the gap once, when 2.5x has no plan
+        ([110, no_plan, no_plan], "110 B", [100.0, 50.0, 80.0]),
+    ):
         attempt, asked = _attempts(outcomes)
         with pytest.raises(InfeasiblePlanError, match=rf"fits memory_budget=100 B .* holds {held} at its peak"):
             within_budget(attempt, 100, Mesh((2,)))
-        assert len(asked) == 2
+        assert asked == asks
+    attempt, asked = _attempts([110, no_plan, 97])
+    assert within_budget(attempt, 100, Mesh((2,)))[3] == "plan holding 97" and asked == [100.0, 50.0, 80.0]
     timeout = SolverTimeoutError("no plan within its time limit", solve_s=1.0, num_variables=9, num_constraints=9)
     for outcomes in ([timeout], [110, timeout]):  # for the standard layouts to answer
         with pytest.raises(SolverTimeoutError):

@@ -1,18 +1,18 @@
 """Solve one integer program with HiGHS, in a process of its own (:func:`autopar.passes.solve.mip.solve_before_deadline`
 starts it as a script, so it imports HiGHS and the program's protocol buffer alone).
 
-Reads from stdin the relative gap, the time limit in seconds, the seconds after which a
-search that has found no solution yet gives up (infinite: never) and the share of the search
-spent in primal heuristics (HiGHS's ``mip_heuristic_effort``), four doubles, then whether to
-solve the linear relaxation alone, whether to search without presolve and the feasibility jump
-heuristic, and the number of columns to dive on (three unsigned 32-bit integers) and those
-columns' indices (32-bit integers), then the program as an OR-Tools ``MPModelProto``; writes to
-stdout the pickle of ``(status, variable values, objective, bound)`` with OR-Tools' status
-codes, and ``None`` for the last three when no solution was found. The program's
-``solution_hint`` (a plan known to satisfy it, whole or in part) is the search's starting
-solution: HiGHS completes a partial one with a small search of its own. Columns to dive on make
-the search start from :func:`dive`'s plan instead. HiGHS is driven through ``highspy`` rather
-than OR-Tools, whose HiGHS interface crashes on a program with a hint."""
+Reads from stdin the relative gap, the time limit in seconds, the seconds after which a search that
+has found no solution yet gives up (infinite: never) and the share of the search spent in primal
+heuristics (HiGHS's ``mip_heuristic_effort``), four doubles, then whether to solve the linear
+relaxation alone, whether to search without presolve and the feasibility jump heuristic, whether
+HiGHS may restart its search at the root, and the number of columns to dive on (four unsigned
+32-bit integers) and those columns' indices (32-bit integers), then the program as an OR-Tools
+``MPModelProto``; writes to stdout the pickle of ``(status, variable values, objective, bound)``
+with OR-Tools' status codes, and ``None`` for the last three when no solution was found. The
+program's ``solution_hint`` (a plan known to satisfy it, whole or in part) is the search's starting
+solution: HiGHS completes a partial one with a small search of its own. Columns to dive on make the
+search start from :func:`dive`'s plan instead. HiGHS is driven through ``highspy`` rather than
+OR-Tools, whose HiGHS interface crashes on a program with a hint."""
 
 import array
 import math
@@ -31,7 +31,7 @@ LARGEST_COST = 2.0**20
 (``user_objective_scale``). The plan's program prices in nanoseconds, so its costs span nine
 orders of magnitude; past about a million, the dual simplex of the relaxation slows several-fold
 against HiGHS's tolerances."""
-HEADER = struct.calcsize("ddddIII")
+HEADER = struct.calcsize("ddddIIII")
 DIVE_SHARE = 0.5
 """The share of the time limit a dive may take, the relaxation and the search it leaves, and the
 share the relaxation tried first on a program without memory rows may take
@@ -168,7 +168,9 @@ def _give_up_without_solution(event, give_up_s: float) -> None:
 def main() -> None:
     data = sys.stdin.buffer.read()
     started = time.perf_counter()
-    gap, time_limit_s, give_up_s, heuristic_effort, relax, plain, count = struct.unpack("ddddIII", data[:HEADER])
+    gap, time_limit_s, give_up_s, heuristic_effort, relax, plain, restarts, count = struct.unpack(
+        "ddddIIII", data[:HEADER]
+    )
     columns = list(array.array("i", data[HEADER : HEADER + 4 * count]))
     model = linear_solver_pb2.MPModelProto.FromString(data[HEADER + 4 * count :])
     result = os.fdopen(os.dup(1), "wb")
@@ -187,6 +189,7 @@ def main() -> None:
     highs = _highs(lp, time_limit_s - spent)
     highs.setOptionValue("mip_rel_gap", gap)
     highs.setOptionValue("mip_heuristic_effort", heuristic_effort)
+    highs.setOptionValue("mip_allow_restart", bool(restarts))
     if plain:
         highs.setOptionValue("presolve", "off")
         highs.setOptionValue("mip_heuristic_run_feasibility_jump", False)

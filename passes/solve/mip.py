@@ -29,7 +29,8 @@ default, was still 1.2% from its bound after 90 s with two of three random seeds
 five seeds of five came within 0.8% in 33 to 51 s. In small ones the bound is the hard part:
 the 4-rank BERT, GPT and LLaMA examples under half their peak (8k to 19k variables) proved
 their plans within 0.1% in 81, 21 and 42 s at the default, and in more than 120, 34 and 56 s
-at 0.5, with the same plans."""
+at 0.5, with the same plans. Those small ones are also searched without HiGHS's restarts of the
+root (``restarts``)."""
 
 
 def add_row(solver, lower: float, upper: float, terms: Iterable[tuple[object, float]]):
@@ -56,6 +57,7 @@ def solve_before_deadline(
     dive: Sequence = (),
     relax: bool = False,
     plain: bool = False,
+    restarts: bool = True,
 ):
     """Solve in a process of its own (:mod:`autopar.passes.solve.highs_child`) with HiGHS's time limit
     at ``time_limit_s``, and give up on it at ``DEADLINE_FACTOR`` times that plus
@@ -75,8 +77,11 @@ def solve_before_deadline(
     presolve and feasibility-jump heuristic, which spend more than they save there (the search
     takes 1.3 to 1.8 times longer with them, on Hugging Face LLaMA and T5 of 2 layers on 2x2, the
     8-layer LLaMA-3-8B shape and autoparallel's stack on 8x8); after one that did not finish in
-    time, with them. Returns
-    ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
+    time, with them. Without ``restarts`` HiGHS does not start its search over at the root after
+    fixing columns there: on small programs under a memory budget, whose bound the root's cuts and
+    branching raise, a restart repeats that work (the 4-rank GPT example under 60% of its peak
+    proved its plan in 33 s with them and 22 s without; under 40%, in 49 and 42 s; the same
+    plans). Returns ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
     the time limit stopped the search), or ``None`` when the deadline passed.
 
     The process is a fresh interpreter given the program as a protocol buffer, not a fork of
@@ -90,13 +95,14 @@ def solve_before_deadline(
         model.solution_hint.var_value.append(value)
     payload = (
         struct.pack(
-            "ddddIII",
+            "ddddIIII",
             params.GetDoubleParam(params.RELATIVE_MIP_GAP),
             time_limit_s,
             give_up_without_plan_s,
             heuristic_effort,
             relax,
             plain,
+            restarts,
             len(dive),
         )
         + array.array("i", [var.index() for var in dive]).tobytes()

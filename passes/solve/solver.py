@@ -465,6 +465,7 @@ def _search(built: Program, options: SearchOptions, started: float, hint: list[t
         heuristic_effort=effort,
         dive=strategy_vars,
         plain=built.peak is None and not priced,
+        restarts=not priced or large,
     )
     status = _status(outcome)
     left = started + time_limit_s - time.perf_counter()
