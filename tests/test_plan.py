@@ -27,6 +27,23 @@ def test_plan_round_trips_through_json():
     assert again.predicted_step_s == plan.predicted_step_s
 
 
+def test_an_accumulated_step_prices_the_gradient_collectives_once():
+    """Data parallel on 2 ranks: the gradients' bucketed all-reduces are the collectives a
+    micro-batch under ``no_sync()`` leaves out (``tests/runtime/test_training_loop.py`` counts
+    them in the programs that run)."""
+    inputs = (torch.randn(512, 32), torch.randn(512, 32))
+    plan = autopar.plan(MLP(32, 64), Mesh((2,), ("dp",)), inputs, hardware=FLOP_EQ_BYTE)
+    gradients = [c for c in plan.collectives if c.gradient]
+    assert gradients and all(c.consumer == "gradients" and c.kind == "all_reduce" for c in gradients)
+    gradients_s = sum(c.time_s for c in gradients)
+    assert 0 < gradients_s < plan.predicted_step_s
+    assert plan.accumulated_step_s(1) == pytest.approx(plan.predicted_step_s)
+    assert plan.accumulated_step_s(4) == pytest.approx(4 * plan.predicted_step_s - 3 * gradients_s)
+    assert ShardingPlan.from_json(plan.to_json()).accumulated_step_s(4) == plan.accumulated_step_s(4)
+    with pytest.raises(ValueError, match="at least 1"):
+        plan.accumulated_step_s(0)
+
+
 def test_plan_table_shows_placements_collectives_and_totals():
     plan = _mlp_plan()
     text = str(plan)

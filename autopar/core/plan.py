@@ -69,6 +69,9 @@ class Collective:
     """Placements before and after the whole transition: of the one tensor moved, e.g.
     ``((P, R),)`` → ``((R, R),)``; for a bucket, the distinct ones of its tensors, in the order
     they first appear (:func:`format_layouts` writes them joined by ``|``)."""
+    gradient: bool = False
+    """Whether it moves parameters' gradients into their placements (a bucket of them, or one
+    alone): the collectives a micro-batch under ``no_sync()`` does not run."""
 
     def to_dict(self) -> dict:
         """Its JSON object, placements written as text."""
@@ -371,6 +374,21 @@ class ShardingPlan:
         if self.stages is not None:
             return self.stages.step_s + self.overhead_s
         return self.compute_s + self.recompute_s + self.communication_s + self.overhead_s + self.offload_s
+
+    def accumulated_step_s(self, microbatches: int) -> float:
+        """Modelled time of a step that accumulates the gradients of ``microbatches`` calls of the
+        planned size, all but the last under ``no_sync()``: each runs the step but for the
+        collectives of the gradients (:attr:`Collective.gradient`), which the last runs once for
+        all. The additions of the micro-batches' gradients are not priced."""
+        if self.stages is not None:
+            raise ValueError(
+                "a plan with pipeline stages already prices its micro-batches in predicted_step_s; "
+                "accumulated_step_s is for plans without stages"
+            )
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+        gradients_s = sum(c.time_s for c in self.collectives if c.gradient)
+        return microbatches * (self.predicted_step_s - gradients_s) + gradients_s
 
     @property
     def peak_memory_bytes(self) -> int:

@@ -413,6 +413,7 @@ def _move_collectives(
                     consumer=consumer.name,
                     src=(src,),
                     dst=(dst,),
+                    gradient=consumer.kind == "param",
                 )
 
 
@@ -466,6 +467,7 @@ def _gradient_bucket_collectives(gradients: list, costs: CostModel, mesh: Mesh, 
                 consumer="gradients",
                 src=tuple(dict.fromkeys(m[2] for m in members)),
                 dst=tuple(dict.fromkeys(m[3] for m in members)),
+                gradient=True,
             )
 
 

@@ -306,6 +306,7 @@ def test_gradient_moves_of_other_several_steps_are_not_bucketed_and_run_as_soon_
     # (P, P) -> (S(0), R): a reduce-scatter over a, then an all-reduce of the shard over b, each
     assert sorted(weights) == [("all_reduce", "b", 32 * 16 * 4)] * 6 + [("reduce_scatter", "a", 32 * 32 * 4)] * 6
     assert not any(c.consumer == "gradients" for c in plan.collectives)
+    assert {c.gradient for c in plan.collectives if c.phase == "backward" and c.tensor.startswith("t_")} == {True}
     assert collections.Counter((c.kind, c.axis, c.bytes) for c in plan.collectives) == ran
     nodes = list(graph.graph.nodes)
     reduced = [

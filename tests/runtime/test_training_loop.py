@@ -379,6 +379,7 @@ def accumulated_steps(preset: str) -> dict:
         for gradients in ("unreduced", "accumulated")
     }
     out["collectives"]["reduced"] = len(pmodel.collectives)
+    out["gradient collectives"] = sum(c.gradient for c in pmodel.plan.collectives)
     with pmodel.no_sync():
         pmodel(*_rank_inputs(pmodel, tuple(x[:4] for x in batches[0]))).backward()
     try:
@@ -394,12 +395,14 @@ def accumulated_steps(preset: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["2d", "fsdp"])
 def test_gradients_accumulated_over_micro_batches_match_one_device(preset):
-    """With and without ``no_sync()``; under it the backward runs no gradient collectives, and
-    the micro-batch after runs as many as a step without accumulation."""
+    """With and without ``no_sync()``; under it the backward runs no gradient collectives (those
+    the plan marks ``gradient``), and the micro-batch after runs as many as a step without
+    accumulation."""
     for r in run_ranks(4, accumulated_steps, preset):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
         counts = r["collectives"]
         assert counts["unreduced"] < counts["reduced"] == counts["accumulated"], counts
+        assert counts["reduced"] - counts["unreduced"] == r["gradient collectives"]  # priced once per step
         assert "never synchronised" in r["unsynced step"]
 
 
