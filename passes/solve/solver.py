@@ -27,12 +27,7 @@ variables per tensor to the distinct layouts instead of the strategies.
 How a tensor's layouts are tied between its producer and its readers, and the rows of gradient
 and parameter buckets, are in :mod:`autopar.passes.solve.transport`.
 
-Four reductions keep the program small without changing its optimum. A program that chooses no
-recomputation (none prices the moves of a recomputed op's operands, which need each reader's
-own transport) ties a tensor with several readers to the layouts they need together instead
-(:func:`~autopar.passes.solve.transport.needed_layouts`): ``u_v,q ≥ w_c,q`` for every reader,
-``y_v,p,q ≤ z_v,p`` and ``Σ_p y_v,p,q = u_v,q``, ``|P|`` variables per needed layout instead of per
-needed layout and reader (a 4-D activation on 2x2 has 36 layouts on each side). A tensor with one reader
+Three reductions keep the program small without changing its optimum. A tensor with one reader
 needs no ``y``: its transport carries the cost, or, when fewer, it moves as a unit of flow over
 the one-axis moves between layouts (``Σ_out f − Σ_in f = z_v,u − w_c,u`` at every layout ``u``,
 each move priced by its step), whose cheapest path is the transition's cost. An op whose cost
@@ -285,8 +280,8 @@ def build_program(problem: Problem) -> Program:
     costs = _compute_costs(problem, ind)
     reader_moves: dict[tuple[str, int], list] = {}
     bucketed: list[tuple] = []  # (share of a bucket, its largest value) of every gradient move that joins one
+    _moves(solver, problem, ind, shared, followed, costs, reader_moves, bucketed)
     choosing = problem.activations is not None and problem.choose_recompute
-    _moves(solver, problem, ind, shared, followed, costs, reader_moves if choosing else None, bucketed)
     choices, peak, budget_row = _memory_rows(solver, problem, ind, shared, choosing, costs, reader_moves, bucketed)
     return Program(
         solver,

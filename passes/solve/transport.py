@@ -95,29 +95,24 @@ def layout_available(
     ind: dict,
     transition_s: TransitionCost,
     one_step_moves: OneStepMoves | None,
-    reader_moves: dict | None,
+    reader_moves: dict,
     joined: Callable | None = None,
 ) -> None:
     """Tie every reader's needed layout to the producer's, and price each move ``count`` times
     (a move priced infinite is never made).
-    ``reader_moves[reader, j]``, when given, gets what moving its ``j``-th operand costs, as
-    ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to;
-    without it a tensor with several readers is tied to the layouts they need together
-    (:func:`needed_layouts`). ``joined(p, q, made)``, when given, is told of every move and the
-    variable (or 1) saying whether it is made (:func:`gathered`)."""
+    ``reader_moves[reader, j]`` gets what moving its ``j``-th operand costs, as
+    ``(variable or None, seconds)`` terms, and the most seconds those terms can add up to.
+    ``joined(p, q, made)``, when given, is told of every move and the variable (or 1) saying
+    whether it is made (:func:`gathered`)."""
     producer = by_name[ref[0]]
     src = {
         p: _flat(g)
         for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()
     }
-    if reader_moves is None and len(readers) > 1:
-        needs = [_needs(by_name[name], j, ind) for name, j in sorted(readers)]
-        needed_layouts(solver, costs, ref, src, needs, count, transition_s, joined)
-        return
-    reader_moves = {} if reader_moves is None else reader_moves
     moves: dict[tuple, object] = {}
     for name, j in sorted(readers):
-        dst = _needs(by_name[name], j, ind)
+        n = by_name[name]
+        dst = {q: _flat(g) for q, g in group_by_layout(ind[n.name], [s.inputs[j] for s in n.strategies]).items()}
         if len(src) == 1 and len(dst) == 1:
             (p,), (q,) = src, dst
             seconds = transition_s(ref, p, q) if p != q else 0.0
@@ -149,50 +144,6 @@ def layout_available(
                     joined(p, q, var)
             elif p != q:
                 _move(solver, costs, moves, ref, p, q, count, transition_s, var, joined)
-
-
-def _needs(reader: NodeSpace, j: int, ind: dict) -> dict:
-    """The one-hot terms of ``reader`` by the layout it needs its ``j``-th operand in."""
-    return {q: _flat(g) for q, g in group_by_layout(ind[reader.name], [s.inputs[j] for s in reader.strategies]).items()}
-
-
-def needed_layouts(
-    solver,
-    costs: dict,
-    ref: ValueRef,
-    src: dict,
-    needs: list[dict],
-    count: int,
-    transition_s: TransitionCost,
-    joined: Callable | None = None,
-) -> None:
-    """Tie a tensor with several readers to the layouts they need together, without a transport
-    per reader: ``u_q ≥ w_c,q`` for every reader ``c`` (``needs``, each a reader's one-hot terms
-    by layout) says some reader needs layout ``q``, and ``s_q,p ≤ z_p``, ``Σ_p s_q,p = u_q``
-    places that copy's source on the producer's layout ``p`` (``src``): with integral
-    one-hots ``s_q,p = z_p · u_q``, the move from ``p`` to ``q`` made once for every reader
-    that needs it, priced ``count`` times. It takes ``|P|`` variables per needed layout where
-    the transports take ``|P|`` per needed layout and reader, and its relaxation is looser (a
-    producer's fractional layouts may feed several needed layouts from the same mass)."""
-    needed: dict = defaultdict(list)
-    for need in needs:
-        for q, terms in need.items():
-            needed[q].append(terms)
-    for q, readers in needed.items():
-        someone = solver.NumVar(0.0, 1.0, "")
-        for terms in readers:  # u_q ≥ w_c,q
-            add_row(solver, 0.0, solver.infinity(), [(someone, 1.0), *((v, -1.0) for v in terms)])
-        sources = []
-        for p, terms in src.items():
-            seconds = transition_s(ref, p, q) if p != q else 0.0
-            made = solver.NumVar(0.0, 0.0 if math.isinf(seconds) else 1.0, "")
-            add_row(solver, -solver.infinity(), 0.0, [(made, 1.0), *((v, -1.0) for v in terms)])  # s_q,p ≤ z_p
-            sources.append((made, 1.0))
-            if p != q and not math.isinf(seconds):
-                costs[made] += count * seconds
-                if joined is not None:
-                    joined(p, q, made)
-        add_row(solver, 0.0, 0.0, [*sources, (someone, -1.0)])  # Σ_p s_q,p = u_q
 
 
 def _transport(solver, src: dict, dst: dict) -> dict:
@@ -227,7 +178,7 @@ def gradient_transport(
         p: _flat(g)
         for p, g in group_by_layout(ind[producer.name], [s.outputs[ref[1]] for s in producer.strategies]).items()
     }
-    dst = _needs(by_name[name], j, ind)
+    dst = {q: _flat(g) for q, g in group_by_layout(ind[name], [s.inputs[j] for s in by_name[name].strategies]).items()}
     bucketed: dict[tuple, list] = defaultdict(list)
     for (p, q), var in _transport(solver, src, dst).items():
         if p != q:

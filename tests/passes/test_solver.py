@@ -124,7 +124,7 @@ def test_a_program_too_big_to_solve_in_time_returns_a_plan_no_slower_than_the_ha
     import autopar
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=6, max_seq=32)
+    cfg = LlamaConfig(vocab_size=256, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=4, max_seq=32)
     model, inputs = Llama(cfg), (torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32)))
     mesh = autopar.Mesh((2, 2), ("dp", "tp"))
     plan = autopar.plan(model, mesh, inputs, hardware="cpu", solver_time_limit_s=1.0, share_layers=False)
