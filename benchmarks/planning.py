@@ -7,7 +7,8 @@ input needing a gradient and not) for 8x8 H100s; and, on 4 local gloo ranks (2x2
 compiled example takes to lower its plan to a batch of half the size on the first call with it,
 against the time ``autopar.compile`` took to plan it. ``--only 3d`` plans the 8B shape at 8 layers
 on 2x4x8 and the LLaMA-3-70B shape (80 layers, batch 1,024 x 8,192) on 16x8x8 under ``--budget``;
-``--only stages`` plans the 8B shape at 32 layers in 2, 4 and 8 pipeline stages.
+``--only stages`` plans the 8B shape at 32 layers in 2, 4 and 8 pipeline stages; ``--only budget``
+plans the examples on 2x2 under 60% and 40% of their unbudgeted plan's peak.
 
 The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
 global batch 64 x sequence 8192) is built under ``torch.device("meta")`` with meta inputs, as
@@ -17,7 +18,8 @@ stopping the benchmark. Prints tables and writes ``benchmarks/results/planning.j
 
     python -m benchmarks.planning [--limit-s 120] [--hardware h100] [--layers 2,8,32,64]
                                   [--budget 80GB] [--budget-layers 32] [--budget-gap 0.01]
-                                  [--stack-layers 8,32,80] [--only {stack,relower,3d,stages}]
+                                  [--stack-layers 8,32,80]
+                                  [--only {stack,relower,3d,stages,budget}]
 """
 
 import argparse
@@ -97,7 +99,7 @@ def _plan_one(
     shape: tuple[int, ...],
     hardware: str,
     limit_s: float,
-    budget: str | None,
+    budget: str | float | None,
     gap: float,
     queue,
     staged: bool = False,
@@ -109,6 +111,10 @@ def _plan_one(
     started = time.perf_counter()
     model, inputs = _build(name, layers)
     names = ("pp", "dp", "tp")[-len(shape) :] if len(shape) > 1 else ("dp",)
+    if isinstance(budget, float):  # a fraction of the unbudgeted plan's peak, planned first and not timed
+        free = autopar.plan(model, autopar.Mesh(shape, names), inputs, hardware=hardware, solver_time_limit_s=limit_s)
+        budget = int(budget * free.peak_memory_bytes)
+        started = time.perf_counter()
     try:
         plan = autopar.plan(
             model,
@@ -121,11 +127,19 @@ def _plan_one(
             pipeline=autopar.Pipeline(axis="pp", microbatches=2 * shape[0]) if staged else None,
         )
     except autopar.AutoparError as exc:
-        queue.put({"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started})
+        queue.put(
+            {
+                "status": "NO PLAN",
+                "error": str(exc).splitlines()[0],
+                "wall_s": time.perf_counter() - started,
+                "budget_bytes": budget,
+            }
+        )
         return
     queue.put(
         {
             "wall_s": time.perf_counter() - started,
+            "budget_bytes": budget,
             "stage_s": dict(plan.stage_s),
             "status": plan.solver.status,
             "gap": (plan.solver.objective_s - plan.solver.bound_s) / plan.solver.objective_s
@@ -150,7 +164,7 @@ def run(
     shape: tuple[int, ...],
     hardware: str,
     limit_s: float,
-    budget: str | None = None,
+    budget: str | float | None = None,
     gap: float = 1e-3,
     searches: int = 1,
     staged: bool = False,
@@ -193,7 +207,7 @@ def _table(
     configs,
     hardware: str,
     limit_s: float,
-    budget: str | None = None,
+    budget: str | float | None = None,
     gap: float = 1e-3,
     searches: int = 1,
     staged: bool = False,
@@ -301,6 +315,31 @@ def three_axes_table(args) -> list[dict]:
     return rows
 
 
+BUDGET_FRACTIONS = (0.6, 0.4)
+BUDGET_MESH = (2, 2)
+
+
+def budget_table(args) -> list[dict]:
+    """The examples on 2x2 under 60% and 40% of their unbudgeted plan's peak, at the default
+    solver gap: what the memory choices cost the search (the unbudgeted plan is made first, in
+    the same process, and not timed)."""
+    rows = []
+    for fraction in BUDGET_FRACTIONS:
+        for r in _table(
+            f"The examples on {'x'.join(map(str, BUDGET_MESH))} {args.hardware} under {fraction:.0%} of their "
+            "unbudgeted peak",
+            [((name, 0), BUDGET_MESH) for name in MODELS],
+            args.hardware,
+            args.limit_s,
+            fraction,
+        ):
+            r["fraction"] = fraction
+            rows.append(r)
+            if r["status"] == "NO PLAN":
+                print(f"  {r['model']}: {r['error'][:160]}")
+    return rows
+
+
 def stages_table(args) -> list[dict]:
     """The 8B shape at 32 layers on pp x 8 x 8 H100s, the first axis cut into 2, 4 and 8 pipeline
     stages of twice as many micro-batches (1F1B): how planning time grows with the stages."""
@@ -335,9 +374,10 @@ def main() -> None:
     parser.add_argument("--stack-layers", default="8,32,80", help="block counts of autoparallel's stack")
     parser.add_argument(
         "--only",
-        choices=("stack", "relower", "3d", "stages"),
+        choices=("stack", "relower", "3d", "stages", "budget"),
         help="plan only autoparallel's stack, only the 8B and 70B shapes on meshes of three axes, only the 8B shape "
-        "in pipeline stages, or time only the re-lowering (results to planning-<only>.json)",
+        "in pipeline stages, only the examples under budgets, or time only the re-lowering (results to "
+        "planning-<only>.json)",
     )
     parser.add_argument("--relower-worker", nargs=2, metavar=("MODELS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -355,6 +395,9 @@ def main() -> None:
         return
     if args.only == "stages":
         write_results(RESULTS.with_name("planning-stages.json"), **settings, stages=stages_table(args))
+        return
+    if args.only == "budget":
+        write_results(RESULTS.with_name("planning-budget.json"), **settings, budgeted_examples=budget_table(args))
         return
     if args.only == "3d":
         write_results(
