@@ -6,6 +6,7 @@ two disagree, for the reason :func:`within_budget` gives, the plan is solved onc
 when the first ask has no plan), never more."""
 
 import logging
+import time
 
 from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
@@ -50,9 +51,9 @@ def within_budget(attempt, budget: int | None, mesh: Mesh):
     less ``LIVENESS_MARGIN`` times what the program held beyond its count (or beyond the budget,
     where its count is over it), or, when no plan fits that ask, less once what it held beyond.
     When that plan's program is over the budget too, or the solver finds no plan under the lower
-    ask, :class:`OverByLiveness` says what the
-    program holds, and the standard layouts are tried; a :class:`SolverTimeoutError` goes up as
-    it is, for the standard layouts to answer. The stage times returned add up both solves'."""
+    ask, :class:`OverByLiveness` says what the program holds, and the standard layouts are tried;
+    a :class:`SolverTimeoutError` goes up as it is, for the standard layouts to answer. The stage
+    times returned add up every solve's."""
     if budget is None:
         return attempt(None)
     try:
@@ -87,13 +88,16 @@ def _corrected(attempt, budget: int, unseen: float):
     """The plan of the correction: under the budget less ``LIVENESS_MARGIN`` times ``unseen``, or,
     when no plan fits that ask, less ``unseen`` once, the least that can bring the first plan's
     program under the budget."""
+    started = time.perf_counter()
     try:
         return attempt(budget - LIVENESS_MARGIN * unseen)
     except SolverTimeoutError:
         raise
     except InfeasiblePlanError:
         log.info("no plan fits that ask: solving again for %s less than the budget", format_bytes(unseen))
-        return attempt(budget - unseen)
+    refused_s = time.perf_counter() - started  # the solve that found no plan
+    plan, live, times, solution = attempt(budget - unseen)
+    return plan, live, {**times, "solve": times.get("solve", 0.0) + refused_s}, solution
 
 
 def over_by_liveness(budget: int, live: Liveness, mesh: Mesh) -> str:

@@ -175,7 +175,9 @@ def test_a_correction_still_over_the_budget_or_without_a_plan_says_what_the_prog
             within_budget(attempt, 100, Mesh((2,)))
         assert asked == asks
     attempt, asked = _attempts([110, no_plan, 97])
-    assert within_budget(attempt, 100, Mesh((2,)))[3] == "plan holding 97" and asked == [100.0, 50.0, 80.0]
+    _, _, times, solution = within_budget(attempt, 100, Mesh((2,)))
+    assert solution == "plan holding 97" and asked == [100.0, 50.0, 80.0]
+    assert times["solve"] >= 4.0 and times["memory"] == 1.0  # both plans' solves, and the one that found none
     timeout = SolverTimeoutError("no plan within its time limit", solve_s=1.0, num_variables=9, num_constraints=9)
     for outcomes in ([timeout], [110, timeout]):  # for the standard layouts to answer
         with pytest.raises(SolverTimeoutError):

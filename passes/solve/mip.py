@@ -81,8 +81,8 @@ def solve_before_deadline(
     fixing columns there: on small programs under a memory budget, whose bound the root's cuts and
     branching raise, a restart repeats that work (the 4-rank GPT example under 60% of its peak
     proved its plan in 33 s with them and 22 s without; under 40%, in 49 and 42 s; the same
-    plans). Returns ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best plan found when
-    the time limit stopped the search), or ``None`` when the deadline passed.
+    plans). Returns ``(status, variable values, objective, bound)`` (``FEASIBLE`` with the best
+    plan found when the time limit stopped the search), or ``None`` when the deadline passed.
 
     The process is a fresh interpreter given the program as a protocol buffer, not a fork of
     the planning process: that process runs the threads of torch, of a process group or of
