@@ -13,7 +13,8 @@ import math
 import torch
 from autopar.passes.analysis.capture import Captured, InputKind, captured_backward
 from autopar.passes.propagation.redistribute import valid_layouts
-from autopar.passes.rules import rule_for, tensor_args
+from autopar.passes.propagation.transit import drop_transit_splits
+from autopar.passes.rules import carries, rule_for, tensor_args
 from torch import fx
 
 from autopar.core.errors import InfeasiblePlanError, UnsupportedOpError
@@ -41,6 +42,7 @@ def propagate(
     updates = _state_updates(captured)
     nodes: list[NodeSpace] = []
     unsupported: list[fx.Node] = []
+    carrying: set[str] = set()
     placeholder_kinds = dict(zip(captured.placeholders, captured.inputs))
     seen: dict[tuple, tuple[Strategy, ...]] = {}  # per op signature, its strategies (repeated layers repeat them)
     for node in graph.nodes:
@@ -55,6 +57,8 @@ def propagate(
             key = _op_signature(node)
             if rule_for(node.target) is None:
                 unsupported.append(node)
+            elif carries(node.target):
+                carrying.add(node.name)
             if key not in seen:
                 seen[key] = _op_strategies(node, mesh)
             nodes.append(
@@ -82,7 +86,7 @@ def propagate(
                 + "\nFix: pass fallback=True to run them replicated, or add a rule in autopar/passes/rules/"
             )
         log.warning("no sharding rule for %d node(s); they run replicated:\n%s", len(unsupported), "\n".join(lines))
-    return StrategySpace(tuple(nodes), aliases)
+    return StrategySpace(tuple(drop_transit_splits(nodes, carrying, mesh.ndim)), aliases)
 
 
 def placement_problem(value: torch.Tensor, placements: Placements, mesh: Mesh) -> str | None:

@@ -171,6 +171,14 @@ def rule_for(op) -> Rule | None:
     return found
 
 
+def carries(op) -> bool:
+    """Whether ``op``'s rule is an elementwise or a view rule: the op moves or combines values
+    position by position, so a split it maps from an operand to its output is carried along,
+    not computed on (:mod:`autopar.passes.propagation.transit`)."""
+    rule = rule_for(op)
+    return rule is not None and rule.__module__.rsplit(".", 1)[-1] in ("pointwise", "view")
+
+
 def registered_ops() -> list[object]:
     _load()
     return list(_RULES)
