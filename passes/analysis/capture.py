@@ -76,8 +76,9 @@ def _dropout_drawn_whole(x: torch.Tensor, p: float, train: bool | None):
     return x * mask * (0.0 if kept == 0 else 1.0 / kept), mask.to(torch.bool)
 
 
-# Losses, means and batch norm are decomposed into sums, divisions, gathers and masks so that a
-# batch split turns them into partial sums that one all-reduce makes whole.
+# Losses, means and batch norm outside training (or without running statistics) are decomposed
+# into sums, divisions, gathers and masks so that a batch split turns them into partial sums that
+# one all-reduce makes whole; batch norm in training stays one op (passes/rules/batch_norm.py).
 _DECOMPOSITIONS = {
     **get_decompositions(
         [
@@ -87,10 +88,8 @@ _DECOMPOSITIONS = {
             aten.mse_loss_backward,
             aten.mean.dim,
             aten.mean.default,
-            aten._native_batch_norm_legit_functional,
             aten._native_batch_norm_legit,
             aten._native_batch_norm_legit_no_training,
-            aten.native_batch_norm_backward,
         ]
     ),
     aten.var_mean.correction: _var_mean_by_sums,

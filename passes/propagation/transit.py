@@ -18,7 +18,7 @@ A split of a class that is not native (a *transit* split) can only be made by a 
 (an all-gather before the next convolution) or that sum it away. It runs the elementwise ops
 between on pieces, which splitting the batch or the channels does too, from moves that cost as
 much or less because the ops around them take those splits. A convolutional net's spatial dims
-are of this kind: convolutions and pooling do not split them, batch norm's sums reduce them.
+are of this kind: convolutions, pooling and batch norm do not split them.
 Offering them multiplies the layouts of every activation on a 2-D mesh from 16 to 36 and the
 program's moves more than fourfold, for plans the batch and channel splits match. What is lost
 is elementwise work and activation memory split along such a dim where neither the batch nor

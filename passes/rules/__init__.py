@@ -64,7 +64,9 @@ class SplitOp:
     """``run(node, args, kwargs, split)``: the op's local result from local arguments."""
     reduces: tuple[ReduceOp, ...] = ()
     """The all-reduces ``run`` makes, in order, each on a tensor of the split tensor's shape with
-    the dim reduced to 1 (in float32 at least)."""
+    the dims ``reduced_dims`` reduced to 1 (in float32 at least)."""
+    reduced_dims: Callable[[fx.Node], tuple[int, ...]] | None = None
+    """The dims each all-reduce's tensor lacks (reduced to 1); ``None``: the split dim alone."""
 
     def value(self, node: fx.Node) -> torch.Tensor:
         """The split tensor, whole."""
@@ -86,7 +88,8 @@ class SplitOp:
         """The whole tensor each all-reduce reduces (a meta tensor)."""
         value = self.value(node)
         shape = list(value.shape)
-        shape[self.dim(node)] = 1
+        for d in self.reduced_dims(node) if self.reduced_dims is not None else (self.dim(node),):
+            shape[d] = 1
         return torch.empty(shape, dtype=torch.promote_types(value.dtype, torch.float32), device="meta")
 
 
@@ -106,7 +109,12 @@ def register(*ops) -> Callable[[Rule], Rule]:
 
 
 def register_split(
-    *ops, index: int, dim: Callable[[fx.Node], int], output: bool = False, reduces: tuple[ReduceOp, ...] = ()
+    *ops,
+    index: int,
+    dim: Callable[[fx.Node], int],
+    output: bool = False,
+    reduces: tuple[ReduceOp, ...] = (),
+    reduced_dims: Callable[[fx.Node], tuple[int, ...]] | None = None,
 ) -> Callable:
     """Register the decorated ``run(node, args, kwargs, split)`` as the :class:`SplitOp` of ``ops``."""
 
@@ -114,7 +122,7 @@ def register_split(
         for op in ops:
             if op in _SPLIT_OPS:
                 raise ValueError(f"a split computation for {op} is already registered")
-            _SPLIT_OPS[op] = SplitOp(index, output, dim, run, reduces)
+            _SPLIT_OPS[op] = SplitOp(index, output, dim, run, reduces, reduced_dims)
         return run
 
     return wrap
@@ -203,6 +211,7 @@ def _load() -> None:
         _loaded = True
         from autopar.passes.rules import (  # noqa: F401  (modules register their rules on import)
             attention,
+            batch_norm,
             conv,
             factory,
             grouped,

@@ -446,7 +446,7 @@ def test_the_packed_copy_of_the_largest_gradient_bucket_is_part_of_the_plans_mem
 
 
 @pytest.mark.slow
-def test_a_convnet_at_65_percent_of_its_peak_on_8_h100s_plans_with_its_bucket_in_flight_counted():
+def test_a_convnet_at_70_percent_of_its_peak_on_8_h100s_plans_with_its_bucket_in_flight_counted():
     from autopar.examples.convnet import ConvNet, ConvNetConfig
 
     with torch.device("meta"):  # the plan-quality benchmark's full-size ConvNet
@@ -454,6 +454,6 @@ def test_a_convnet_at_65_percent_of_its_peak_on_8_h100s_plans_with_its_bucket_in
         batch = (torch.empty(256, 3, 128, 128), torch.zeros(256, dtype=torch.long))
     captured = capture(model, batch)
     mesh = autopar.Mesh((8,), ("ranks",))
-    budget = int(plan_captured(captured, mesh, hardware="h100").peak_memory_bytes * 0.65)
+    budget = int(plan_captured(captured, mesh, hardware="h100").peak_memory_bytes * 0.7)  # the least is 67%
     plan = plan_captured(captured, mesh, hardware="h100", memory_budget=budget)  # was 25 MiB over, then no plan
     assert plan.memory.bucket_bytes > 0 and plan.peak_memory_bytes <= budget
