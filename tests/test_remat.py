@@ -100,3 +100,15 @@ def test_ops_that_draw_random_numbers_are_never_recomputed():
 def test_unknown_recompute_option_is_refused():
     with pytest.raises(ValueError, match=r"recompute='all' is not one of 'auto', 'none', 'layers'"):
         autopar.plan(_Dropped(), ONE_DEVICE, (torch.randn(16, 32), torch.randn(16, 32)), recompute="all")
+
+
+def test_ops_reading_a_buffer_the_forward_overwrites_are_never_recomputed():
+    """Batch norm reads its running statistics, which are written back after the forward: run
+    again in the backward, it would read the new values (autograd refuses the saved tensor)."""
+    from autopar.examples.convnet import ConvNet
+
+    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    plan = autopar.plan(ConvNet(), ONE_DEVICE, batch, recompute="layers")
+    norms = [n for n in plan.nodes if "batch_norm_legit" in n.op]
+    assert norms and all(n.activation != "recompute" for n in norms)
+    assert any(n.activation == "recompute" for n in plan.nodes)

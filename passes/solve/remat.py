@@ -129,7 +129,9 @@ def activation_space(
     views = _views(forward, graph_nodes)
     backward_views = _views(backward, graph_nodes)
     param_views = _param_views(forward, read_back, views, by_name)
-    recomputable, never_kept = _recompute_choices(forward, graph_nodes, recompute, segment, readers_in, param_views)
+    recomputable, never_kept = _recompute_choices(
+        forward, graph_nodes, recompute, segment, readers_in, param_views, _overwritten(captured)
+    )
     kept, extra = _kept_sizes(forward, costs, read_back, read_forward, views)
     offloadable = {
         n.name
@@ -174,11 +176,18 @@ def _recompute_choices(
     segment: dict[str, str],
     readers_in: dict[str, set[str]],
     param_views: set[str],
+    overwritten: set[str],
 ) -> tuple[set[str], set[str]]:
     """:attr:`ActivationSpace.recomputable` and :attr:`ActivationSpace.never_kept`: under
-    ``"layers"``, an op of a layer that no op of another segment reads is never kept."""
+    ``"layers"``, an op of a layer that no op of another segment reads is never kept. An op
+    reading a buffer the step overwrites in place (batch norm's running statistics) is never
+    recomputed: by the backward, the buffer holds its new value."""
     recomputable = {
-        n.name for n in forward if recompute != "none" and _deterministic(graph_nodes[n.name])
+        n.name
+        for n in forward
+        if recompute != "none"
+        and _deterministic(graph_nodes[n.name])
+        and not any(a.name in overwritten for a in graph_nodes[n.name].all_input_nodes)
     } | param_views
     never_kept = set(param_views)
     if recompute == "layers":
@@ -377,6 +386,12 @@ def _held_outputs(forward, read_back: dict[str, set[int]], views: dict) -> dict[
 
 def _is_view(node: torch.fx.Node) -> bool:
     return getattr(node.target, "is_view", False) or node.target is torch.ops.aten._unsafe_view.default
+
+
+def _overwritten(captured: Captured) -> set[str]:
+    """The placeholders of the buffers the forward updates in place."""
+    updated = {k.name for k in captured.outputs if k is not None and k.kind == "buffer"}
+    return {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "buffer" and k.name in updated}
 
 
 def _deterministic(node: torch.fx.Node) -> bool:
