@@ -17,7 +17,8 @@ class MixedPrecision:
     they are stepped. A gradient's reduction runs on either side of that cast, whichever the plan
     prices cheaper: in ``param_dtype`` before it (as FSDP2 reduces by default) or in the
     parameters' dtype after it; ``reduce_dtype=torch.float32`` (float32 parameters) keeps every
-    gradient whole-precision until it is reduced, as FSDP2's ``reduce_dtype`` does.
+    gradient whole-precision until it is reduced, as FSDP2's ``reduce_dtype`` does. Batch
+    norm's weight and bias stay in their dtype, as its running statistics do.
     """
 
     param_dtype: torch.dtype | None = None

@@ -220,7 +220,9 @@ class _ComputeIn(torch.nn.Module):
     """``model`` run on copies of its floating-point parameters, and on its floating-point
     inputs, cast to ``dtype``. It holds the model's children, parameters and buffers under the
     model's own names (so the graph's inputs keep them) and calls the model with the casts in
-    place of the parameters."""
+    place of the parameters. Batch norm's weight and bias keep their dtype, as its running
+    statistics do: its kernel takes an input of lower precision, not parameters of another
+    dtype than its statistics (FSDP's policies leave batch norm out too)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         super().__init__()
@@ -232,9 +234,18 @@ class _ComputeIn(torch.nn.Module):
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         object.__setattr__(self, "_model", model)  # not a child: its tensors are this module's own
         self._dtype = dtype
+        self._kept = {
+            f"{path}.{name}" if path else name
+            for path, module in model.named_modules()
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+            for name, _ in module.named_parameters(recurse=False)
+        }
 
     def forward(self, *args):
-        casts = {name: p.to(self._dtype) if p.is_floating_point() else p for name, p in self._model.named_parameters()}
+        casts = {
+            name: p.to(self._dtype) if p.is_floating_point() and name not in self._kept else p
+            for name, p in self._model.named_parameters()
+        }
         args = tuple(x.to(self._dtype) if x.is_floating_point() else x for x in args)
         return torch.func.functional_call(self._model, casts, args)
 
