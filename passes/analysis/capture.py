@@ -160,6 +160,11 @@ class Captured:
     def num_forward_outputs(self) -> int:
         return sum(1 for o in self.outputs if o is not None and o.kind == "output")
 
+    @property
+    def updated_buffers(self) -> list[str]:
+        """The buffers the forward updates in place (batch norm's running statistics), by name."""
+        return [k.name for k in self.outputs if k is not None and k.kind == "buffer"]
+
 
 @torch.enable_grad()
 def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dtype | None = None) -> Captured:

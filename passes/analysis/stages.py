@@ -293,7 +293,7 @@ def check_stageable(captured: Captured) -> tuple[fx.GraphModule, str] | None:
     """Refuse a model pipeline stages cannot run as one device does: one whose loss is no mean
     (:func:`loss_divisor`, which it returns), or whose forward updates buffers (once per
     micro-batch instead of once per batch)."""
-    updated = [k.name for k in captured.outputs if k is not None and k.kind == "buffer"]
+    updated = captured.updated_buffers
     if updated:
         raise InputError(
             f"the forward updates buffers in place ({', '.join(updated)}: batch norm's running statistics, "

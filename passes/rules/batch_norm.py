@@ -72,6 +72,8 @@ def batch_norm_backward_rule(node: fx.Node) -> list[Row]:
 
 
 def _not_channels(node: fx.Node) -> tuple[int, ...]:
+    """The dims a batch norm's statistics sum over: all but the channels (its first argument,
+    the input or the gradient, has the input's shape)."""
     return tuple(d for d in range(val(node.args[0]).ndim) if d != 1)
 
 
@@ -88,7 +90,7 @@ def _count(node: fx.Node, x_position: int) -> int:
 @register_split(_FORWARD, index=0, dim=lambda node: 0, reduces=("sum", "sum"), reduced_dims=_not_channels)
 def _batch_norm_split(node: fx.Node, args: list, kwargs: dict, split: Split):
     x, weight, bias, running_mean, running_var, _, momentum, eps = args
-    count, dims = _count(node, 0), [d for d in range(x.ndim) if d != 1]
+    count, dims = _count(node, 0), list(_not_channels(node))
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
     mean = split.all_reduce(wide.sum(dims), "sum") / count
     centred = wide - _channels(mean, x.ndim)
@@ -109,7 +111,7 @@ def _batch_norm_backward_split(node: fx.Node, args: list, kwargs: dict, split: S
     """``grad_x = w · rstd · (g − Σg / n − x̂ · Σ(g · x̂) / n)``, ``grad_weight = Σ(g · x̂)``,
     ``grad_bias = Σg``, the sums over the whole batch."""
     grad, x, weight, _, _, mean, rstd, _, _, mask = args
-    count, dims = _count(node, 1), [d for d in range(x.ndim) if d != 1]
+    count, dims = _count(node, 1), list(_not_channels(node))
     wide = torch.promote_types(x.dtype, torch.float32)
     g = grad.to(wide)
     normalised = (x.to(wide) - _channels(mean, x.ndim)) * _channels(rstd, x.ndim)

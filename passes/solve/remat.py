@@ -390,7 +390,7 @@ def _is_view(node: torch.fx.Node) -> bool:
 
 def _overwritten(captured: Captured) -> set[str]:
     """The placeholders of the buffers the forward updates in place."""
-    updated = {k.name for k in captured.outputs if k is not None and k.kind == "buffer"}
+    updated = set(captured.updated_buffers)
     return {n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "buffer" and k.name in updated}
 
 
