@@ -83,6 +83,22 @@ class RankSplit:
         return self.ranks.all_reduce(self.rank, t, op)
 
 
+def joint_args(model: torch.nn.Module, captured, inputs) -> list[torch.Tensor]:
+    """Real values for ``captured``'s placeholders: ``model``'s parameters and buffers, the
+    ``inputs``, and tangents of ones."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    user = iter(inputs)
+    args = []
+    for node, kind in zip(captured.placeholders, captured.inputs):
+        if kind.kind in ("param", "buffer"):
+            args.append(state[kind.name].detach())
+        elif kind.kind == "input":
+            args.append(next(user))
+        else:
+            args.append(torch.ones(node.meta["val"].shape, dtype=node.meta["val"].dtype))
+    return args
+
+
 def _scale(value: torch.Tensor) -> float:
     """The largest finite magnitude in ``value``, at least 1: sums over many terms (a weight
     gradient) round to a fraction of the terms' size, not of the small entries'."""

@@ -16,6 +16,7 @@ from torch import nn
 import autopar
 from autopar.core.placement import S
 from tests.cases import BYTES_DEAR
+from tests.passes.rule_check import joint_args
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
@@ -148,17 +149,8 @@ def test_batch_norm_keeps_its_parameters_dtype_under_a_compute_dtype():
     """Its kernel refuses bfloat16 weights beside float32 running statistics; the graph runs."""
     model = ConvNet()
     captured = capture(model, BATCH, param_dtype=torch.bfloat16)
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    user = iter(BATCH)
-    args = [
-        state[k.name].detach()
-        if k.kind in ("param", "buffer")
-        else next(user)
-        if k.kind == "input"
-        else torch.ones(n.meta["val"].shape, dtype=n.meta["val"].dtype)
-        for n, k in zip(captured.placeholders, captured.inputs)
-    ]
-    torch.fx.Interpreter(captured.graph).run(*args)  # the batch norms run on bfloat16 inputs, float32 parameters
+    # the batch norms run on bfloat16 inputs with float32 parameters
+    torch.fx.Interpreter(captured.graph).run(*joint_args(model, captured, BATCH))
     norms = [n for n in captured.graph.graph.nodes if "batch_norm_legit" in str(n.target)]
     assert norms and all(n.args[1].meta["val"].dtype == torch.float32 for n in norms)
     assert all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in norms)

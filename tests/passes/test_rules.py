@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from autopar.core.placement import P, R, S
 from autopar.core.strategy import Strategy
 from tests.passes.opdb_samples import validate_op_db
-from tests.passes.rule_check import MESH, Recorder, check_row
+from tests.passes.rule_check import MESH, Recorder, check_row, joint_args
 
 aten = torch.ops.aten
 
@@ -168,18 +168,8 @@ class _PaddedCausalLM(nn.Module):
 
 def _real_values(model, inputs):
     captured = capture(model, inputs)
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    args = []
-    user = iter(inputs)
-    for node, kind in zip(captured.placeholders, captured.inputs):
-        if kind.kind in ("param", "buffer"):
-            args.append(state[kind.name].detach())
-        elif kind.kind == "input":
-            args.append(next(user))
-        else:
-            args.append(torch.ones(node.meta["val"].shape, dtype=node.meta["val"].dtype))
     recorder = Recorder(captured.graph)
-    recorder.run(*args)
+    recorder.run(*joint_args(model, captured, inputs))
     return captured, recorder.values
 
 
