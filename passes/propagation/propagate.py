@@ -86,7 +86,7 @@ def propagate(
                 + "\nFix: pass fallback=True to run them replicated, or add a rule in autopar/passes/rules/"
             )
         log.warning("no sharding rule for %d node(s); they run replicated:\n%s", len(unsupported), "\n".join(lines))
-    return StrategySpace(tuple(drop_transit_splits(nodes, carrying, mesh.ndim)), aliases)
+    return StrategySpace(tuple(drop_transit_splits(nodes, carrying)), aliases)
 
 
 def placement_problem(value: torch.Tensor, placements: Placements, mesh: Mesh) -> str | None:

@@ -26,14 +26,16 @@ the channels can be split.
 """
 
 import dataclasses
+import functools
 import logging
 
 from autopar.core.placement import Shard
-from autopar.core.strategy import NodeSpace, Strategy
+from autopar.core.strategy import NodeSpace
 
 log = logging.getLogger(__name__)
 
 _Dim = tuple[str, int, int]  # (producer, output index, dim)
+_Side = tuple[tuple[int, int], ...]  # (operand or output index, dim) pairs of one strategy on one mesh axis
 
 
 class _Classes:
@@ -56,50 +58,76 @@ class _Classes:
             self.parent[root] = roots[0]
 
 
-def _splits(node: NodeSpace, strategy: Strategy, axis: int) -> tuple[list[_Dim], list[_Dim]]:
-    """The operand dims and the output dims ``strategy`` splits on mesh axis ``axis``."""
-    ins = [(ref[0], ref[1], p[axis].dim) for ref, p in zip(node.args, strategy.inputs) if isinstance(p[axis], Shard)]
-    outs = [
-        (node.name, o, p[axis].dim)
-        for o, p in enumerate(strategy.outputs)
-        if p is not None and isinstance(p[axis], Shard)
-    ]
-    return ins, outs
+@functools.cache
+def _sharded(placements) -> tuple[tuple[int, int], ...]:
+    """``(mesh axis, dim)`` of every split of ``placements`` (a
+    :class:`~autopar.core.placement.Layout`, one object per value, or ``None``)."""
+    return tuple((axis, p.dim) for axis, p in enumerate(placements or ()) if isinstance(p, Shard))
 
 
-def drop_transit_splits(nodes: list[NodeSpace], carrying: set[str], num_axes: int) -> list[NodeSpace]:
+def _node_splits(node: NodeSpace) -> set[tuple[_Side, _Side]]:
+    """The distinct ``(operand splits, output splits)`` the strategies of ``node`` make on one
+    mesh axis, as ``(index, dim)`` pairs."""
+    found: set[tuple[_Side, _Side]] = set()
+    for s in node.strategies:
+        ins = [(axis, j, d) for j, p in enumerate(s.inputs) for axis, d in _sharded(p)]
+        outs = [(axis, o, d) for o, p in enumerate(s.outputs) for axis, d in _sharded(p)]
+        for axis in {a for a, _, _ in ins} | {a for a, _, _ in outs}:
+            found.add(
+                (
+                    tuple((j, d) for a, j, d in ins if a == axis),
+                    tuple((o, d) for a, o, d in outs if a == axis),
+                )
+            )
+    return found
+
+
+def drop_transit_splits(nodes: list[NodeSpace], carrying: set[str]) -> list[NodeSpace]:
     """``nodes`` with every op strategy that makes a transit split (module docstring) removed.
     ``carrying`` names the op nodes whose rules are elementwise or view rules. Placeholders
     and the output keep all their strategies, and an op keeps its whole strategy list when
     every one of them would go."""
+    by_strategies: dict[int, set] = {}  # ops of repeated layers share one tuple of strategies
+    splits = {}
+    for n in nodes:
+        if n.kind in ("op", "param", "buffer", "input", "tangent"):
+            if id(n.strategies) not in by_strategies:
+                by_strategies[id(n.strategies)] = _node_splits(n)
+            splits[n.name] = by_strategies[id(n.strategies)]
     classes = _Classes()
     native: list[_Dim] = []
     for n in nodes:
-        if n.kind in ("param", "buffer", "input", "tangent"):
-            for s in n.strategies:
-                for axis in range(num_axes):
-                    native += _splits(n, s, axis)[1]
-        if n.kind != "op":
-            continue
-        for s in n.strategies:
-            for axis in range(num_axes):
-                ins, outs = _splits(n, s, axis)
-                if n.name in carrying and outs:
-                    classes.union(ins + outs)
-                elif outs:
-                    native += ins + outs
+        for ins, outs in splits.get(n.name, ()):
+            out_dims = [(n.name, o, d) for o, d in outs]
+            if n.kind != "op":
+                native += out_dims
+            elif outs:
+                in_dims = [(n.args[j][0], n.args[j][1], d) for j, d in ins]
+                if n.name in carrying:
+                    classes.union(in_dims + out_dims)
+                else:
+                    native += in_dims + out_dims
     roots = {classes.find(d) for d in native}
-
-    def transit(s: Strategy, n: NodeSpace) -> bool:
-        return any(
-            classes.find(d) not in roots for axis in range(num_axes) for side in _splits(n, s, axis) for d in side
-        )
 
     kept: list[NodeSpace] = []
     dropped = 0
     for n in nodes:
         if n.kind == "op":
-            strategies = tuple(s for s in n.strategies if not transit(s, n))
+            transit_in = {
+                (j, d) for ins, _ in splits[n.name] for j, d in ins if classes.find((*n.args[j], d)) not in roots
+            }
+            transit_out = {
+                (o, d) for _, outs in splits[n.name] for o, d in outs if classes.find((n.name, o, d)) not in roots
+            }
+            if not transit_in and not transit_out:
+                kept.append(n)
+                continue
+            strategies = tuple(
+                s
+                for s in n.strategies
+                if not any((j, d) in transit_in for j, p in enumerate(s.inputs) for _, d in _sharded(p))
+                and not any((o, d) in transit_out for o, p in enumerate(s.outputs) for _, d in _sharded(p))
+            )
             if strategies and len(strategies) < len(n.strategies):
                 dropped += len(n.strategies) - len(strategies)
                 n = dataclasses.replace(n, strategies=strategies)
