@@ -155,15 +155,27 @@ def transition(
 
 
 def neighbours(
-    cur: Placements, layouts: tuple[Placements, ...], shape, itemsize: int, mesh: Mesh
+    cur: Placements, layouts: "_OneAxisApart", shape, itemsize: int, mesh: Mesh
 ) -> Iterator[tuple[Placements, Step]]:
-    """The layouts one step away from ``cur`` within ``layouts``, with that step."""
+    """The layouts one step away from ``cur`` among ``layouts``, with that step."""
     for axis in range(mesh.ndim):
-        for nxt in layouts:
-            if nxt[axis] != cur[axis] and all(nxt[a] == cur[a] for a in range(mesh.ndim) if a != axis):
+        for nxt in layouts.groups[axis].get(cur[:axis] + cur[axis + 1 :], ()):
+            if nxt[axis] != cur[axis]:
                 step = one_axis_step(cur, nxt, axis, shape, itemsize, mesh)
                 if step is not None:
                     yield nxt, step
+
+
+class _OneAxisApart:
+    """Layouts grouped, for each mesh axis, by their placements on the other axes: the layouts
+    one axis apart from a layout are in its group (in the layouts' order), found without
+    comparing it with every layout."""
+
+    def __init__(self, layouts: tuple[Placements, ...], ndim: int) -> None:
+        self.groups: list[dict[tuple, list[Placements]]] = [{} for _ in range(ndim)]
+        for v in layouts:
+            for axis in range(ndim):
+                self.groups[axis].setdefault(v[:axis] + v[axis + 1 :], []).append(v)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -172,8 +184,9 @@ def _arcs(
 ) -> dict[Placements, tuple[tuple[Placements, Step, float], ...]]:
     """Per valid layout of a tensor, the valid layouts one step away, with the step and its time."""
     layouts = valid_layouts(shape, mesh, partial)
+    apart = _OneAxisApart(layouts, mesh.ndim)
     return {
-        u: tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(u, layouts, shape, itemsize, mesh))
+        u: tuple((v, step, step_s(step, mesh, links)) for v, step in neighbours(u, apart, shape, itemsize, mesh))
         for u in layouts
     }
 
@@ -194,7 +207,8 @@ def _shortest_paths(
         out = arcs.get(cur)
         if out is None:  # a source outside the valid layouts
             out = tuple(
-                (v, step, step_s(step, mesh, links)) for v, step in neighbours(cur, tuple(arcs), shape, itemsize, mesh)
+                (v, step, step_s(step, mesh, links))
+                for v, step in neighbours(cur, _OneAxisApart(tuple(arcs), mesh.ndim), shape, itemsize, mesh)
             )
         for nxt, step, seconds in out:
             if nxt not in best:
