@@ -65,10 +65,10 @@ class CostModel:
         self.fitted = hardware.fitted
         self.timer = OpTimer(mesh, working_set=step_working_set(captured, mesh)) if self.fitted.timed_ops else None
         self.scale = self.fitted.step_scale
-        self._transitions: dict[tuple, float] = {}  # by shape, dtype and layouts: repeated layers ask again
+        self._transitions: dict[tuple, float] = {}  # by the value's kind and layouts: repeated layers ask again
+        self._kinds: dict[ValueRef, tuple] = {}  # by value: its shape, dtype and whether it must stay unreduced
         self._local_bytes: dict[tuple, int] = {}
         self._bytes_of: dict[tuple, int] = {}  # by value and layout, before the shape is looked up
-        self._moved: dict[tuple, float] = {}  # transitions by value and layouts, likewise
         self._values: dict[ValueRef, torch.Tensor] = {}
 
     def value(self, ref: ValueRef) -> torch.Tensor:
@@ -165,19 +165,16 @@ class CostModel:
         return step_s(step, self.mesh, self.links)
 
     def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
-        found = self._moved.get((ref, src, dst))
+        kind = self._kinds.get(ref)
+        if kind is None:
+            value = self.value(ref)
+            kind = self._kinds[ref] = (tuple(value.shape), value.dtype, ref[0] in self.unreduced)
+        found = self._transitions.get((kind, src, dst))
         if found is None:
-            found = self._moved[ref, src, dst] = self._priced_transition_s(ref, src, dst)
+            found = self._transitions[kind, src, dst] = (
+                math.inf if kind[2] and _reduces(src, dst) else sum(self.step_s(s) for s in self.steps(ref, src, dst))
+            )
         return found
-
-    def _priced_transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
-        if ref[0] in self.unreduced and _reduces(src, dst):
-            return math.inf
-        value = self.value(ref)
-        key = (tuple(value.shape), value.dtype, src, dst)
-        if key not in self._transitions:
-            self._transitions[key] = sum(self.step_s(s) for s in self.steps(ref, src, dst))
-        return self._transitions[key]
 
     def gradient_s(self, ref: ValueRef, src: Placements, dst: Placements) -> tuple[float, BucketShare | None]:
         """Moving parameter gradient ``ref`` into its parameter's placements: a move that joins a
