@@ -389,7 +389,14 @@ class _Problem:
         plan of a merged mesh (:attr:`merged`) whose predicted peak fits the budget, fastest
         first, as plans of status ``LAYOUT`` carrying the size and time of the search that
         ``solver`` describes."""
-        layouts = standard_layouts(self.space, self.mesh, self.node_costs, self.costs.transition_s)
+        layouts = standard_layouts(
+            self.space,
+            self.mesh,
+            self.node_costs,
+            self.costs.transition_s,
+            self.classes.template,
+            self.costs.value_kind,
+        )
         solutions = [
             (name, Solution(choice, solver, recomputed=self.activations.param_views)) for name, choice in layouts
         ]

@@ -164,11 +164,17 @@ class CostModel:
     def step_s(self, step: Step) -> float:
         return step_s(step, self.mesh, self.links)
 
-    def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
+    def value_kind(self, ref: ValueRef) -> tuple:
+        """What the cost of moving value ``ref`` depends on: its shape, its dtype and whether it
+        must not be reduced (:attr:`unreduced`)."""
         kind = self._kinds.get(ref)
         if kind is None:
             value = self.value(ref)
             kind = self._kinds[ref] = (tuple(value.shape), value.dtype, ref[0] in self.unreduced)
+        return kind
+
+    def transition_s(self, ref: ValueRef, src: Placements, dst: Placements) -> float:
+        kind = self._kinds.get(ref) or self.value_kind(ref)
         found = self._transitions.get((kind, src, dst))
         if found is None:
             found = self._transitions[kind, src, dst] = (

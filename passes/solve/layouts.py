@@ -29,7 +29,7 @@ column and row pairs, with its one all-reduce per pair.
 """
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from autopar.core.mesh import Mesh
@@ -44,11 +44,22 @@ TransitionCost = Callable[[ValueRef, Placements, Placements], float]
 
 
 def standard_layouts(
-    space: StrategySpace, mesh: Mesh, node_costs: dict[str, list[float]], transition_s: TransitionCost
+    space: StrategySpace,
+    mesh: Mesh,
+    node_costs: dict[str, list[float]],
+    transition_s: TransitionCost,
+    shared: Mapping[str, str] | None = None,
+    value_kind: Callable[[ValueRef], Hashable] | None = None,
 ) -> Iterator[tuple[str, dict[str, int]]]:
-    """``(name, strategy index of every node)`` of each standard layout the pins allow."""
+    """``(name, strategy index of every node)`` of each standard layout the pins allow.
+    ``shared`` maps nodes of repeated layers to their counterparts in the layer they copy
+    (:attr:`~autopar.passes.solve.layers.LayerClasses.template`) and ``value_kind`` gives what a
+    value's moves cost depends on (:meth:`~autopar.cost_model.estimate.CostModel.value_kind`):
+    with both, a node whose operands come as its counterpart's came takes the strategy its
+    counterpart took, without pricing its strategies again."""
     axes = tuple(range(mesh.ndim))
     moves: dict[tuple[str, int, int, int], float] = {}  # priced once for all layouts
+    repeats = {"shared": dict(shared or {}), "value_kind": value_kind}
     splits = [("data parallel", ()), ("fully sharded", axes)]
     if mesh.ndim > 1:
         splits += [(f"sharded over {mesh.axis_names[a]}", (a,)) for a in axes]
@@ -58,7 +69,7 @@ def standard_layouts(
             for n in space.nodes
             if n.kind in ("param", "buffer", "input")
         }
-        choice = _Completion(space, node_costs, transition_s, fixed, gathered=split, moves=moves).run()
+        choice = _Completion(space, node_costs, transition_s, fixed, gathered=split, moves=moves, **repeats).run()
         if choice is not None:
             yield name, choice
     for tp in axes:
@@ -70,7 +81,7 @@ def standard_layouts(
         for name, split in variants:
             fixed = {n.name: _closest(n, ()) for n in space.nodes if n.kind in ("buffer", "input")}
             open_params = {n.name: _splits_over(n, tp, split) for n in space.nodes if n.kind == "param"}
-            choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp, moves).run()
+            choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp, moves, **repeats).run()
             if choice is not None:
                 yield name, choice
 
@@ -152,12 +163,15 @@ class _Completion:
     open_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tp: int | None = None
     moves: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
+    shared: dict[str, str] = field(default_factory=dict)
+    value_kind: Callable[[ValueRef], Hashable] | None = None
 
     def __post_init__(self):
         self.by_name = self.space.index()
         self.choice: dict[str, int] = {}
         self.open: dict[str, _Open] = {}
         self.of_params: set[str] = set()  # parameters, and forward ops of parameters alone
+        self.repeated: dict[tuple, int] = {}  # by :meth:`repeat_key`: the strategy a node took
 
     def run(self) -> dict[str, int] | None:
         """The strategy of every node; ``None`` when some node has no strategy of finite cost."""
@@ -171,16 +185,38 @@ class _Completion:
             elif n.kind == "op" and n.args and all(name in self.open for name, _ in n.args):
                 self.open[n.name] = self.priced(n, keep_all=True, strict=True)
             else:
+                key = self.repeat_key(n)
+                if key in self.repeated:
+                    self.choice[n.name] = self.repeated[key]
+                    continue
                 options = self.priced(n, keep_all=False, strict=True)
                 if not options.costs:
                     options = self.priced(n, keep_all=False, strict=False)
                 if not options.costs:
                     return None
                 self.settle(n.name, options, min(options.costs, key=options.costs.__getitem__))
+                if key is not None:
+                    self.repeated[key] = self.choice[n.name]
         for name, options in list(self.open.items()):  # read by nothing priced: its cheapest strategy
             if name not in self.choice and options.costs:
                 self.settle(name, options, min(options.costs, key=options.costs.__getitem__))
         return self.choice if len(self.choice) == len(self.space.nodes) else None
+
+    def repeat_key(self, n: NodeSpace) -> tuple | None:
+        """What the strategy :meth:`run` gives ``n`` depends on once all its operands are placed:
+        its counterpart in the layer it copies (or itself), its costs, and each operand's
+        layout, kind and whether it is of the parameters alone. ``None`` while an operand is
+        open, or without ``value_kind`` or repeated layers."""
+        if self.value_kind is None or not self.shared or not all(name in self.choice for name, _ in n.args):
+            return None
+        return (
+            self.shared.get(n.name, n.name),
+            tuple(self.node_costs[n.name]),
+            tuple(
+                (self.made(name, self.choice[name], index), self.value_kind((name, index)), name in self.of_params)
+                for name, index in n.args
+            ),
+        )
 
     def priced(self, n: NodeSpace, keep_all: bool, strict: bool) -> _Open:
         """The seconds of each strategy of ``n`` (all of them, or the cheapest), with its open

@@ -86,3 +86,41 @@ def test_tensor_parallel_layouts_pair_megatrons_column_and_row_splits():
                 assert strategy.outputs[0][1] == Partial(), (name, leaf)
             else:
                 assert strategy.inputs[0][1] == R and strategy.outputs[0][1] == Shard(1), (name, leaf)
+
+
+class _Stack(torch.nn.Module):
+    """Identical linear layers: Megatron's layouts alternate column and row splits over them."""
+
+    def __init__(self, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_repeated_layers_take_their_counterparts_strategies_as_pricing_every_node_would():
+    """A node of a repeated layer whose operands come as its counterpart's did takes the
+    counterpart's strategy without being priced again: every layout is the one found by pricing
+    each node, also where the layers alternate."""
+    from autopar.cost_model.estimate import memory_terms
+    from autopar.passes.solve.layers import repeated_layers
+
+    mesh = Mesh((2, 2, 2), ("pp", "dp", "tp"))
+    torch.manual_seed(0)
+    captured = capture(_Stack(), (torch.randn(64, 32), torch.randn(64, 32)))
+    space = propagate(captured, mesh)
+    costs = CostModel(captured, mesh, resolve_profile("h100"))
+    node_costs = costs.node_costs(space, costs.compute_costs(space))
+    classes = repeated_layers(captured, space, node_costs, memory_terms(space, costs))
+    assert classes.num_shared_layers >= 2
+    each = dict(standard_layouts(space, mesh, node_costs, costs.transition_s))
+    reused = dict(standard_layouts(space, mesh, node_costs, costs.transition_s, classes.template, costs.value_kind))
+    assert len(each) == 11 and reused == each
+    weights = [next(n.name for n in space.nodes if n.target == f"layers.{i}.weight") for i in range(4)]
+    by_name = space.index()
+    megatron = each["tensor parallel over tp"]
+    over_tp = [by_name[w].strategies[megatron[w]].outputs[0][2] for w in weights]
+    assert over_tp[0] != over_tp[1] and over_tp[0] == over_tp[2]  # column, row, column, row
