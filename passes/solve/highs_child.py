@@ -8,7 +8,8 @@ relaxation alone, whether to search without presolve and the feasibility jump he
 HiGHS may restart its search at the root, and the number of columns to dive on (four unsigned
 32-bit integers) and those columns' indices (32-bit integers), then the program as an OR-Tools
 ``MPModelProto``; writes to stdout the pickle of ``(status, variable values, objective, bound)``
-with OR-Tools' status codes, and ``None`` for the last three when no solution was found. The
+with OR-Tools' status codes, and ``None`` for the last three when no solution was found. Given a
+file descriptor as its argument, it writes the search's progress there (:class:`_Progress`). The
 program's ``solution_hint`` (a plan known to satisfy it, whole or in part) is the search's starting
 solution: HiGHS completes a partial one with a small search of its own. Columns to dive on make the
 search start from :func:`dive`'s plan instead. HiGHS is driven through ``highspy`` rather than
@@ -41,6 +42,9 @@ DUAL_TASKS = 2
 (SIP): the same path as the serial dual simplex, on two threads."""
 INTEGRAL_WITHIN = 1e-6
 """How far from 0 or 1 an integer column of a relaxation's solution may be to count as integral."""
+PROGRESS_AFTER_S, PROGRESS_EVERY_S = 5.0, 10.0
+"""Seconds a search runs before it reports its progress, and between reports while it finds no
+better plan."""
 
 
 def program(model: linear_solver_pb2.MPModelProto) -> highspy.HighsLp:
@@ -165,6 +169,28 @@ def _give_up_without_solution(event, give_up_s: float) -> None:
         event.interrupt()
 
 
+class _Progress:
+    """Lines of ``seconds found gap`` written to ``out`` once the search has run ``PROGRESS_AFTER_S``
+    (``found``: 1 once it has a plan; ``gap`` the relative distance of its best plan from the
+    bound, ``inf`` without either): at every better plan, and every ``PROGRESS_EVERY_S`` between
+    them."""
+
+    def __init__(self, out) -> None:
+        self.out, self.last = out, PROGRESS_AFTER_S - PROGRESS_EVERY_S
+
+    def __call__(self, event) -> None:
+        data = event.data_out
+        improving = event.callback_type == highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution
+        if data.running_time < PROGRESS_AFTER_S or not (improving or data.running_time - self.last >= PROGRESS_EVERY_S):
+            return
+        best = data.objective_function_value if improving else data.mip_primal_bound
+        found = math.isfinite(best)
+        gap = abs(best - data.mip_dual_bound) / max(abs(best), 1e-9) if found else math.inf
+        self.out.write(f"{data.running_time:.1f} {int(found)} {gap:.6g}\n")
+        self.out.flush()
+        self.last = data.running_time
+
+
 def main() -> None:
     data = sys.stdin.buffer.read()
     started = time.perf_counter()
@@ -203,6 +229,10 @@ def main() -> None:
     give_up_s -= spent
     if give_up_s < time_limit_s - spent:
         highs.cbMipInterrupt.subscribe(lambda event: _give_up_without_solution(event, give_up_s))
+    if len(sys.argv) > 1:  # a file descriptor for lines of progress
+        progress = _Progress(os.fdopen(int(sys.argv[1]), "w"))
+        highs.cbMipImprovingSolution.subscribe(progress)
+        highs.cbMipInterrupt.subscribe(progress)
     highs.run()
     status, info = highs.getModelStatus(), highs.getInfo()
     if status == highspy.HighsModelStatus.kInfeasible:

@@ -3,17 +3,21 @@
 coefficients, and the solver in a child process that is given up at a deadline."""
 
 import array
+import logging
 import math
 import os
 import pickle
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 
 from ortools.linear_solver import linear_solver_pb2
 
 from autopar.core.errors import InfeasiblePlanError
+
+log = logging.getLogger("autopar")
 
 SCALE = 1e9  # seconds -> nanoseconds, keeps coefficients in the solver's comfortable range
 MEMORY_SCALE = 1e-6  # bytes -> megabytes, likewise
@@ -45,6 +49,20 @@ def add_row(solver, lower: float, upper: float, terms: Iterable[tuple[object, fl
     for var, coefficient in coefficients.items():
         row.SetCoefficient(var, coefficient)
     return row
+
+
+def _report_progress(fd: int) -> None:
+    """Log the search's progress lines from the child (:class:`~autopar.passes.solve.highs_child._Progress`)
+    until it exits: the planning of a large program or one under a memory budget can take minutes."""
+    with os.fdopen(fd) as lines:
+        for line in lines:
+            seconds, found, gap = (float(x) for x in line.split())
+            if not found:
+                log.info("search: %.0f s, no plan found yet", seconds)
+            elif math.isinf(gap):
+                log.info("search: %.0f s, a plan found, no bound on the best yet", seconds)
+            else:
+                log.info("search: %.0f s, the best plan so far is within %.2f%% of the bound", seconds, 100 * gap)
 
 
 def solve_before_deadline(
@@ -108,15 +126,25 @@ def solve_before_deadline(
         + array.array("i", [var.index() for var in dive]).tobytes()
         + model.SerializeToString()
     )
+    progress, into = os.pipe()
     child = subprocess.Popen(
-        [sys.executable, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, CHILD, str(into)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=(into,),
     )
+    os.close(into)
+    reporter = threading.Thread(target=_report_progress, args=(progress,), daemon=True)
+    reporter.start()
     try:
         out, err = child.communicate(payload, timeout=time_limit_s * DEADLINE_FACTOR + DEADLINE_GRACE_S)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
         return None
+    finally:
+        reporter.join()
     if child.returncode != 0 or not out:
         raise InfeasiblePlanError(
             f"the MIP solver stopped without an answer (exit code {child.returncode}): "

@@ -1,6 +1,7 @@
 """The MIP against exhaustive search and a chain dynamic program, on random small problems."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -304,3 +305,59 @@ def test_a_search_given_no_time_returns_the_fastest_standard_layout_and_says_so(
     assert plan.solver.status == "LAYOUT" and plan.solver.layout in layouts
     assert f"solver: LAYOUT, the {plan.solver.layout} layout" in str(plan)
     assert plan.predicted_step_s > 0
+
+
+def test_a_long_search_reports_its_progress(caplog):
+    """The child writes a line at every better plan, and every ``PROGRESS_EVERY_S`` without one,
+    once the search has run ``PROGRESS_AFTER_S``; the planning process logs each."""
+    import io
+    import logging
+    import os
+    from types import SimpleNamespace
+
+    from autopar.passes.solve.highs_child import PROGRESS_AFTER_S, PROGRESS_EVERY_S, _Progress
+    from autopar.passes.solve.mip import _report_progress
+    from highspy import cb
+
+    def event(seconds, improving=False, objective=math.nan, primal=math.inf, dual=-math.inf):
+        kind = (
+            cb.HighsCallbackType.kCallbackMipImprovingSolution
+            if improving
+            else cb.HighsCallbackType.kCallbackMipInterrupt
+        )
+        data = SimpleNamespace(
+            running_time=seconds, objective_function_value=objective, mip_primal_bound=primal, mip_dual_bound=dual
+        )
+        return SimpleNamespace(callback_type=kind, data_out=data)
+
+    out = io.StringIO()
+    progress = _Progress(out)
+    start = PROGRESS_AFTER_S
+    for e in (
+        event(start / 2, improving=True, objective=9.0, dual=1.0),  # a short search says nothing
+        event(start),  # no plan yet
+        event(start + 1),  # too soon after the last line
+        event(start + 2, improving=True, objective=2.0),  # a plan, no bound yet
+        event(start + 3, improving=True, objective=1.0, dual=0.5),  # a better plan
+        event(start + 3 + PROGRESS_EVERY_S / 2, primal=1.0, dual=0.8),
+        event(start + 3 + PROGRESS_EVERY_S, primal=1.0, dual=0.9),
+    ):
+        progress(e)
+    lines = out.getvalue().splitlines()
+    assert [tuple(float(x) for x in line.split()) for line in lines] == [
+        (start, 0, math.inf),
+        (start + 2, 1, math.inf),
+        (start + 3, 1, 0.5),
+        (start + 3 + PROGRESS_EVERY_S, 1, pytest.approx(0.1)),
+    ]
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as pipe:
+        pipe.write(out.getvalue())
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        _report_progress(read)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"search: {start:.0f} s, no plan found yet",
+        f"search: {start + 2:.0f} s, a plan found, no bound on the best yet",
+        f"search: {start + 3:.0f} s, the best plan so far is within 50.00% of the bound",
+        f"search: {start + 3 + PROGRESS_EVERY_S:.0f} s, the best plan so far is within 10.00% of the bound",
+    ]
