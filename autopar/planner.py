@@ -165,6 +165,8 @@ class _Problem:
     stages: dict[str, float]
     """Seconds the stages before the search took: capture, propagate and cost."""
     config: PlanConfig
+    solved: dict = dataclasses.field(default_factory=dict)
+    """:meth:`solved_under`'s answers by the solver's budget."""
 
     @classmethod
     def build(cls, captured: Captured, mesh: Mesh, config: PlanConfig) -> "_Problem":
@@ -272,10 +274,20 @@ class _Problem:
         )
 
     def attempt(self, solver_budget: float | None):
+        """The fastest plan the solver finds within ``solver_budget`` (:meth:`solved_under`), as
+        ``(plan, its program's liveness, stage times, solution)``."""
+        plan, times, solution = self.solved_under(solver_budget)
+        started = time.perf_counter()
+        live = plan_liveness(self.captured, plan) if self.chooses else None
+        return plan, live, {**times, "memory": time.perf_counter() - started}, solution
+
+    def solved_under(self, solver_budget: float | None) -> tuple[ShardingPlan, dict[str, float], Solution]:
         """The fastest plan the solver finds within ``solver_budget`` (started under a budget from
-        every parameter split as far as it goes, else from :attr:`merged` if any), as ``(plan, its
-        program's liveness, stage times, solution)``; :class:`SolverTimeoutError` when it finds
-        none in time."""
+        every parameter split as far as it goes, else from :attr:`merged` if any), with the stage
+        times and its solution, searched once per budget; :class:`SolverTimeoutError` when it
+        finds none in time."""
+        if solver_budget in self.solved:
+            return self.solved[solver_budget]
         start = _sharded_parameters(self.space, self.memory) if self.budget is not None else None
         if start is None and self.merged is not None:
             start = self.merged[1].choice
@@ -293,10 +305,8 @@ class _Problem:
             )
         solved = time.perf_counter()
         plan = self.priced(solution)
-        planned = time.perf_counter()
-        live = plan_liveness(self.captured, plan) if self.chooses else None
-        times = {"solve": solved - started, "plan": planned - solved, "memory": time.perf_counter() - planned}
-        return plan, live, times, solution
+        self.solved[solver_budget] = plan, {"solve": solved - started, "plan": time.perf_counter() - solved}, solution
+        return self.solved[solver_budget]
 
     @property
     def merges(self) -> bool:
@@ -312,11 +322,14 @@ class _Problem:
         the search of this mesh starts from it. ``None`` when none is found or :attr:`merges`
         is false. Under a budget each merged mesh is planned as :func:`_searched` plans, its
         program's liveness within the budget (skipped when the relaxation shows no plan of it
-        fits). A merged mesh of three axes or more is planned only when its own program is small
-        enough to search (``WHOLE_MESH_BELOW``)."""
+        fits), the fastest by its search first: the liveness of a slower one is checked only
+        while its searched plan could still be the fastest once checked (a correction only
+        lowers the budget it is searched under). A merged mesh of three axes or more is planned
+        only when its own program is small enough to search (``WHOLE_MESH_BELOW``)."""
         if not self.merges:
             return None
         started, best, best_s = time.perf_counter(), None, math.inf
+        searched: list[tuple[float, int, "_Problem"]] = []  # under a budget: the lifted plan's step before its check
         for axis in range(self.mesh.ndim - 1):
             if any(p[axis] != p[axis + 1] for p in self.pins.values()) or 1 in self.mesh.shape[axis : axis + 2]:
                 continue  # a pin that differs over the two axes has no merged form; an axis of 1 merges to itself
@@ -331,21 +344,38 @@ class _Problem:
                 elif sub.budget < sub.least_memory_bound:
                     continue
                 else:
-                    solution = within_budget(sub.attempt, sub.budget, flat)[3]
+                    solution = sub.solved_under(float(sub.budget))[2]
+            except (SolverTimeoutError, InfeasiblePlanError):
+                continue
+            found = self._lifted(sub, solution, axis)
+            if found is not None and self.budget is not None:
+                searched.append((found[0].predicted_step_s, axis, sub))
+            elif found is not None and found[0].predicted_step_s < best_s:
+                best, best_s = (f"plan of {sub.mesh}", found[1]), found[0].predicted_step_s
+        for step_s, axis, sub in sorted(searched, key=lambda c: c[:2]):
+            if step_s >= best_s:
+                break
+            try:
+                solution = within_budget(sub.attempt, sub.budget, sub.mesh)[3]
             except (SolverTimeoutError, InfeasiblePlanError, NoPlanUnderBudget):
                 continue
-            choice = lifted(sub.space, solution.choice, self.space, axis)
-            if len(choice) < len(self.space.nodes):
-                continue
-            if self.budget is None:
-                solution = Solution(choice, solution.info, recomputed=self.activations.param_views)
-            else:
-                solution = dataclasses.replace(solution, choice=choice)
-            plan = self.priced(solution)
-            if plan.predicted_step_s < best_s and (self.budget is None or plan.peak_memory_bytes <= self.budget):
-                best, best_s = (f"plan of {flat}", solution), plan.predicted_step_s
+            found = self._lifted(sub, solution, axis)
+            if found is not None and found[0].predicted_step_s < best_s and found[0].peak_memory_bytes <= self.budget:
+                best, best_s = (f"plan of {sub.mesh}", found[1]), found[0].predicted_step_s
         self.stages["merged"] = time.perf_counter() - started
         return best
+
+    def _lifted(self, sub: "_Problem", solution: Solution, axis: int) -> tuple[ShardingPlan, Solution] | None:
+        """The plan of ``sub`` (this mesh with ``axis`` and the next merged) lifted to this mesh,
+        priced, with its solution; ``None`` when some node has no lifted strategy."""
+        choice = lifted(sub.space, solution.choice, self.space, axis)
+        if len(choice) < len(self.space.nodes):
+            return None
+        if self.budget is None:
+            solution = Solution(choice, solution.info, recomputed=self.activations.param_views)
+        else:
+            solution = dataclasses.replace(solution, choice=choice)
+        return self.priced(solution), solution
 
     def merged_plan(self) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
         """The fastest of the plan of a merged mesh and the standard layouts whose program fits
