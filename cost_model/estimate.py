@@ -164,6 +164,13 @@ class CostModel:
     def step_s(self, step: Step) -> float:
         return step_s(step, self.mesh, self.links)
 
+    def addition_s(self, ref: ValueRef, placements: Placements) -> float:
+        """Seconds of adding a piece of value ``ref`` laid out as ``placements`` into another
+        (reading both, writing one), by the roofline: a micro-batch's gradient added to the sum
+        of those before under gradient accumulation."""
+        nbytes = self.local_bytes(ref, placements)
+        return self.scale * self.hardware.compute_s(nbytes / self.value(ref).element_size(), 3 * nbytes)
+
     def value_kind(self, ref: ValueRef) -> tuple:
         """What the cost of moving value ``ref`` depends on: its shape, its dtype and whether it
         must not be reduced (:attr:`unreduced`)."""

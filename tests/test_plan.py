@@ -30,7 +30,8 @@ def test_plan_round_trips_through_json():
 def test_an_accumulated_step_prices_the_gradient_collectives_once():
     """Data parallel on 2 ranks: the gradients' bucketed all-reduces are the collectives a
     micro-batch under ``no_sync()`` leaves out (``tests/runtime/test_training_loop.py`` counts
-    them in the programs that run)."""
+    them in the programs that run), and each micro-batch after the first adds its whole
+    gradients to the sum the device holds."""
     inputs = (torch.randn(512, 32), torch.randn(512, 32))
     plan = autopar.plan(MLP(32, 64), Mesh((2,), ("dp",)), inputs, hardware=FLOP_EQ_BYTE)
     gradients = [c for c in plan.collectives if c.gradient]
@@ -38,7 +39,11 @@ def test_an_accumulated_step_prices_the_gradient_collectives_once():
     gradients_s = sum(c.time_s for c in gradients)
     assert 0 < gradients_s < plan.predicted_step_s
     assert plan.accumulated_step_s(1) == pytest.approx(plan.predicted_step_s)
-    assert plan.accumulated_step_s(4) == pytest.approx(4 * plan.predicted_step_s - 3 * gradients_s)
+    assert 0 < plan.accumulation_add_s < gradients_s
+    assert plan.accumulated_step_s(4) == pytest.approx(
+        4 * plan.predicted_step_s - 3 * gradients_s + 3 * plan.accumulation_add_s
+    )
+    assert plan.accumulated_bytes == 4 * (32 * 64 + 64 + 64 * 32 + 32)  # whole, as data parallel makes them
     assert ShardingPlan.from_json(plan.to_json()).accumulated_step_s(4) == plan.accumulated_step_s(4)
     with pytest.raises(ValueError, match="at least 1"):
         plan.accumulated_step_s(0)

@@ -23,7 +23,7 @@ from autopar.core.placement import (
     parse_placements_text,
 )
 
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 
 
 def format_layouts(layouts: tuple[Placements, ...]) -> str:
@@ -360,6 +360,13 @@ class ShardingPlan:
     stages: Stages | None = None
     """The pipeline stages, if any: then ``mesh`` is the mesh inside each stage, and the graph,
     placements and costs are those of one micro-batch."""
+    accumulation_add_s: float = 0.0
+    """Time of adding one micro-batch's gradients, as its backward makes them (before their
+    collectives), into the sum of the micro-batches before: what each micro-batch after the
+    first adds to a step accumulated under ``no_sync()`` (:meth:`accumulated_step_s`)."""
+    accumulated_bytes: int = 0
+    """Bytes of those sums, which the device holds beside what the step holds from the first
+    micro-batch's backward under ``no_sync()`` to the backward outside it that reduces them."""
 
     def __post_init__(self) -> None:
         for name in ("placements", "inputs", "stage_s"):
@@ -379,7 +386,7 @@ class ShardingPlan:
         """Modelled time of a step that accumulates the gradients of ``microbatches`` calls of the
         planned size, all but the last under ``no_sync()``: each runs the step but for the
         collectives of the gradients (:attr:`Collective.gradient`), which the last runs once for
-        all. The additions of the micro-batches' gradients are not priced."""
+        all, and each after the first adds its gradients to the sum (:attr:`accumulation_add_s`)."""
         if self.stages is not None:
             raise ValueError(
                 "a plan with pipeline stages already prices its micro-batches in predicted_step_s; "
@@ -388,7 +395,11 @@ class ShardingPlan:
         if microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {microbatches}")
         gradients_s = sum(c.time_s for c in self.collectives if c.gradient)
-        return microbatches * (self.predicted_step_s - gradients_s) + gradients_s
+        return (
+            microbatches * (self.predicted_step_s - gradients_s)
+            + gradients_s
+            + (microbatches - 1) * (self.accumulation_add_s)
+        )
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -438,6 +449,8 @@ class ShardingPlan:
             "moves": [m.to_dict(self.mesh) for m in self.moves],
             "graph_lines": list(self.graph_lines),
             "stages": None if self.stages is None else self.stages.to_dict(),
+            "accumulation_add_s": self.accumulation_add_s,
+            "accumulated_bytes": self.accumulated_bytes,
             "predicted_step_s": self.predicted_step_s,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
@@ -482,6 +495,8 @@ class ShardingPlan:
             moves=tuple(PlannedMove.from_dict(m, mesh) for m in data["moves"]),
             graph_lines=tuple(data["graph_lines"]),
             stages=None if data.get("stages") is None else Stages.from_dict(data["stages"]),
+            accumulation_add_s=data["accumulation_add_s"],
+            accumulated_bytes=data["accumulated_bytes"],
         )
 
     def _decisions(self) -> tuple:

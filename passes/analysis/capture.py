@@ -370,6 +370,16 @@ def captured_backward(captured: Captured) -> set[fx.Node]:
     )
 
 
+def gradient_values(captured: Captured, aliases: dict[str, tuple[str, int]]) -> list[tuple[fx.Node, tuple[str, int]]]:
+    """Each gradient output of ``captured`` that is a value of the graph, in output order: its
+    node and the value it is (``aliases``: the graph's getitem aliases)."""
+    return [
+        (value, aliases.get(value.name, (value.name, 0)))
+        for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0])
+        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node)
+    ]
+
+
 def gradients_before_cast(captured: Captured) -> dict[str, torch.dtype]:
     """The values each parameter's gradient is in before the backward casts it to the
     parameter's dtype (under a mixed-precision policy), by node name, with that dtype: from the

@@ -53,7 +53,13 @@ from typing import Literal
 
 import torch
 import torch.fx.traceback as fx_traceback
-from autopar.passes.analysis.capture import Captured, backward_segment_starts, captured_backward, module_paths
+from autopar.passes.analysis.capture import (
+    Captured,
+    backward_segment_starts,
+    captured_backward,
+    gradient_values,
+    module_paths,
+)
 from autopar.passes.lower.buckets import LoweredBuckets
 from autopar.passes.propagation.buckets import Bucket
 from autopar.passes.propagation.propagate import placement_problem, propagate
@@ -219,12 +225,7 @@ def unreduced_gradients(captured: Captured, plan: ShardingPlan) -> list[tuple[fx
 
 def _unreduced(captured: Captured, strategies: dict[str, Strategy], aliases: dict) -> list:
     """:func:`unreduced_gradients` from the plan's strategies and the graph's aliases."""
-    found = []
-    for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
-        if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node):
-            ref = aliases.get(value.name, (value.name, 0))
-            found.append((value, ref, strategies[ref[0]].outputs[ref[1]]))
-    return found
+    return [(value, ref, strategies[ref[0]].outputs[ref[1]]) for value, ref in gradient_values(captured, aliases)]
 
 
 def _accumulated_at(unreduced: list, nodes: dict[str, fx.Node], backward: set[fx.Node]) -> dict[str, list[int]]:

@@ -6,7 +6,7 @@ from collections import defaultdict
 from autopar.cost_model.compute import math_format, rank_flops
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
-from autopar.passes.analysis.capture import Captured, module_paths
+from autopar.passes.analysis.capture import Captured, gradient_values, module_paths
 from autopar.passes.propagation.buckets import ParameterGather, bucket_s, gradient_buckets, parameter_gathers
 from autopar.passes.solve.remat import ActivationSpace, activation_bytes, kept_bytes, kept_ops, refilled_bytes
 from autopar.passes.solve.solver import Solution
@@ -95,6 +95,7 @@ def build_plan(
     moves: dict[tuple, PlannedMove] = {}
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers, buckets, moves))
     in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
+    gradients = [(ref, chosen[ref[0]].outputs[ref[1]]) for _, ref in gradient_values(captured, space.aliases)]
     return ShardingPlan(
         mesh=mesh,
         hardware=hardware_name,
@@ -124,6 +125,8 @@ def build_plan(
         prefetched=tuple(s for s in dict.fromkeys(activations.segment.values()) if s in solution.prefetched),
         buckets=tuple(buckets),
         moves=tuple(moves.values()),
+        accumulation_add_s=sum(costs.addition_s(ref, p) for ref, p in gradients),
+        accumulated_bytes=sum(costs.local_bytes(ref, p) for ref, p in gradients),
     )
 
 

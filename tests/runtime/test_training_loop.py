@@ -382,6 +382,8 @@ def accumulated_steps(preset: str) -> dict:
     out["gradient collectives"] = sum(c.gradient for c in pmodel.plan.collectives)
     with pmodel.no_sync():
         pmodel(*_rank_inputs(pmodel, tuple(x[:4] for x in batches[0]))).backward()
+    out["held bytes"] = sum(g.numel() * g.element_size() for g in pmodel._unsynced.grads)
+    out["accumulated bytes"] = pmodel.plan.accumulated_bytes
     try:
         optimizer.step()
         out["unsynced step"] = "no error"
@@ -397,12 +399,13 @@ def accumulated_steps(preset: str) -> dict:
 def test_gradients_accumulated_over_micro_batches_match_one_device(preset):
     """With and without ``no_sync()``; under it the backward runs no gradient collectives (those
     the plan marks ``gradient``), and the micro-batch after runs as many as a step without
-    accumulation."""
+    accumulation. The sums held between them are the bytes the plan gives."""
     for r in run_ranks(4, accumulated_steps, preset):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
         counts = r["collectives"]
         assert counts["unreduced"] < counts["reduced"] == counts["accumulated"], counts
         assert counts["reduced"] - counts["unreduced"] == r["gradient collectives"]  # priced once per step
+        assert r["held bytes"] == r["accumulated bytes"]  # the sums the plan says the device holds
         assert "never synchronised" in r["unsynced step"]
 
 
