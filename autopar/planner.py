@@ -165,7 +165,7 @@ class _Problem:
     stages: dict[str, float]
     """Seconds the stages before the search took: capture, propagate and cost."""
     config: PlanConfig
-    solved: dict = dataclasses.field(default_factory=dict)
+    solved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """:meth:`solved_under`'s answers by the solver's budget."""
 
     @classmethod
@@ -322,10 +322,12 @@ class _Problem:
         the search of this mesh starts from it. ``None`` when none is found or :attr:`merges`
         is false. Under a budget each merged mesh is planned as :func:`_searched` plans, its
         program's liveness within the budget (skipped when the relaxation shows no plan of it
-        fits), the fastest by its search first: the liveness of a slower one is checked only
-        while its searched plan could still be the fastest once checked (a correction only
-        lowers the budget it is searched under). A merged mesh of three axes or more is planned
-        only when its own program is small enough to search (``WHOLE_MESH_BELOW``)."""
+        fits), the fastest by its search first. The liveness of a slower one is checked only
+        while its searched plan is within the search's gap of the fastest checked one: a
+        correction lowers the budget it is searched under, which makes its plan slower but for
+        the gap (its plan is priced lifted to this mesh, so this is a heuristic, not a proof). A
+        merged mesh of three axes or more is planned only when its own program is small enough
+        to search (``WHOLE_MESH_BELOW``)."""
         if not self.merges:
             return None
         started, best, best_s = time.perf_counter(), None, math.inf
@@ -348,12 +350,12 @@ class _Problem:
             except (SolverTimeoutError, InfeasiblePlanError):
                 continue
             found = self._lifted(sub, solution, axis)
-            if found is not None and self.budget is not None:
-                searched.append((found[0].predicted_step_s, axis, sub))
+            if self.budget is not None:  # a plan that does not lift goes first: its correction may lift
+                searched.append((-math.inf if found is None else found[0].predicted_step_s, axis, sub))
             elif found is not None and found[0].predicted_step_s < best_s:
                 best, best_s = (f"plan of {sub.mesh}", found[1]), found[0].predicted_step_s
         for step_s, axis, sub in sorted(searched, key=lambda c: c[:2]):
-            if step_s >= best_s:
+            if step_s >= best_s * (1 + self.gap):
                 break
             try:
                 solution = within_budget(sub.attempt, sub.budget, sub.mesh)[3]

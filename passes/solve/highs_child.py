@@ -179,7 +179,7 @@ def _give_up_without_solution(event, give_up_s: float) -> None:
 
 
 class _Progress:
-    """Lines of ``seconds found gap`` written to ``out`` once the search has run ``PROGRESS_AFTER_S``
+    """Lines of ``seconds found gap`` written to ``out`` (unbuffered bytes) once the search has run ``PROGRESS_AFTER_S``
     (``found``: 1 once it has a plan; ``gap`` the relative distance of its best plan from the
     bound, ``inf`` without either): at every better plan, and every ``PROGRESS_EVERY_S`` between
     them."""
@@ -189,15 +189,20 @@ class _Progress:
 
     def __call__(self, event) -> None:
         data = event.data_out
+        if self.out is None:
+            return
         improving = event.callback_type == highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution
         if data.running_time < PROGRESS_AFTER_S or not (improving or data.running_time - self.last >= PROGRESS_EVERY_S):
             return
         best = data.objective_function_value if improving else data.mip_primal_bound
         found = math.isfinite(best)
         gap = abs(best - data.mip_dual_bound) / max(abs(best), 1e-9) if found else math.inf
-        self.out.write(f"{data.running_time:.1f} {int(found)} {gap:.6g}\n")
-        self.out.flush()
         self.last = data.running_time
+        try:
+            self.out.write(f"{data.running_time:.1f} {int(found)} {gap:.6g}\n".encode())
+        except OSError:  # nobody reads: the search goes on without reporting
+            self.out.close()
+            self.out = None
 
 
 def main() -> None:
@@ -239,7 +244,7 @@ def main() -> None:
     if give_up_s < time_limit_s - spent:
         highs.cbMipInterrupt.subscribe(lambda event: _give_up_without_solution(event, give_up_s))
     if len(sys.argv) > 1:  # a file descriptor for lines of progress
-        progress = _Progress(os.fdopen(int(sys.argv[1]), "w"))
+        progress = _Progress(os.fdopen(int(sys.argv[1]), "wb", buffering=0))
         highs.cbMipImprovingSolution.subscribe(progress)
         highs.cbMipInterrupt.subscribe(progress)
     highs.run()

@@ -56,7 +56,10 @@ def _report_progress(fd: int) -> None:
     until it exits: the planning of a large program or one under a memory budget can take minutes."""
     with os.fdopen(fd) as lines:
         for line in lines:
-            seconds, found, gap = (float(x) for x in line.split())
+            try:
+                seconds, found, gap = (float(x) for x in line.split())
+            except ValueError:  # a line cut short by the child's end
+                continue
             if not found:
                 log.info("search: %.0f s, no plan found yet", seconds)
             elif math.isinf(gap):
@@ -127,14 +130,19 @@ def solve_before_deadline(
         + model.SerializeToString()
     )
     progress, into = os.pipe()
-    child = subprocess.Popen(
-        [sys.executable, CHILD, str(into)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        pass_fds=(into,),
-    )
-    os.close(into)
+    try:
+        child = subprocess.Popen(
+            [sys.executable, CHILD, str(into)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(into,),
+        )
+    except BaseException:
+        os.close(progress)
+        raise
+    finally:
+        os.close(into)
     reporter = threading.Thread(target=_report_progress, args=(progress,), daemon=True)
     reporter.start()
     try:
@@ -144,6 +152,9 @@ def solve_before_deadline(
         child.communicate()
         return None
     finally:
+        if child.poll() is None:  # interrupted (KeyboardInterrupt): the child stops with the planning
+            child.kill()
+            child.wait()
         reporter.join()
     if child.returncode != 0 or not out:
         raise InfeasiblePlanError(

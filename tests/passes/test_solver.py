@@ -330,7 +330,7 @@ def test_a_long_search_reports_its_progress(caplog):
         )
         return SimpleNamespace(callback_type=kind, data_out=data)
 
-    out = io.StringIO()
+    out = io.BytesIO()
     progress = _Progress(out)
     start = PROGRESS_AFTER_S
     for e in (
@@ -343,7 +343,7 @@ def test_a_long_search_reports_its_progress(caplog):
         event(start + 3 + PROGRESS_EVERY_S, primal=1.0, dual=0.9),
     ):
         progress(e)
-    lines = out.getvalue().splitlines()
+    lines = out.getvalue().decode().splitlines()
     assert [tuple(float(x) for x in line.split()) for line in lines] == [
         (start, 0, math.inf),
         (start + 2, 1, math.inf),
@@ -352,7 +352,7 @@ def test_a_long_search_reports_its_progress(caplog):
     ]
     read, write = os.pipe()
     with os.fdopen(write, "w") as pipe:
-        pipe.write(out.getvalue())
+        pipe.write(out.getvalue().decode() + "12")  # the last line cut short: the child ended mid-line
     with caplog.at_level(logging.INFO, logger="autopar"):
         _report_progress(read)
     assert [r.getMessage() for r in caplog.records] == [
@@ -361,3 +361,9 @@ def test_a_long_search_reports_its_progress(caplog):
         f"search: {start + 3:.0f} s, the best plan so far is within 50.00% of the bound",
         f"search: {start + 3 + PROGRESS_EVERY_S:.0f} s, the best plan so far is within 10.00% of the bound",
     ]
+    read, write = os.pipe()
+    os.close(read)  # the planning process is gone: the search goes on without reporting
+    unread = _Progress(os.fdopen(write, "wb", buffering=0))
+    for seconds in (start, start + PROGRESS_EVERY_S):
+        unread(event(seconds, improving=True, objective=1.0, dual=0.5))
+    assert unread.out is None
