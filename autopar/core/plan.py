@@ -398,7 +398,7 @@ class ShardingPlan:
         return (
             microbatches * (self.predicted_step_s - gradients_s)
             + gradients_s
-            + (microbatches - 1) * (self.accumulation_add_s)
+            + (microbatches - 1) * self.accumulation_add_s
         )
 
     @property

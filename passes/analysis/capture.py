@@ -387,10 +387,9 @@ def gradients_before_cast(captured: Captured) -> dict[str, torch.dtype]:
     that makes it, as long as nothing else reads them (an activation's gradient that other ops
     read is not this gradient's alone). Reducing one of them across ranks reduces the gradient
     in the compute dtype."""
-    graph = captured.graph.graph
     found: dict[str, torch.dtype] = {}
-    for kind, value in zip(captured.outputs, graph.output_node().args[0]):
-        if kind is None or kind.kind != "grad" or not isinstance(value, fx.Node) or not value.all_input_nodes:
+    for value, _ in gradient_values(captured, {}):
+        if not value.all_input_nodes:
             continue
         wanted = value.meta["val"].dtype
         node = value.all_input_nodes[0]

@@ -58,7 +58,6 @@ def standard_layouts(
     with both, a node whose operands come as its counterpart's came takes the strategy its
     counterpart took, without pricing its strategies again."""
     axes = tuple(range(mesh.ndim))
-    moves: dict[tuple[str, int, int, int], float] = {}  # priced once for all layouts
     repeats = {"shared": dict(shared or {}), "value_kind": value_kind}
     splits = [("data parallel", ()), ("fully sharded", axes)]
     if mesh.ndim > 1:
@@ -69,7 +68,7 @@ def standard_layouts(
             for n in space.nodes
             if n.kind in ("param", "buffer", "input")
         }
-        choice = _Completion(space, node_costs, transition_s, fixed, gathered=split, moves=moves, **repeats).run()
+        choice = _Completion(space, node_costs, transition_s, fixed, gathered=split, **repeats).run()
         if choice is not None:
             yield name, choice
     for tp in axes:
@@ -81,7 +80,7 @@ def standard_layouts(
         for name, split in variants:
             fixed = {n.name: _closest(n, ()) for n in space.nodes if n.kind in ("buffer", "input")}
             open_params = {n.name: _splits_over(n, tp, split) for n in space.nodes if n.kind == "param"}
-            choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp, moves, **repeats).run()
+            choice = _Completion(space, node_costs, transition_s, fixed, split, open_params, tp, **repeats).run()
             if choice is not None:
                 yield name, choice
 
@@ -162,7 +161,6 @@ class _Completion:
     gathered: tuple[int, ...] = ()
     open_params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tp: int | None = None
-    moves: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
     shared: dict[str, str] = field(default_factory=dict)
     value_kind: Callable[[ValueRef], Hashable] | None = None
 
@@ -228,7 +226,7 @@ class _Completion:
             seconds, operands, strategy = costs[k], {}, n.strategies[k]
             if not keep_all and seconds > best:
                 break  # moves cost nothing or more: no strategy from here on is cheaper
-            for i, (ref, needed) in enumerate(zip(n.args, strategy.inputs)):
+            for ref, needed in zip(n.args, strategy.inputs):
                 if not keep_all and seconds > best:
                     break
                 name, index = ref
@@ -240,10 +238,10 @@ class _Completion:
                     seconds = math.inf
                 elif name in self.choice:
                     j = self.choice[name]
-                    seconds += self.move_s(ref, self.made(name, j, index), needed, strict, (n.name, k, i, j))
+                    seconds += self.move_s(ref, self.made(name, j, index), needed, strict)
                 elif name in self.open:
                     moved = {
-                        j: s + self.move_s(ref, self.made(name, j, index), needed, strict, (n.name, k, i, j))
+                        j: s + self.move_s(ref, self.made(name, j, index), needed, strict)
                         for j, s in self.candidates(name, index, splits=keep_all or self.splits(n))
                     }
                     if not moved:
@@ -278,15 +276,12 @@ class _Completion:
     def made(self, name: str, k: int, index: int) -> Placements | None:
         return self.by_name[name].strategies[k].outputs[index]
 
-    def move_s(
-        self, ref: ValueRef, made: Placements | None, needed: Placements, strict: bool, key: tuple[str, int, int, int]
-    ) -> float:
+    def move_s(self, ref: ValueRef, made: Placements | None, needed: Placements, strict: bool) -> float:
         """The seconds of moving ``ref`` from ``made`` to ``needed``; when ``strict`` in a
         tensor-parallel layout, infinite for a move over its axis to anything but whole or
         another split of a split tensor: nothing is sliced or made partial there, but a
-        parameter's value, made partial for a row split's bias (no communication). ``key``
-        (the reading node, its strategy, the argument's position, the operand's strategy)
-        names the move in :attr:`moves`, which the layouts share."""
+        parameter's value, made partial for a row split's bias (no communication). Priced by
+        ``transition_s``, which keeps its answers (:meth:`~autopar.cost_model.estimate.CostModel.transition_s`)."""
         if made == needed:
             return 0.0
         if (
@@ -296,10 +291,7 @@ class _Completion:
             and not (ref[0] in self.of_params and isinstance(needed[self.tp], Partial))
         ):
             return math.inf
-        seconds = self.moves.get(key)
-        if seconds is None:
-            seconds = self.moves[key] = self.transition_s(ref, made, needed)
-        return seconds
+        return self.transition_s(ref, made, needed)
 
     def settle(self, name: str, options: _Open, k: int) -> None:
         """Fix ``name`` at strategy ``k`` and its open operands at theirs for it."""
