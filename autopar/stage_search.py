@@ -5,11 +5,12 @@ many micro-batches (:func:`plan_auto`).
 The candidates are the plan without stages on the whole mesh, and for every mesh axis of two
 positions or more and every micro-batch count among 1, 2 and 4 times its positions that divides
 the batch, the plan of one micro-batch on the other axes cut into stages over it under the 1F1B
-schedule (:mod:`autopar.passes.solve.stages`; 1F1B takes as long as GPipe and holds fewer
-micro-batches). Each is planned by the integer program; the fastest by predicted step time
-whose stages fit the memory budget is the plan. A candidate the model cannot take (too few
-layers for the axis, buffers the forward updates, a loss that is no mean) is left out, and so is
-one whose plan does not fit.
+schedule, and under the interleaved schedule with two stages per rank
+(:mod:`autopar.passes.solve.stages`; 1F1B takes as long as GPipe and holds fewer micro-batches;
+interleaving halves the bubble for twice the sends and more activations held). Each is planned
+by the integer program; the fastest by predicted step time whose stages fit the memory budget is
+the plan. A candidate the model cannot take (too few layers for the stages, buffers the forward
+updates, a loss that is no mean) is left out, and so is one whose plan does not fit.
 """
 
 import dataclasses
@@ -25,13 +26,15 @@ from autopar.core.plan import ShardingPlan
 from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.stages import assign_stages, check_stageable
-from autopar.passes.solve.stages import cut_stages, with_stages
+from autopar.passes.solve.stages import check_tied, cut_stages, with_stages
 from autopar.planner import plan_with, warn_over_device
 
 log = logging.getLogger("autopar")
 
 MICROBATCHES_PER_STAGE = (1, 2, 4)
-"""Micro-batch counts tried, as multiples of the number of stages."""
+"""Micro-batch counts tried, as multiples of the number of positions of the pipeline axis."""
+SCHEDULES_TRIED = (("1f1b", 1), ("interleaved", 2))
+"""The schedules tried for each, with their stages per rank."""
 
 
 def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
@@ -47,21 +50,26 @@ def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, con
     for axis, size in zip(mesh.axis_names, mesh.shape):
         if size < 2 or not batch:  # no batch the inputs share: nothing to cut into micro-batches
             continue
-        for microbatches in (size * k for k in MICROBATCHES_PER_STAGE):
-            if batch % microbatches:
-                continue
-            pipeline = Pipeline(axis=axis, microbatches=microbatches)
-            try:
-                plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, config))
-            except (InputError, InfeasiblePlanError) as exc:
-                refusals.append(f"stages over {axis} with {microbatches} micro-batches: {exc}")
-                if isinstance(exc, InputError):
-                    break  # the model cannot be cut over this axis, at any micro-batch count
+        for schedule, per_rank in SCHEDULES_TRIED:
+            for microbatches in (size * k for k in MICROBATCHES_PER_STAGE):
+                if batch % microbatches:
+                    continue
+                pipeline = Pipeline(axis=axis, microbatches=microbatches, schedule=schedule, stages_per_rank=per_rank)
+                try:
+                    plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, config))
+                except (InputError, InfeasiblePlanError) as exc:
+                    refusals.append(f"stages over {axis} ({schedule}) with {microbatches} micro-batches: {exc}")
+                    if isinstance(exc, InputError):
+                        break  # the model cannot be cut so, at any micro-batch count
     if not plans:
         raise InfeasiblePlanError("no plan, with or without pipeline stages, fits:\n" + "\n".join(refusals))
     best = min(plans, key=lambda p: p.predicted_step_s)
     for p in plans:
-        what = "no stages" if p.stages is None else f"stages over {p.stages.axis} x {p.stages.microbatches} micro"
+        what = (
+            "no stages"
+            if p.stages is None
+            else f"stages over {p.stages.axis} x {p.stages.microbatches} micro, {p.stages.schedule}"
+        )
         log.info("pipeline=auto: %s, %.3g s per step%s", what, p.predicted_step_s, " (chosen)" if p is best else "")
     return best
 
@@ -90,8 +98,10 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
     cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
     pipeline.check(mesh)
     check_stageable(captured)
-    segments = cut_stages(captured, mesh.shape[mesh.axis_names.index(pipeline.axis)])
+    positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
+    segments = cut_stages(captured, positions * pipeline.stages_per_rank)
     staged = assign_stages(captured, segments)
+    check_tied(staged, positions)
     inside = dataclasses.replace(
         config,
         hardware=InsideStages(config.profile, mesh),

@@ -60,7 +60,12 @@ class PipelinedModule(ParallelModule):
             if self._plan.stages is None:
                 return super()._build(inputs, first_call)
             stages = self._plan.stages
-            self._pipeline = Pipeline(axis=stages.axis, microbatches=stages.microbatches, schedule=stages.schedule)
+            self._pipeline = Pipeline(
+                axis=stages.axis,
+                microbatches=stages.microbatches,
+                schedule=stages.schedule,
+                stages_per_rank=stages.stages_per_rank,
+            )
         if device_type == "cuda":
             raise InputError(
                 "pipeline stages run on gloo (CPU) only so far: their sends are not yet batched as NCCL needs "
@@ -82,7 +87,7 @@ class PipelinedModule(ParallelModule):
                 captured,
                 plan,
                 assign_stages(captured, plan.stages.segments),
-                self._stage,
+                self._position,
                 self._coordinate,
                 self._groups,
                 self._peers,
@@ -120,7 +125,7 @@ class PipelinedModule(ParallelModule):
         self._peers = [
             int(mesh.mesh[tuple(t if i == at else c for i, c in enumerate(where))]) for t in range(mesh.size(at))
         ]
-        self._stage, self._stage_group = where[at], mesh.get_group(at)
+        self._position, self._stage_group = where[at], mesh.get_group(at)
         self._device_mesh = mesh[inner.axis_names if len(inner.axis_names) > 1 else inner.axis_names[0]]
         self._whole_mesh, self._mesh = whole, inner  # pieces are cut on the mesh inside the stages
         return inner
@@ -155,9 +160,11 @@ class PipelinedModule(ParallelModule):
         count = self._pipeline.microbatches
         slices = [tuple(x.chunk(count)[m] for x in inputs) for m in range(count)]  # whole micro-batches
         divisor = self._runner.batch_divisor(slices)
-        names = [name for _, name in self._inputs]
-        read = [names.index(k.name) for k in self._captured.inputs if k.kind == "input"]
-        local = [[self.rank_part(names[i], micro[i]) for i in read] for micro in slices]
+        read = {k.name for k in self._captured.inputs if k.kind == "input"}
+        local = [
+            {name: self.rank_part(name, x) for x, (_, name) in zip(micro, self._inputs) if name in read}
+            for micro in slices
+        ]
         return _Step.apply(self, local, divisor, torch.is_grad_enabled(), *self._state())
 
     def passes_own_part(self, name: str) -> bool:
@@ -292,15 +299,15 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module: PipelinedModule, local, divisor, backward: bool, *state):
         runner = module._runner
-        loss, grads = runner.step([piece_of(x) for x in state], local, divisor, backward)
         kinds = [k for k in module._captured.inputs if k.kind in ("param", "buffer")]
+        loss, grads = runner.step({k.name: piece_of(x) for k, x in zip(kinds, state)}, local, divisor, backward)
         ctx.grads = [grads.get(k.name) if k.kind == "param" else None for k in kinds]
         ctx.specs = [x._spec if isinstance(x, DTensor) else None for x in state]
-        if module._stage == runner.output_stage:
+        if runner.makes_loss:
             whole = loss.contiguous()
         else:
             whole = torch.empty((), dtype=runner.loss_dtype, device=module._device)
-        dist.broadcast(whole, src=module._peers[runner.output_stage], group=module._stage_group)
+        dist.broadcast(whole, src=module._peers[runner.output_position], group=module._stage_group)
         return whole
 
     @staticmethod
@@ -351,10 +358,11 @@ def _check_stages(plan: ShardingPlan, pipeline: Pipeline, mesh: Mesh) -> None:
     stages = plan.stages
     if stages is None:
         raise StalePlanError("the plan has no pipeline stages but pipeline= asks for them. Fix: plan with pipeline=")
-    asked = (mesh, pipeline.axis, pipeline.microbatches, pipeline.schedule)
-    if (stages.mesh, stages.axis, stages.microbatches, stages.schedule) != asked:
+    asked = (mesh, pipeline.axis, pipeline.microbatches, pipeline.schedule, pipeline.stages_per_rank)
+    if (stages.mesh, stages.axis, stages.microbatches, stages.schedule, stages.stages_per_rank) != asked:
         raise StalePlanError(
             f"the plan's stages ({stages.axis} of {stages.mesh}, {stages.microbatches} micro-batches, "
-            f"{stages.schedule}) are not those pipeline= asks for ({pipeline.axis} of {mesh}, {pipeline.microbatches}, "
-            f"{pipeline.schedule}). Fix: plan again with this pipeline="
+            f"{stages.schedule}, {stages.stages_per_rank} per rank) are not those pipeline= asks for ({pipeline.axis} "
+            f"of {mesh}, {pipeline.microbatches}, {pipeline.schedule}, {pipeline.stages_per_rank}). Fix: plan again "
+            "with this pipeline="
         )

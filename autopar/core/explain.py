@@ -53,27 +53,38 @@ def plan_table(plan: ShardingPlan) -> str:
 
 
 def _stage_table(plan: ShardingPlan) -> list[str]:
-    """With pipeline stages: the schedule, and per stage its units, time and memory."""
+    """With pipeline stages: the schedule, per stage its units, time and position on the
+    pipeline axis, and per position its memory."""
     stages = plan.stages
     if stages is None:
         return []
+    interleaved = f" of {stages.stages_per_rank} stages per rank" if stages.stages_per_rank > 1 else ""
     head = (
         f"pipeline stages over '{stages.axis}' of {stages.mesh}: {stages.microbatches} micro-batches, "
-        f"{stages.schedule}, predicted bubble {stages.bubble:.0%}, step {_time(stages.step_s)}; "
+        f"{stages.schedule}{interleaved}, predicted bubble {stages.bubble:.0%}, step {_time(stages.step_s)}; "
         f"the rest of this table is one micro-batch on {plan.mesh}"
     )
     rows = [
         [
             str(s),
+            str(stages.position_of(s)),
             segments[0] if len(segments) == 1 else f"{segments[0]} .. {segments[-1]} ({len(segments)})",
             _time(stages.compute_s[s]),
             _time(stages.send_s[s]),
             _time(stages.sync_s[s]),
-            format_bytes(stages.peak_bytes[s]),
+            format_bytes(stages.peak_bytes[s]) if s < stages.positions else "",
         ]
         for s, segments in enumerate(stages.segments)
     ]
-    headers = ["stage", "layers", "compute per micro-batch", "sends per micro-batch", "gradient sync", "peak memory"]
+    headers = [
+        "stage",
+        "position",
+        "layers",
+        "compute per micro-batch",
+        "sends per micro-batch",
+        "gradient sync",
+        "peak memory of the position",
+    ]
     return ["", head, *_table(headers, rows)]
 
 

@@ -8,17 +8,21 @@ a stage the other mesh axes split tensors as a plan without stages does.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from autopar.core.mesh import Mesh
 
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
 """``"gpipe"``: every micro-batch's forward, then every backward (GPipe); ``"1f1b"``: each stage
 starts a micro-batch's backward as soon as it can and then alternates one forward and one
 backward (PipeDream's one-forward-one-backward), holding the activations of at most as many
-micro-batches as there are stages after it, where GPipe holds all of them."""
-SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b")
+micro-batches as there are stages after it, where GPipe holds all of them; ``"interleaved"``:
+1F1B over several stages per rank, not consecutive (Megatron-LM's interleaved schedule: with
+``v`` stages per rank on ``p`` ranks, rank ``r`` holds stages ``r``, ``r + p``, ...), whose bubble is
+``v`` times smaller for ``v`` times the sends (:func:`order`)."""
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,11 +32,14 @@ class Pipeline:
     position), ``microbatches`` how many slices of the batch (along dim 0 of every input) run
     through the stages one after another, and ``schedule`` in which order (:data:`Schedule`).
     Which layers each stage holds is planned: the cuts fall between the model's layers (of a
-    stack, or its top-level modules) so that the stages' compute is as even as it can be."""
+    stack, or its top-level modules) so that the stages' compute is as even as it can be. Under
+    the interleaved schedule each rank holds ``stages_per_rank`` stages (2 or more), and the
+    micro-batches are a multiple of the axis's positions."""
 
     axis: str
     microbatches: int
     schedule: Schedule = "1f1b"
+    stages_per_rank: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str):
@@ -44,6 +51,15 @@ class Pipeline:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Pipeline(schedule={self.schedule!r}) is not one of {', '.join(map(repr, SCHEDULES))}")
+        per_rank = self.stages_per_rank
+        if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
+            raise ValueError(f"Pipeline(stages_per_rank={per_rank!r}): give a positive int")
+        if (self.schedule == "interleaved") != (per_rank > 1):
+            raise ValueError(
+                f"Pipeline(schedule={self.schedule!r}, stages_per_rank={per_rank}): the interleaved schedule runs 2 or "
+                "more stages per rank, the others one. Fix: schedule='interleaved' with stages_per_rank=2 or more, "
+                "or stages_per_rank=1"
+            )
 
     def check(self, mesh: Mesh) -> None:
         """Refuse an axis ``mesh`` has not, or one of one position (no stages to make)."""
@@ -53,6 +69,13 @@ class Pipeline:
             )
         if mesh.shape[mesh.axis_names.index(self.axis)] < 2:
             raise ValueError(f"Pipeline(axis={self.axis!r}) has one position in {mesh}: give an axis of 2 or more")
+        positions = mesh.shape[mesh.axis_names.index(self.axis)]
+        if self.schedule == "interleaved" and self.microbatches % positions:
+            raise ValueError(
+                f"the interleaved schedule runs micro-batches in rounds of one per position of '{self.axis}' "
+                f"({positions}); Pipeline(microbatches={self.microbatches}) is not a multiple of it. Fix: "
+                f"microbatches={positions * max(1, round(self.microbatches / positions))}"
+            )
 
 
 def shared_batch(inputs) -> int:
@@ -79,10 +102,12 @@ def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
 @dataclass(frozen=True, kw_only=True)
 class Stages:
     """The pipeline stages of a plan. The plan's placements are on :func:`inner_mesh`, the mesh
-    inside each stage, and priced for one micro-batch."""
+    inside each stage, and priced for one micro-batch. Stage ``s`` runs at position
+    ``s % positions`` of the pipeline axis (:meth:`position_of`): one stage per position, or
+    under the interleaved schedule ``stages_per_rank`` of them."""
 
     axis: str
-    """The mesh axis whose positions are the stages."""
+    """The mesh axis whose positions run the stages."""
     mesh: Mesh
     """The whole mesh, pipeline axis included."""
     microbatches: int
@@ -101,27 +126,46 @@ class Stages:
     micro-batch's backward (its gradient buckets), and of its sends of the gradients of weights
     tied across stages to the stages holding copies."""
     peak_bytes: tuple[int, ...]
-    """Predicted peak per device of each stage: its parameters, gradients and optimizer state,
-    the activations of the micro-batches the schedule holds at once
-    (:func:`in_flight`), and the largest transient of the plan."""
+    """Predicted peak per device at each position of the pipeline axis: its stages' parameters,
+    gradients and optimizer state, the activations of the micro-batches the schedule holds at
+    once (:func:`held_activations`), and the largest transient of the plan."""
+    stages_per_rank: int = 1
 
     @property
     def count(self) -> int:
         return len(self.segments)
 
     @property
+    def positions(self) -> int:
+        """The positions of the pipeline axis."""
+        return self.count // self.stages_per_rank
+
+    def position_of(self, stage: int) -> int:
+        return stage % self.positions
+
+    def on_position(self, position: int) -> range:
+        """The stages the ranks at ``position`` run, in order."""
+        return range(position, self.count, self.positions)
+
+    @property
     def bubble(self) -> float:
-        """The share of a step the stages wait in, if every stage took as long: GPipe's and
-        1F1B's ``(S - 1) / (M + S - 1)`` for S stages and M micro-batches."""
-        return (self.count - 1) / (self.microbatches + self.count - 1)
+        """The share of a step the stages wait in, if every stage took as long:
+        ``(p - 1) / (v·M + p - 1)`` on p positions of v stages each with M micro-batches
+        (GPipe's and 1F1B's ``(S - 1) / (M + S - 1)``)."""
+        p = self.positions
+        return (p - 1) / (self.stages_per_rank * self.microbatches + p - 1)
 
     @property
     def step_s(self) -> float:
-        """Modelled time of a step: each micro-batch's time on the slowest stage, the time the
-        other stages take to fill and drain the pipeline, and the slowest stage's gradient
-        collectives at the end."""
-        per_micro = [c + s for c, s in zip(self.compute_s, self.send_s)]
-        return (self.microbatches - 1) * max(per_micro) + math.fsum(per_micro) + max(self.sync_s)
+        """Modelled time of a step: every micro-batch through the busiest position's stages, the
+        time the other stages take to fill and drain the pipeline (divided among a position's
+        stages when it holds several), and the slowest position's gradient collectives at the
+        end. Exact when every stage takes as long; without interleaving it is each micro-batch
+        on the slowest stage plus one micro-batch through the others."""
+        per_stage = [c + s for c, s in zip(self.compute_s, self.send_s)]
+        busiest = max(math.fsum(per_stage[s] for s in self.on_position(r)) for r in range(self.positions))
+        synced = max(math.fsum(self.sync_s[s] for s in self.on_position(r)) for r in range(self.positions))
+        return self.microbatches * busiest + (math.fsum(per_stage) - busiest) / self.stages_per_rank + synced
 
     def to_dict(self) -> dict:
         return {
@@ -129,6 +173,7 @@ class Stages:
             "mesh": {"shape": list(self.mesh.shape), "axis_names": list(self.mesh.axis_names)},
             "microbatches": self.microbatches,
             "schedule": self.schedule,
+            "stages_per_rank": self.stages_per_rank,
             "segments": [list(s) for s in self.segments],
             "compute_s": list(self.compute_s),
             "send_s": list(self.send_s),
@@ -143,6 +188,7 @@ class Stages:
             mesh=Mesh(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"])),
             microbatches=data["microbatches"],
             schedule=data["schedule"],
+            stages_per_rank=data["stages_per_rank"],
             segments=tuple(tuple(s) for s in data["segments"]),
             compute_s=tuple(data["compute_s"]),
             send_s=tuple(data["send_s"]),
@@ -151,7 +197,42 @@ class Stages:
         )
 
 
-def in_flight(schedule: Schedule, stage: int, stages: int, microbatches: int) -> int:
-    """The most micro-batches whose activations stage ``stage`` holds at once: all of them under
-    GPipe, under 1F1B as many as there are stages from it to the last."""
-    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)
+Action = tuple[str, int, int]
+"""``("F", m, s)`` runs micro-batch ``m``'s forward through stage ``s``; ``("B", m, s)`` its backward."""
+
+
+def order(kind: Schedule, position: int, positions: int, microbatches: int, stages_per_rank: int = 1) -> list[Action]:
+    """The order the ranks at ``position`` of a pipeline axis of ``positions`` run their stages'
+    forwards and backwards. Under 1F1B a position starts a micro-batch's backward once the
+    forwards of as many micro-batches as there are stages after it are out, then alternates;
+    interleaved, it runs forwards in rounds of one micro-batch per position through each of its
+    stages in turn, starting backwards after ``2·(p - 1 - position) + (v - 1)·p`` of them
+    (Megatron-LM's order), backwards from its last stage to its first."""
+    if kind == "gpipe":
+        return [("F", m, position) for m in range(microbatches)] + [("B", m, position) for m in range(microbatches)]
+    p, v = positions, stages_per_rank
+    total = microbatches * v
+
+    def unit(action: str, k: int) -> Action:
+        chunk = (k // p) % v
+        chunk = v - 1 - chunk if action == "B" else chunk
+        return action, (k // (p * v)) * p + k % p, chunk * p + position
+
+    warmup = min(p - 1 - position if v == 1 else 2 * (p - 1 - position) + (v - 1) * p, total)
+    actions = [unit("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [unit("F", warmup + k), unit("B", k)]
+    return actions + [unit("B", k) for k in range(total - warmup, total)]
+
+
+def held_activations(
+    kind: Schedule, position: int, positions: int, microbatches: int, kept: Sequence[int], stages_per_rank: int = 1
+) -> int:
+    """The most bytes of activations the ranks at ``position`` hold at once under the schedule,
+    ``kept[s]`` per micro-batch through stage ``s``: each forward keeps its stage's until the
+    micro-batch's backward through it."""
+    held = most = 0
+    for action, _, stage in order(kind, position, positions, microbatches, stages_per_rank):
+        held += kept[stage] if action == "F" else -kept[stage]
+        most = max(most, held)
+    return most

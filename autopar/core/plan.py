@@ -23,7 +23,7 @@ from autopar.core.placement import (
     parse_placements_text,
 )
 
-FORMAT_VERSION = 11
+FORMAT_VERSION = 12
 
 
 def format_layouts(layouts: tuple[Placements, ...]) -> str:

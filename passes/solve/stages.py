@@ -2,7 +2,8 @@
 
 The cuts fall between the model's layers and the modules outside its stacks
 (:func:`~autopar.passes.analysis.stages.layer_order`): these, each weighed by its FLOPs, are cut
-into as many runs of consecutive units as the pipeline axis has positions, the heaviest run as
+into as many runs of consecutive units as there are stages (the pipeline axis's positions, times
+the stages each runs under the interleaved schedule), the heaviest run as
 light as it can be (a linear-partition dynamic program over the units). The plan inside the
 stages is then the integer program's for one micro-batch on the mesh without the pipeline axis,
 its gradient buckets each of one stage. Each micro-batch takes the slowest stage's time per step
@@ -21,7 +22,7 @@ from autopar.passes.propagation.redistribute import local_shape
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.explain import format_bytes
 from autopar.core.mesh import Link, Mesh
-from autopar.core.pipeline import Pipeline, Stages, in_flight
+from autopar.core.pipeline import Pipeline, Stages, held_activations
 from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import getitem_aliases
 
@@ -45,6 +46,19 @@ def cut_stages(captured: Captured, count: int) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(layers[i] for i in run) for run in balanced_runs([work[u] for u in layers], count))
 
 
+def check_tied(staged: Staged, positions: int) -> None:
+    """Refuse a weight tied across two stages that run at one of the ``positions`` of the
+    pipeline axis (interleaved), which the runtime does not run."""
+    for name, readers in staged.shared.items():
+        together = sorted(s for s in readers if any(s != t and s % positions == t % positions for t in readers))
+        if together:
+            raise InputError(
+                f"{name} is tied across stages {', '.join(map(str, together))}, which the interleaved schedule puts "
+                "on the same ranks; pipeline stages do not run that yet. Fix: another stages_per_rank, or the 1f1b "
+                "schedule"
+            )
+
+
 def with_stages(
     plan: ShardingPlan,
     captured: Captured,
@@ -60,6 +74,7 @@ def with_stages(
     refused where a stage's predicted peak is over ``budget``."""
     count = len(segments)
     where = staged.stage_of
+    positions = count // pipeline.stages_per_rank
     compute = [0.0] * count
     for node in plan.nodes:
         if node.name in where:
@@ -67,26 +82,28 @@ def with_stages(
     for c in plan.collectives:
         if c.consumer in where:
             compute[where[c.consumer]] += c.time_s
-    held = _state_bytes(plan, captured, staged, count)
+    held = _state_bytes(plan, captured, staged, positions)
     synced = _sync_times(plan, captured, where, count)
-    tied = _tied_sends(plan, captured, staged, link, count)
+    tied = _tied_sends(plan, captured, staged, link, count, positions)
     stages = Stages(
         axis=pipeline.axis,
         mesh=mesh,
         microbatches=pipeline.microbatches,
         schedule=pipeline.schedule,
+        stages_per_rank=pipeline.stages_per_rank,
         segments=segments,
         compute_s=tuple(compute),
         send_s=tuple(_send_times(plan, captured, staged, link, count)),
         sync_s=tuple(a + b for a, b in zip(synced, tied)),
         peak_bytes=tuple(_peaks(plan, pipeline, where, held, count)),
     )
-    worst = max(range(count), key=lambda s: stages.peak_bytes[s])
+    worst = max(range(positions), key=lambda r: stages.peak_bytes[r])
     if budget is not None and stages.peak_bytes[worst] > budget:
+        held_units = ", ".join(u for s in stages.on_position(worst) for u in segments[s])
         raise InfeasiblePlanError(
-            f"pipeline stage {worst} ({', '.join(segments[worst])}) needs {format_bytes(stages.peak_bytes[worst])} per "
-            f"device, over the budget of {format_bytes(budget)}. Fix: more stages or micro-batches, the 1f1b "
-            "schedule, or a larger memory_budget"
+            f"the ranks at position {worst} of the pipeline axis ({held_units}) need "
+            f"{format_bytes(stages.peak_bytes[worst])} per device, over the budget of {format_bytes(budget)}. Fix: "
+            "more stages or micro-batches, the 1f1b schedule, or a larger memory_budget"
         )
     return dataclasses.replace(plan, stages=stages)
 
@@ -124,14 +141,15 @@ def _send_times(plan: ShardingPlan, captured: Captured, staged: Staged, link: Li
     return times
 
 
-def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, count: int) -> list[int]:
-    """Each stage's parameters' bytes per device, with their gradients and optimizer state (a
-    weight tied across stages on each stage holding a copy)."""
-    held = [0] * count
+def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, positions: int) -> list[int]:
+    """The parameters' bytes per device at each position of the pipeline axis, with their
+    gradients and optimizer state (a weight tied across stages at each position holding a copy)."""
+    held = [0] * positions
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.kind == "param":
-            for stage in staged.shared.get(kind.name, (staged.stage_of.get(node.name, 0),)):
-                held[stage] += _local_bytes(plan, node, kind.name) * (2 + plan.optimizer_slots)
+            stages = staged.shared.get(kind.name, (staged.stage_of.get(node.name, 0),))
+            for position in {s % positions for s in stages}:
+                held[position] += _local_bytes(plan, node, kind.name) * (2 + plan.optimizer_slots)
     return held
 
 
@@ -140,14 +158,17 @@ def _local_bytes(plan: ShardingPlan, placeholder, name: str) -> int:
     return math.prod(local_shape(tuple(val.shape), plan.placements[name], plan.mesh)) * val.element_size()
 
 
-def _tied_sends(plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int) -> list[float]:
-    """Each stage's sends, once per step, of the gradients of weights tied across stages that it makes."""
+def _tied_sends(
+    plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int, positions: int
+) -> list[float]:
+    """Each stage's sends, once per step, of the gradients of weights tied across stages that it
+    makes, to the other positions holding copies."""
     times = [0.0] * count
     graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.name in staged.shared and kind.name in graded:
-            copies = len(staged.shared[kind.name]) - 1
             holder = staged.stage_of[node.name]
+            copies = len({s % positions for s in staged.shared[kind.name]} - {holder % positions})
             times[holder] += copies * (link.latency_s + _local_bytes(plan, node, kind.name) * link.s_per_byte)
     return times
 
@@ -157,9 +178,12 @@ def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: 
     for node in plan.nodes:
         if node.activation in ("keep", "recompute") and node.name in where:
             kept[where[node.name]] += node.activation_bytes if node.activation == "keep" else 0
+    positions = len(held)
     return [
-        held[s] + kept[s] * in_flight(pipeline.schedule, s, count, pipeline.microbatches) + plan.memory.transient_bytes
-        for s in range(count)
+        held[r]
+        + held_activations(pipeline.schedule, r, positions, pipeline.microbatches, kept, pipeline.stages_per_rank)
+        + plan.memory.transient_bytes
+        for r in range(positions)
     ]
 
 

@@ -18,10 +18,9 @@ import torch
 from autopar.passes.analysis.capture import capture
 from autopar.passes.analysis.stages import assign_stages, layer_order
 from autopar.passes.solve.stages import balanced_runs
-from autopar.runtime.pipeline import schedule
 
 import autopar
-from autopar.core.pipeline import Pipeline, Stages
+from autopar.core.pipeline import Pipeline, Stages, held_activations, order
 from tests.cases import SYNTHETIC
 
 
@@ -91,6 +90,20 @@ CASES = {
     "mse-auto-budget": ("odd", (2, 2), ("pp", "dp"), "auto", "budget"),
     "gpt-tied-pp2xdp2-1f1b": ("gpt-tied", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "dp"),
     "gpt-pp2xdp2xtp2-1f1b": ("gpt", (2, 2, 2), ("pp", "dp", "tp"), Pipeline(axis="pp", microbatches=2), "2d"),
+    "gpt-pp2xtp2-interleaved": (
+        "gpt",
+        (2, 2),
+        ("pp", "tp"),
+        Pipeline(axis="pp", microbatches=4, schedule="interleaved", stages_per_rank=2),
+        "megatron",
+    ),
+    "gpt-tied-pp2xdp2-interleaved": (
+        "gpt-tied",
+        (2, 2),
+        ("pp", "dp"),
+        Pipeline(axis="pp", microbatches=2, schedule="interleaved", stages_per_rank=2),
+        "dp",
+    ),
 }
 
 
@@ -154,6 +167,7 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "planned": [(c.kind, c.axis, c.bytes) for c in pmodel.plan.collectives],
         "inside": pmodel._coordinate,
         "stages": pmodel.plan.stages.count,
+        "per_rank": pmodel.plan.stages.stages_per_rank,
         "axis": pmodel.plan.stages.axis,
     }
 
@@ -187,7 +201,9 @@ def test_pipelined_training_matches_one_device(results, case):
     assert held == set(runs[0]["all_params"]), "every parameter is held by some stage"
     assert all(len(r["params"]) < len(r["all_params"]) for r in runs), "each rank holds one stage's parameters"
     _, shape, names, pipeline, _ = CASES[case]
-    assert runs[0]["stages"] == shape[names.index("pp" if pipeline == "auto" else pipeline.axis)]
+    if pipeline != "auto":
+        assert runs[0]["per_rank"] == pipeline.stages_per_rank
+    assert runs[0]["stages"] == runs[0]["per_rank"] * shape[names.index("pp" if pipeline == "auto" else pipeline.axis)]
 
 
 @pytest.mark.slow
@@ -201,19 +217,83 @@ def test_the_stages_run_the_planned_collectives_and_no_other(results, case):
         assert ran == collections.Counter(runs[0]["planned"])
 
 
+def _run_schedule(kind: str, positions: int, microbatches: int, per_rank: int, forward_s: float, backward_s: float):
+    """Every position's order run as the ranks run it (an action waits for what it receives), each
+    forward through a stage taking ``forward_s / per_rank`` and each backward ``backward_s / per_rank``:
+    the step's time, or ``None`` where the positions would wait on each other for ever."""
+    count = positions * per_rank
+    orders = {r: order(kind, r, positions, microbatches, per_rank) for r in range(positions)}
+    finished, at, free = {}, dict.fromkeys(orders, 0), dict.fromkeys(orders, 0.0)
+    moved = True
+    while moved:
+        moved = False
+        for r, actions in orders.items():
+            while at[r] < len(actions):
+                action, m, s = actions[at[r]]
+                if action == "F":
+                    needs = [("F", m, s - 1)] if s else []
+                else:
+                    needs = [("F", m, s)] + ([("B", m, s + 1)] if s < count - 1 else [])
+                if any(n not in finished for n in needs):
+                    break
+                start = max([free[r], *(finished[n] for n in needs)])
+                free[r] = finished[action, m, s] = start + (forward_s if action == "F" else backward_s) / per_rank
+                at[r] += 1
+                moved = True
+    if any(at[r] < len(actions) for r, actions in orders.items()):
+        return None
+    assert sorted(finished) == sorted((a, m, s) for a in "FB" for m in range(microbatches) for s in range(count))
+    return max(finished.values())
+
+
+@pytest.mark.parametrize("kind, per_rank", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_every_schedule_runs_each_micro_batch_through_every_stage_and_its_step_time_is_priced(kind, per_rank):
+    """Run as the ranks run them, the orders never wait for ever, run every forward and backward
+    once, and take the time :attr:`Stages.step_s` prices for stages that take as long."""
+    for positions in (2, 3, 4):
+        for microbatches in (positions, 2 * positions, 4 * positions):
+            took = _run_schedule(kind, positions, microbatches, per_rank, 1.0, 2.0)
+            assert took is not None, f"{kind} on {positions} positions with {microbatches} micro-batches waits for ever"
+            count = positions * per_rank
+            stages = Stages(
+                axis="pp",
+                mesh=autopar.Mesh((positions,), ("pp",)),
+                microbatches=microbatches,
+                schedule=kind,
+                stages_per_rank=per_rank,
+                segments=tuple((f"layers.{s}",) for s in range(count)),
+                compute_s=(3.0 / per_rank,) * count,
+                send_s=(0.0,) * count,
+                sync_s=(0.0,) * count,
+                peak_bytes=(0,) * positions,
+            )
+            assert stages.step_s == pytest.approx(took)
+            assert stages.bubble == pytest.approx(1 - microbatches * 3.0 / took)
+
+
 def test_1f1b_holds_at_most_the_stages_after_it_in_flight():
     for stages, microbatches in ((2, 4), (4, 4), (4, 2), (3, 7)):
         for stage in range(stages):
-            order = schedule("1f1b", stage, stages, microbatches)
-            assert sorted(order) == sorted(
-                [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
-            )
+            actions = order("1f1b", stage, stages, microbatches)
+            assert sorted(actions) == sorted((a, m, stage) for a in "FB" for m in range(microbatches))
             in_flight = 0
-            for action, m in order:
+            for action, m, _ in actions:
                 in_flight += 1 if action == "F" else -1
                 assert 0 <= in_flight <= max(1, min(stages - stage, microbatches))
-            done = {m for action, m in order if action == "F"}
-            assert [m for action, m in order if action == "B"] == sorted(done)
+            done = {m for action, m, _ in actions if action == "F"}
+            assert [m for action, m, _ in actions if action == "B"] == sorted(done)
+            kept = [1] * stages
+            assert held_activations("1f1b", stage, stages, microbatches, kept) == min(stages - stage, microbatches)
+            assert held_activations("gpipe", stage, stages, microbatches, kept) == microbatches
+
+
+def test_interleaving_holds_more_activations_for_a_smaller_bubble():
+    """On 4 positions with 8 micro-batches, two stages per position of half a 1F1B stage's
+    activations each: the first position holds Megatron's 2·(p-1) + (v-1)·p + 1 = 11 of them."""
+    kept = [1] * 8
+    held = [held_activations("interleaved", r, 4, 8, kept, 2) for r in range(4)]
+    assert held == [11, 9, 7, 5]
+    assert held[0] / 2 > min(4, 8), "more than 1F1B's 4 micro-batches of whole stages"
 
 
 def test_balanced_runs_minimise_the_slowest_stage():
@@ -250,6 +330,12 @@ def test_bad_pipelines_name_the_fix():
         Pipeline(axis="pp", microbatches=0)
     with pytest.raises(ValueError, match="schedule"):
         Pipeline(axis="pp", microbatches=2, schedule="zb")
+    with pytest.raises(ValueError, match="stages_per_rank=2 or more"):
+        Pipeline(axis="pp", microbatches=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="stages_per_rank=2 or more"):
+        Pipeline(axis="pp", microbatches=2, stages_per_rank=2)
+    with pytest.raises(ValueError, match="microbatches=4"):
+        Pipeline(axis="pp", microbatches=3, schedule="interleaved", stages_per_rank=2).check(mesh)
 
 
 def test_a_plan_with_stages_round_trips_through_json():
@@ -268,6 +354,38 @@ def test_a_plan_with_stages_round_trips_through_json():
     assert plan.predicted_step_s == pytest.approx(plan.stages.step_s + plan.overhead_s)
     assert "pipeline stages over 'pp'" in str(plan)
     assert "# pipeline stage 1 (blocks." in autopar.annotated_graph(plan)
+
+
+def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_before_planning():
+    import types
+
+    from autopar.passes.solve.stages import check_tied
+
+    check_tied(types.SimpleNamespace(shared={"tok.weight": (0, 3)}), 2)  # positions 0 and 1
+    with pytest.raises(autopar.AutoparError, match="stages 0, 2, which the interleaved schedule puts on the same"):
+        check_tied(types.SimpleNamespace(shared={"tok.weight": (0, 2)}), 2)
+
+
+def test_an_interleaved_plan_puts_two_stages_on_each_position_and_halves_the_bubble():
+    from autopar.config import PlanConfig
+    from autopar.stage_search import plan_stages
+
+    model, batches = _gpt()
+    captured = capture(model, tuple(x[:2] for x in batches[0]))
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    config = PlanConfig(hardware=SYNTHETIC)
+    one = plan_stages(captured, mesh, Pipeline(axis="pp", microbatches=4), config)
+    two = plan_stages(
+        captured, mesh, Pipeline(axis="pp", microbatches=4, schedule="interleaved", stages_per_rank=2), config
+    )
+    stages = two.stages
+    assert (stages.count, stages.positions, len(stages.peak_bytes)) == (4, 2, 2)
+    assert [stages.position_of(s) for s in range(4)] == [0, 1, 0, 1]
+    assert [u for s in stages.segments for u in s] == [u for s in one.stages.segments for u in s]
+    assert stages.bubble == pytest.approx(one.stages.bubble * (4 + 1) / (8 + 1))
+    again = autopar.ShardingPlan.from_json(two.to_json())
+    assert again == two and again.stages.stages_per_rank == 2
+    assert "interleaved of 2 stages per rank" in str(two)
 
 
 def _deep_narrow():
