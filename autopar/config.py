@@ -13,6 +13,7 @@ from autopar.cost_model.hardware import Profile, resolve_profile
 from autopar.passes.analysis.liveness import ADAM_SLOTS
 from autopar.passes.propagation.buckets import BUCKET_BYTES
 from autopar.passes.solve.remat import RECOMPUTE_OPTIONS
+from autopar.passes.solve.stage_memory import StageMemory
 
 Pins = Mapping[str, "str | Sequence[str | Placement]"]
 
@@ -85,6 +86,9 @@ class PlanConfig:
     micro-batch of a pipelined step."""
     bucket_groups: Mapping[str, int] | None = None
     """Parameter name → pipeline stage: gradients of different stages never share a bucket."""
+    stage_memory: StageMemory | None = None
+    """For one micro-batch of a plan in pipeline stages: hold each position of the pipeline
+    axis, not one device, to the memory budget (:mod:`autopar.passes.solve.stage_memory`)."""
     profile: Profile = dataclasses.field(init=False, repr=False)
     budget_bytes: int | None = dataclasses.field(init=False, repr=False)
 

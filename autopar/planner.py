@@ -63,7 +63,9 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
-    if problem.merges and program_size(problem.space) > WHOLE_MESH_BELOW:
+    if config.stage_memory is not None:
+        result, live, times = problem.in_stages()
+    elif problem.merges and program_size(problem.space) > WHOLE_MESH_BELOW:
         result, live, times = problem.merged_plan()
     else:
         result, live, times = _searched(problem, mesh)
@@ -188,7 +190,8 @@ class _Problem:
         node_costs = costs.node_costs(space, compute)
         t2 = time.perf_counter()
         memory = memory_terms(space, costs, optimizer_slots=config.optimizer_slots)
-        activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
+        offload = costs.host() is not None and config.stage_memory is None  # stages run no offload yet
+        activations = activation_space(captured, space, costs, recompute, offload=offload)
         classes = _layer_classes(captured, space, node_costs, memory, config.share_layers)
         if classes.num_classes:
             log.info(
@@ -241,8 +244,9 @@ class _Problem:
             one_step_moves=self.costs.one_step_moves,
             shared=self.classes.template,
             activations=self.activations,
-            host=self.costs.host(),
+            host=self.costs.host() if self.config.stage_memory is None else None,
             bucket_bytes=self.costs.bucket_bytes,
+            stage_memory=self.config.stage_memory,
             **choices,
         )
 
@@ -307,6 +311,14 @@ class _Problem:
         plan = self.priced(solution)
         self.solved[solver_budget] = plan, {"solve": solved - started, "plan": time.perf_counter() - solved}, solution
         return self.solved[solver_budget]
+
+    def in_stages(self) -> tuple[ShardingPlan, None, dict[str, float]]:
+        """The fastest plan the search finds for one micro-batch of a plan in pipeline stages,
+        each position of the pipeline axis held to the budget by its own rows
+        (:mod:`autopar.passes.solve.stage_memory`); the plan's own liveness, which runs every
+        stage on one device, is not its ranks'. With no stage times but the search's."""
+        plan, times, _ = self.solved_under(None if self.budget is None else float(self.budget))
+        return plan, None, times
 
     @property
     def merges(self) -> bool:

@@ -26,6 +26,7 @@ from autopar.core.plan import ShardingPlan
 from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.stages import assign_stages, check_stageable
+from autopar.passes.solve.stage_memory import StageMemory
 from autopar.passes.solve.stages import check_tied, cut_stages, with_stages
 from autopar.planner import plan_with, warn_over_device
 
@@ -94,24 +95,38 @@ def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
 
 
 def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
-    """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, and
-    cut it into the stages (:mod:`autopar.passes.solve.stages`)."""
+    """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, each
+    position of the pipeline axis held to the memory budget (what it recomputes chosen with the
+    placements, :mod:`autopar.passes.solve.stage_memory`), and cut it into the stages
+    (:mod:`autopar.passes.solve.stages`)."""
     pipeline.check(mesh)
     check_stageable(captured)
     positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
     segments = cut_stages(captured, positions * pipeline.stages_per_rank)
     staged = assign_stages(captured, segments)
     check_tied(staged, positions)
+    holders = {
+        n.name: tuple(sorted({s % positions for s in staged.shared.get(k.name, (staged.stage_of.get(n.name, 0),))}))
+        for n, k in zip(captured.placeholders, captured.inputs)
+        if k.kind == "param"
+    }
     inside = dataclasses.replace(
         config,
         hardware=InsideStages(config.profile, mesh),
-        memory_budget=None,
         gradient_share=1.0 / pipeline.microbatches,
         bucket_groups={
             k.name: staged.stage_of[n.name]
             for n, k in zip(captured.placeholders, captured.inputs)
             if k.kind == "param" and n.name in staged.stage_of
         },
+        stage_memory=StageMemory.of(
+            pipeline.schedule,
+            positions,
+            pipeline.microbatches,
+            pipeline.stages_per_rank,
+            staged.stage_of,
+            holders,
+        ),
     )
     plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)
     link = config.profile.link(mesh, mesh.axis_names.index(pipeline.axis))

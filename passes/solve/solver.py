@@ -63,6 +63,7 @@ from autopar.passes.solve.mip import (
     solve_before_deadline,
 )
 from autopar.passes.solve.remat import ActivationSpace, backward_view_reads
+from autopar.passes.solve.stage_memory import StageMemory, stage_budget
 from autopar.passes.solve.transport import (
     GradientCost,
     OneStepMoves,
@@ -166,6 +167,9 @@ class Problem:
     minimise: str = "time"
     """``"time"`` for the fastest plan, ``"memory"`` for the plan with the least memory (its peak;
     needs ``memory``)."""
+    stage_memory: StageMemory | None = None
+    """For a plan in pipeline stages: each position of the pipeline axis is held to the budget
+    (:mod:`autopar.passes.solve.stage_memory`) instead of one device holding every node."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -335,7 +339,12 @@ def _memory_rows(solver, problem: Problem, ind, shared, choosing: bool, costs, r
     if memory is not None and bucketed and problem.bucket_bytes:
         terms.append((None, in_flight_bucket(solver, bucketed, problem.bucket_bytes), 1.0, "grad"))
     peak = budget_row = None
-    if memory is not None:
+    if memory is not None and problem.stage_memory is not None:
+        choosing_ops = frozenset(activations.nodes) if choosing else frozenset()
+        peak, budget_row = stage_budget(
+            solver, memory, ind, shared, kept, choosing_ops, problem.stage_memory, problem.budget_bytes
+        )
+    elif memory is not None:
         peak, budget_row = memory_budget(solver, memory, ind, problem.budget_bytes, shared, activations, kept, terms)
     choices = {
         "recomputed": again,

@@ -6,7 +6,8 @@ into as many runs of consecutive units as there are stages (the pipeline axis's 
 the stages each runs under the interleaved schedule), the heaviest run as
 light as it can be (a linear-partition dynamic program over the units). The plan inside the
 stages is then the integer program's for one micro-batch on the mesh without the pipeline axis,
-its gradient buckets each of one stage. Each micro-batch takes the slowest stage's time per step
+its gradient buckets each of one stage, each position of the pipeline axis held to the memory
+budget (:mod:`autopar.passes.solve.stage_memory`). Each micro-batch takes the slowest stage's time per step
 of the schedule (:attr:`~autopar.core.pipeline.Stages.step_s`).
 """
 
@@ -137,7 +138,7 @@ def _send_times(plan: ShardingPlan, captured: Captured, staged: Staged, link: Li
         layout = by_name[ref[0]].outputs[ref[1]]
         val = nodes[c.value].meta["val"]
         nbytes = math.prod(local_shape(tuple(val.shape), layout, plan.mesh)) * val.element_size()
-        times[c.src] += link.latency_s + nbytes * link.s_per_byte
+        times[c.src] += link.send_s(nbytes)
     return times
 
 
@@ -169,20 +170,24 @@ def _tied_sends(
         if kind.name in staged.shared and kind.name in graded:
             holder = staged.stage_of[node.name]
             copies = len({s % positions for s in staged.shared[kind.name]} - {holder % positions})
-            times[holder] += copies * (link.latency_s + _local_bytes(plan, node, kind.name) * link.s_per_byte)
+            times[holder] += copies * link.send_s(_local_bytes(plan, node, kind.name))
     return times
 
 
 def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: list[int], count: int) -> list[int]:
+    """Each position's peak, as :mod:`autopar.passes.solve.stage_memory` bounds it: its
+    parameters' state, the activations its schedule holds at its fullest, the largest
+    temporary and the most a segment's backward recomputes."""
     kept = [0] * count
     for node in plan.nodes:
-        if node.activation in ("keep", "recompute") and node.name in where:
-            kept[where[node.name]] += node.activation_bytes if node.activation == "keep" else 0
+        if node.activation == "keep" and node.name in where:
+            kept[where[node.name]] += node.activation_bytes
     positions = len(held)
     return [
         held[r]
         + held_activations(pipeline.schedule, r, positions, pipeline.microbatches, kept, pipeline.stages_per_rank)
         + plan.memory.transient_bytes
+        + plan.memory.recomputed_bytes
         for r in range(positions)
     ]
 

@@ -72,6 +72,14 @@ def _only_stages_fit(model, mesh, batch) -> int:
     return int(staged.peak_memory_bytes * 1.02)
 
 
+def _recomputing_budget(model, mesh, batch, pipeline) -> tuple[int, set[str]]:
+    """Three quarters of the peak of the plan in ``pipeline``'s stages without a budget (each
+    position then recomputes some of what its stages would keep), and what that plan recomputes
+    (views of parameters)."""
+    free = autopar.plan(model, mesh, batch, hardware=SYNTHETIC, pipeline=pipeline)
+    return int(0.75 * max(free.stages.peak_bytes)), {n.name for n in free.nodes if n.activation == "recompute"}
+
+
 def _megatron(layers: int) -> dict:
     split = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "fc1.weight": "S(0)", "fc1.bias": "S(0)"}
     return {f"blocks.{i}.{name}": p for i in range(layers) for name, p in {**split, "fc2.weight": "S(1)"}.items()}
@@ -97,6 +105,7 @@ CASES = {
         Pipeline(axis="pp", microbatches=4, schedule="interleaved", stages_per_rank=2),
         "megatron",
     ),
+    "gpt-pp2xdp2-1f1b-recompute": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "recompute"),
     "gpt-tied-pp2xdp2-interleaved": (
         "gpt-tied",
         (2, 2),
@@ -134,7 +143,10 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
     }.get(preset)
     mesh = autopar.Mesh(mesh_shape, axis_names)
     hardware = SLOW_HOSTS if pipeline == "auto" and preset != "budget" else SYNTHETIC
-    budget = _only_stages_fit(model, mesh, batches[0]) if preset == "budget" else None
+    budget, views = {
+        "budget": lambda: (_only_stages_fit(model, mesh, batches[0]), set()),
+        "recompute": lambda: _recomputing_budget(model, mesh, batches[0], pipeline),
+    }.get(preset, lambda: (None, set()))()
     pmodel = autopar.compile(
         model, mesh, batches[0], hardware=hardware, pins=pins, pipeline=pipeline, memory_budget=budget
     )
@@ -168,6 +180,7 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "inside": pmodel._coordinate,
         "stages": pmodel.plan.stages.count,
         "per_rank": pmodel.plan.stages.stages_per_rank,
+        "recomputed": len({n.name for n in pmodel.plan.nodes if n.activation == "recompute"} - views),
         "axis": pmodel.plan.stages.axis,
     }
 
@@ -197,6 +210,8 @@ def test_pipelined_training_matches_one_device(results, case):
         assert r["norm_rel"] <= 1e-5, f"rank {rank}: clipped norm differs by {r['norm_rel']:.2e}"
         assert r["no_grad_rel"] <= 1e-5, f"rank {rank}: a call under no_grad differs by {r['no_grad_rel']:.2e}"
         assert r["param_ok"], f"rank {rank}: parameters differ by up to {r['param_max']:.2e}"
+    if CASES[case][4] == "recompute":
+        assert runs[0]["recomputed"], "the plan recomputes to meet its budget"
     held = set().union(*(r["params"] for r in runs))
     assert held == set(runs[0]["all_params"]), "every parameter is held by some stage"
     assert all(len(r["params"]) < len(r["all_params"]) for r in runs), "each rank holds one stage's parameters"
@@ -386,6 +401,32 @@ def test_an_interleaved_plan_puts_two_stages_on_each_position_and_halves_the_bub
     again = autopar.ShardingPlan.from_json(two.to_json())
     assert again == two and again.stages.stages_per_rank == 2
     assert "interleaved of 2 stages per rank" in str(two)
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        Pipeline(axis="pp", microbatches=4),
+        Pipeline(axis="pp", microbatches=4, schedule="interleaved", stages_per_rank=2),
+    ],
+    ids=["1f1b", "interleaved"],
+)
+def test_each_position_recomputes_to_meet_the_budget(pipeline):
+    """Under a budget below the stages' peak, the integer program holds every position of the
+    pipeline axis to it by recomputing (as the stages' own peaks count it), and splits more where
+    recomputing is not enough."""
+    model, batches = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    free = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline)
+    views = {n.name for n in free.nodes if n.activation == "recompute"}  # parameters' views, made again
+    for fraction in (0.85, 0.6):
+        budget = int(fraction * max(free.stages.peak_bytes))
+        plan = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget)
+        assert max(plan.stages.peak_bytes) <= budget
+        assert {n.name for n in plan.nodes if n.activation == "recompute"} - views
+        assert plan.predicted_step_s >= free.predicted_step_s * (1 - 1e-9)
+    with pytest.raises(autopar.InfeasiblePlanError, match="memory budget"):
+        autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget // 10)
 
 
 def _deep_narrow():
