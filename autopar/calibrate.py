@@ -133,6 +133,29 @@ def _collective(kind: str, nbytes: int, world: int):
     return lambda: funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group)), numel * 4
 
 
+def _ping(nbytes: int, world: int):
+    """A round trip of ``nbytes`` between the ranks of each pair (0 and 1, 2 and 3, ...; a last
+    odd rank waits): the even rank sends and waits for the message back, as a pipeline stage
+    waits for what the next one sends back. Half of it is one send on the critical path."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    peer = rank ^ 1
+    message = torch.randn(max(1, nbytes // 4))
+
+    def round_trip():
+        if peer >= world:
+            return
+        if rank % 2 == 0:
+            dist.send(message, peer)
+            dist.recv(message, peer)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+
+    return round_trip, message.numel() * 4
+
+
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """``t = α + x·β`` through ``(x, t)`` points, both clamped at zero, by least squares on the
     relative error: every message size counts alike, so the small messages that dominate
@@ -180,7 +203,11 @@ def measure(world: int) -> tuple[HardwareProfile, dict]:
         collectives.append((kind, alpha, beta))
         raw[kind] = points
     default = next(c for c in collectives if c[0] == "all_reduce")
-    link = Link(default[1], default[2], tuple(collectives))
+    send = None
+    if world > 1:
+        raw["send"] = [(nbytes, _median_s(fn) / 2) for fn, nbytes in (_ping(size, world) for size in _SIZES)]
+        send = _fit(raw["send"])
+    link = Link(default[1], default[2], tuple(collectives), send=send)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
     contention = _contention()
     node_overhead, program = _node_overhead()
@@ -447,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"training step runs its ops {fitted.step_scale:.2f}x longer than these figures price them, "
                 f"its collectives {fitted.collective_scale:.2f}x that again"
             )
-            for kind, alpha, beta in profile.intra_host.per_kind:
+            sends = [("send", *profile.intra_host.send)] if profile.intra_host.send is not None else []
+            for kind, alpha, beta in [*profile.intra_host.per_kind, *sends]:
                 print(
                     f"{kind:15} alpha {alpha * 1e6:8.1f} us   beta {1 / beta / 1e9 if beta else float('inf'):8.2f} GB/s"
                 )

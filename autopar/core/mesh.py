@@ -72,6 +72,10 @@ class Link:
     the device's profile."""
     local_s_per_byte: float = 0.0
     """Seconds per byte such an op copies (read and written once each)."""
+    send: tuple[float, float] | None = None
+    """Measured ``(α, β)`` of one point-to-point send between two ranks (pipeline stages send
+    so), where it differs from a collective's (on gloo a collective's α is many sends'); ``None``:
+    the link's own two above."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "Link":
@@ -82,6 +86,7 @@ class Link:
             tuple(tuple(k) for k in data["per_kind"]),
             data.get("local_op_s", 0.0),
             data.get("local_s_per_byte", 0.0),
+            None if data.get("send") is None else tuple(data["send"]),
         )
 
     def scaled(self, factor: float) -> "Link":
@@ -92,7 +97,13 @@ class Link:
             tuple((kind, alpha * factor, beta * factor) for kind, alpha, beta in self.per_kind),
             self.local_op_s * factor,
             self.local_s_per_byte * factor,
+            None if self.send is None else (self.send[0] * factor, self.send[1] * factor),
         )
+
+    def send_s(self, nbytes: float) -> float:
+        """Seconds of sending ``nbytes`` from one rank to another over this link."""
+        alpha, beta = self.send if self.send is not None else (self.latency_s, self.s_per_byte)
+        return alpha + nbytes * beta
 
     def alpha_beta(self, kind: CollectiveKind) -> tuple[float, float]:
         for name, alpha, beta in self.per_kind:
