@@ -7,7 +7,8 @@ input needing a gradient and not) for 8x8 H100s; and, on 4 local gloo ranks (2x2
 compiled example takes to lower its plan to a batch of half the size on the first call with it,
 against the time ``autopar.compile`` took to plan it. ``--only 3d`` plans the 8B shape at 8 layers
 on 2x4x8 and the LLaMA-3-70B shape (80 layers, batch 1,024 x 8,192) on 16x8x8 under ``--budget``;
-``--only stages`` plans the 8B shape at 32 layers in 2, 4 and 8 pipeline stages; ``--only budget``
+``--only stages`` plans the 8B shape at 32 layers on 2, 4 and 8 pipeline positions (1F1B, and
+interleaved over two stages per rank), and on 2 under ``--budget``; ``--only budget``
 plans the examples on 2x2 under 60% and 40% of their unbudgeted plan's peak.
 
 The 8B-shaped model (hidden 4096, 32 query / 8 key-value heads, MLP 14336, vocabulary 128256,
@@ -102,7 +103,7 @@ def _plan_one(
     budget: str | float | None,
     gap: float,
     queue,
-    staged: bool = False,
+    staged: tuple[str, int] | None = None,
 ) -> None:
     import autopar
 
@@ -124,7 +125,9 @@ def _plan_one(
             solver_time_limit_s=limit_s,
             memory_budget=budget,
             solver_gap=gap,
-            pipeline=autopar.Pipeline(axis="pp", microbatches=2 * shape[0]) if staged else None,
+            pipeline=None
+            if staged is None
+            else autopar.Pipeline(axis="pp", microbatches=2 * shape[0], schedule=staged[0], stages_per_rank=staged[1]),
         )
     except autopar.AutoparError as exc:
         queue.put(
@@ -167,7 +170,7 @@ def run(
     budget: str | float | None = None,
     gap: float = 1e-3,
     searches: int = 1,
-    staged: bool = False,
+    staged: tuple[str, int] | None = None,
 ) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -210,7 +213,7 @@ def _table(
     budget: str | float | None = None,
     gap: float = 1e-3,
     searches: int = 1,
-    staged: bool = False,
+    staged: tuple[str, int] | None = None,
 ) -> list[dict]:
     print(f"\n{title}\n{_HEADER}\n{'-' * len(_HEADER)}", flush=True)
     rows = []
@@ -342,21 +345,34 @@ def budget_table(args) -> list[dict]:
 
 def stages_table(args) -> list[dict]:
     """The 8B shape at 32 layers on pp x 8 x 8 H100s, the first axis cut into 2, 4 and 8 pipeline
-    stages of twice as many micro-batches (1F1B): how planning time grows with the stages."""
-    rows = _table(
-        f"The 8B shape (32 layers) on pp x 8 x 8 {args.hardware}, pp pipeline stages, 2 x pp micro-batches",
-        [(("llama3-8b", 32), (count, 8, 8)) for count in (2, 4, 8)],
+    stages of twice as many micro-batches, under 1F1B and interleaved with two stages per rank:
+    how planning time grows with the stages; and on 2 x 8 x 8 under ``--budget``."""
+    rows = []
+    for schedule, per_rank in (("1f1b", 1), ("interleaved", 2)):
+        rows += _table(
+            f"The 8B shape (32 layers) on pp x 8 x 8 {args.hardware}, pp pipeline positions of {per_rank} stage(s) "
+            f"each, 2 x pp micro-batches, {schedule}",
+            [(("llama3-8b", 32), (count, 8, 8)) for count in (2, 4, 8)],
+            args.hardware,
+            args.limit_s,
+            staged=(schedule, per_rank),
+        )
+    rows += _table(
+        f"The same on 2 x 8 x 8 under memory_budget={args.budget!r} (each position held to it), 1f1b",
+        [(("llama3-8b", 32), (2, 8, 8))],
         args.hardware,
         args.limit_s,
-        staged=True,
+        args.budget,
+        args.budget_gap,
+        staged=("1f1b", 1),
     )
     for r in rows:
         if r.get("stages"):
             st = r["stages"]
             units = ", ".join(str(len(x)) for x in st["segments"])
             print(
-                f"{r['mesh']}: predicted step {r['predicted_step_s']:.3f} s, stages of {units} units, "
-                f"peak {max(st['peak_bytes']) / 2**30:.1f} GiB per device"
+                f"{r['mesh']} {st['schedule']}: predicted step {r['predicted_step_s']:.3f} s, stages of {units} "
+                f"units, peak {max(st['peak_bytes']) / 2**30:.1f} GiB per device"
             )
     return rows
 

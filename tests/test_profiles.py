@@ -224,3 +224,15 @@ def test_a_profile_file_keeps_the_fitted_factors_apart_and_a_version_1_file_stil
     data["profile"].update(data["profile"].pop("fitted"))
     path.write_text(json.dumps(data))
     assert load_profile(path) == profile
+
+
+def test_a_measured_send_prices_point_to_point_and_survives_the_profile_file(tmp_path):
+    """A calibrated link's send (pipeline stages' sends) replaces the collectives' α-β for sends
+    only, and is saved, loaded and scaled with the rest of the link."""
+    measured = Link(1e-3, 1e-9, (("all_reduce", 1e-3, 1e-9),), send=(1e-4, 2e-9))
+    assert measured.send_s(1000) == pytest.approx(1e-4 + 2e-6)
+    assert Link(1e-3, 1e-9).send_s(1000) == pytest.approx(1e-3 + 1e-6)
+    assert measured.scaled(2.0).send == pytest.approx((2e-4, 4e-9))
+    profile = dataclasses.replace(_measured(), intra_host=measured)
+    save_profile(profile, tmp_path / "profile.json")
+    assert load_profile(tmp_path / "profile.json").intra_host == measured
