@@ -32,7 +32,7 @@ from autopar.passes.analysis.stages import Staged, check_stageable, stage_graph
 from autopar.passes.propagation.redistribute import local_shape
 from autopar.runtime.program import Lowered, Unsynced, lower, named_timeouts
 
-from autopar.core.pipeline import order
+from autopar.core.pipeline import Send, order
 from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import getitem_aliases
 
@@ -168,6 +168,8 @@ class StageRunner:
         with the local pieces of ``state`` by name: the batch's loss at the position making it,
         and each parameter's gradient by name."""
         count = len(microbatches)
+        self.sent: list[Send] = []
+        """This step's sends, as :attr:`~autopar.core.pipeline.Stages.sends` prices them."""
         for chunk in self.chunks.values():
             chunk.unsynced.take()  # what a step that failed half-way left
         weight = 1.0 if divisor is not None else 1.0 / count
@@ -219,11 +221,12 @@ class StageRunner:
         copies, and put those the others make into ``grads``."""
         first = 2 * microbatches * self.stages.count**2  # after every micro-batch's tags
         tag = {name: first + i for i, name in enumerate(self.tied)}
-        sends = [
-            dist.isend(grads[name].contiguous(), dst=self.peers[t], tag=tag[name])
-            for name, targets in self.tied_out.items()
-            for t in targets
-        ]
+        sends = []
+        for name, targets in self.tied_out.items():
+            tensor = grads[name].contiguous()
+            for t in targets:
+                sends.append(dist.isend(tensor, dst=self.peers[t], tag=tag[name]))
+                self.sent.append(Send(self.position, t, tensor.numel() * tensor.element_size(), tied=True))
         parts = [chunk.captured for chunk in self.chunks.values()]
         node = {k.name: n for part in parts for k, n in zip(part.inputs, part.placeholders)}
         for name, source in self.tied_in.items():
@@ -280,10 +283,12 @@ class StageRunner:
 
     def _send(self, chunk: _Stage, value: str, tensor: torch.Tensor, m: int, backward: bool) -> list:
         tensor = tensor.contiguous()
-        return [
-            dist.isend(tensor, dst=self.peers[self.stages.position_of(t)], tag=self._tag(m, chunk.stage, t, backward))
-            for t in chunk.targets[value]
-        ]
+        works = []
+        for t in chunk.targets[value]:
+            position = self.stages.position_of(t)
+            works.append(dist.isend(tensor, dst=self.peers[position], tag=self._tag(m, chunk.stage, t, backward)))
+            self.sent.append(Send(self.position, position, tensor.numel() * tensor.element_size()))
+        return works
 
     def _tag(self, m: int, src: int, dst: int, backward: bool) -> int:
         """The tag of micro-batch ``m``'s message from stage ``src`` to stage ``dst``."""

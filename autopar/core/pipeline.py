@@ -99,6 +99,20 @@ def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
     return Mesh(tuple(n for n, _ in kept), tuple(name for _, name in kept))
 
 
+@dataclass(frozen=True, slots=True)
+class Send:
+    """A point-to-point send of a step: from the ranks at one position of the pipeline axis to
+    those at another (each to the rank at its own place inside the stages)."""
+
+    src: int
+    dst: int
+    bytes: int
+    """Per rank."""
+    tied: bool = False
+    """The gradient of a weight tied across stages, sent once per step; else a value one stage
+    sends another, once per micro-batch."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Stages:
     """The pipeline stages of a plan. The plan's placements are on :func:`inner_mesh`, the mesh
@@ -130,6 +144,9 @@ class Stages:
     gradients and optimizer state, the activations of the micro-batches the schedule holds at
     once (:func:`held_activations`), and the largest transient of the plan."""
     stages_per_rank: int = 1
+    sends: tuple[Send, ...] = ()
+    """Every send the step's schedule makes, per micro-batch or (tied) once, as priced in
+    ``send_s`` and ``sync_s``."""
 
     @property
     def count(self) -> int:
@@ -179,6 +196,7 @@ class Stages:
             "send_s": list(self.send_s),
             "sync_s": list(self.sync_s),
             "peak_bytes": list(self.peak_bytes),
+            "sends": [[x.src, x.dst, x.bytes, x.tied] for x in self.sends],
         }
 
     @classmethod
@@ -194,6 +212,7 @@ class Stages:
             send_s=tuple(data["send_s"]),
             sync_s=tuple(data["sync_s"]),
             peak_bytes=tuple(data["peak_bytes"]),
+            sends=tuple(Send(*x) for x in data["sends"]),
         )
 
 

@@ -23,7 +23,7 @@ from autopar.core.placement import (
     parse_placements_text,
 )
 
-FORMAT_VERSION = 12
+FORMAT_VERSION = 13
 
 
 def format_layouts(layouts: tuple[Placements, ...]) -> str:

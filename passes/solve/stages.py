@@ -23,7 +23,7 @@ from autopar.passes.propagation.redistribute import local_shape
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.explain import format_bytes
 from autopar.core.mesh import Link, Mesh
-from autopar.core.pipeline import Pipeline, Stages, held_activations
+from autopar.core.pipeline import Pipeline, Send, Stages, held_activations
 from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import getitem_aliases
 
@@ -85,7 +85,8 @@ def with_stages(
             compute[where[c.consumer]] += c.time_s
     held = _state_bytes(plan, captured, staged, positions)
     synced = _sync_times(plan, captured, where, count)
-    tied = _tied_sends(plan, captured, staged, link, count, positions)
+    tied, tied_sends = _tied_sends(plan, captured, staged, link, count, positions)
+    sent, sends = _send_times(plan, captured, staged, link, count, positions)
     stages = Stages(
         axis=pipeline.axis,
         mesh=mesh,
@@ -94,9 +95,10 @@ def with_stages(
         stages_per_rank=pipeline.stages_per_rank,
         segments=segments,
         compute_s=tuple(compute),
-        send_s=tuple(_send_times(plan, captured, staged, link, count)),
+        send_s=tuple(sent),
         sync_s=tuple(a + b for a, b in zip(synced, tied)),
         peak_bytes=tuple(_peaks(plan, pipeline, where, held, count)),
+        sends=tuple(sends + tied_sends),
     )
     worst = max(range(positions), key=lambda r: stages.peak_bytes[r])
     if budget is not None and stages.peak_bytes[worst] > budget:
@@ -126,20 +128,23 @@ def _sync_times(plan: ShardingPlan, captured: Captured, where: dict[str, int], c
     return times
 
 
-def _send_times(plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int) -> list[float]:
-    """Each stage's sends of one micro-batch: every value it sends, as its op lays it out, once
-    per stage that reads it."""
+def _send_times(
+    plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int, positions: int
+) -> tuple[list[float], list[Send]]:
+    """Each stage's sends of one micro-batch, with the sends: every value it sends, as its op
+    lays it out, once per stage that reads it."""
     nodes = {n.name: n for n in captured.graph.graph.nodes}
     aliases = getitem_aliases(captured.graph.graph)
     by_name = {n.name: n for n in plan.nodes}
-    times = [0.0] * count
+    times, sends = [0.0] * count, []
     for c in staged.crossings:
         ref = aliases.get(c.value, (c.value, 0))
         layout = by_name[ref[0]].outputs[ref[1]]
         val = nodes[c.value].meta["val"]
         nbytes = math.prod(local_shape(tuple(val.shape), layout, plan.mesh)) * val.element_size()
         times[c.src] += link.send_s(nbytes)
-    return times
+        sends.append(Send(c.src % positions, c.dst % positions, nbytes))
+    return times, sends
 
 
 def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, positions: int) -> list[int]:
@@ -161,17 +166,19 @@ def _local_bytes(plan: ShardingPlan, placeholder, name: str) -> int:
 
 def _tied_sends(
     plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int, positions: int
-) -> list[float]:
+) -> tuple[list[float], list[Send]]:
     """Each stage's sends, once per step, of the gradients of weights tied across stages that it
-    makes, to the other positions holding copies."""
-    times = [0.0] * count
+    makes, to the other positions holding copies; with the sends."""
+    times, sends = [0.0] * count, []
     graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.name in staged.shared and kind.name in graded:
             holder = staged.stage_of[node.name]
-            copies = len({s % positions for s in staged.shared[kind.name]} - {holder % positions})
-            times[holder] += copies * link.send_s(_local_bytes(plan, node, kind.name))
-    return times
+            nbytes = _local_bytes(plan, node, kind.name)
+            for position in sorted({s % positions for s in staged.shared[kind.name]} - {holder % positions}):
+                times[holder] += link.send_s(nbytes)
+                sends.append(Send(holder % positions, position, nbytes, tied=True))
+    return times, sends
 
 
 def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: list[int], count: int) -> list[int]:

@@ -154,6 +154,10 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         pmodel.parameters()
     opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     losses, norms = _train(pmodel, batches, opt, lambda: pmodel.clip_grad_norm_(0.5))
+    stages = pmodel.plan.stages
+    sent = [(x.src, x.dst, x.bytes, x.tied) for x in pmodel._runner.sent]  # the last step's
+    times = {True: 1, False: stages.microbatches}  # a tied weight's gradient once, a value per micro-batch
+    priced = [(x.src, x.dst, x.bytes, x.tied) for x in stages.sends for _ in range(times[x.tied])]
     with torch.no_grad():  # forwards only, after the steps
         evaluated = float(pmodel(*batches[0]))
         ref_evaluated = float(reference(*batches[0]))
@@ -176,6 +180,8 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "param_max": max(errors.values()),
         "all_params": sorted(ref_params),
         "ran": [tuple(c) for c in pmodel.collectives],
+        "sent": sent,
+        "priced_sends": priced,
         "planned": [(c.kind, c.axis, c.bytes) for c in pmodel.plan.collectives],
         "inside": pmodel._coordinate,
         "stages": pmodel.plan.stages.count,
@@ -225,11 +231,16 @@ def test_pipelined_training_matches_one_device(results, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_stages_run_the_planned_collectives_and_no_other(results, case):
     """The ranks at one position inside the stages, one per stage, run between them each
-    collective the plan prices (a micro-batch's, and the step's gradient buckets), and no other."""
+    collective the plan prices (a micro-batch's, and the step's gradient buckets), and no other;
+    and send each other what the plan prices, each value per micro-batch and each tied weight's
+    gradient once, and nothing else."""
     runs = results[case]
     for inside in {tuple(r["inside"]) for r in runs}:
         ran = collections.Counter(c for r in runs if tuple(r["inside"]) == inside for c in r["ran"])
         assert ran == collections.Counter(runs[0]["planned"])
+        sent = collections.Counter(tuple(x) for r in runs if tuple(r["inside"]) == inside for x in r["sent"])
+        assert sent == collections.Counter(tuple(x) for x in runs[0]["priced_sends"])
+        assert sent, "the stages send to each other"
 
 
 def _run_schedule(kind: str, positions: int, microbatches: int, per_rank: int, forward_s: float, backward_s: float):
