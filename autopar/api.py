@@ -9,7 +9,7 @@ import torch
 
 from autopar.config import Pins, PlanConfig
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, inner_mesh
+from autopar.core.pipeline import Pipeline, pinned_mesh
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
@@ -111,7 +111,7 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
     check_mesh(mesh)
     config = PlanConfig.of(options)
     pipeline = check_pipeline(options["pipeline"], mesh, options["pins"])
-    pins = config.pins_for(mesh if not isinstance(pipeline, Pipeline) else inner_mesh(mesh, pipeline.axis))
+    pins = config.pins_for(pinned_mesh(pipeline, mesh))
     plan, backend, timeout = options["plan"], options["backend"], options["timeout"]
     if timeout is None:
         timeout = _timeout_of_the_launch()
@@ -125,8 +125,9 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
         timeout_s=timeout,
         param_dtype=config.param_dtype,
     )
-    if pipeline == "auto":
-        planner = functools.partial(_plan_auto, mesh=mesh, config=config)
+    if pipeline == "auto" or isinstance(pipeline, Pipeline) and not pipeline.complete:
+        given = None if pipeline == "auto" else pipeline
+        planner = functools.partial(_plan_auto, mesh=mesh, config=config, given=given)
         return PipelinedModule(model, mesh, pipeline=pipeline, planner=planner, **run)
     if pipeline is not None:
         planner = functools.partial(_plan_stages, mesh=mesh, pipeline=pipeline, config=config)
@@ -135,13 +136,14 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
     return ParallelModule(model, mesh, planner=planner, **run)
 
 
-def _plan_auto(micro, state_pins=None, *, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
-    """``pipeline="auto"``'s choice for a model's first inputs (``micro`` captures it on
-    micro-batches of them); once it chose no stages, a graph captured at other sizes or in
-    another mode is planned without."""
+def _plan_auto(micro, state_pins=None, *, mesh: Mesh, config: PlanConfig, given: Pipeline | None) -> ShardingPlan:
+    """``pipeline="auto"``'s choice (or, ``given`` a Pipeline with parts left ``None``, the
+    choice of those parts) for a model's first inputs (``micro`` captures it on micro-batches of
+    them); once it chose no stages, a graph captured at other sizes or in another mode is planned
+    without."""
     if isinstance(micro, Captured):
         return plan_with(micro, mesh, config.with_pins(state_pins or {}))
-    return plan_auto(micro, micro.batch, mesh, config.with_pins(state_pins or {}))
+    return plan_auto(micro, micro.batch, mesh, config.with_pins(state_pins or {}), given)
 
 
 def _plan_stages(captured, state_pins=None, *, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:

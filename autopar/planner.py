@@ -15,7 +15,7 @@ from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
 from autopar.core.graph import segment_of
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, shared_batch
+from autopar.core.pipeline import Pipeline, first_microbatch, pinned_mesh, shared_batch
 from autopar.core.placement import Placements
 from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
@@ -646,8 +646,9 @@ def plan(
             with momentum, 0 for SGD without. The module warns at the first step of an optimizer
             that keeps more.
         pipeline: an :class:`~autopar.core.pipeline.Pipeline` cutting the model into stages over
-            one mesh axis (pins then name placements on the other axes), ``"auto"`` to choose
-            whether and how (:mod:`autopar.stage_search`), or ``None`` (default) for no stages.
+            one mesh axis (pins then name placements on the other axes; parts left ``None`` are
+            chosen), ``"auto"`` to choose whether and how (:mod:`autopar.stage_search`), or
+            ``None`` (default) for no stages.
     """
     check_mesh(mesh)
     if not isinstance(example_inputs, (tuple, list)):
@@ -656,12 +657,12 @@ def plan(
     from autopar.stage_search import check_pipeline, plan_auto, plan_stages  # they plan through this module
 
     pipeline = check_pipeline(pipeline, mesh, pins)
-    config.pins_for(inner_mesh(mesh, pipeline.axis) if isinstance(pipeline, Pipeline) else mesh)
+    config.pins_for(pinned_mesh(pipeline, mesh))
 
     if pipeline is None:
         return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)
     batch = shared_batch(example_inputs)
-    if isinstance(pipeline, Pipeline) and (not batch or batch % pipeline.microbatches):
+    if isinstance(pipeline, Pipeline) and pipeline.microbatches and (not batch or batch % pipeline.microbatches):
         raise ValueError(
             f"pipeline stages cut every input along dim 0 into {pipeline.microbatches} micro-batches; the inputs "
             "share no batch size that divides. Fix: inputs batched along dim 0, a batch Pipeline(microbatches=) divides"
@@ -670,6 +671,6 @@ def plan(
     def capture_at(microbatches: int) -> Captured:
         return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype)
 
-    if pipeline == "auto":
-        return plan_auto(capture_at, batch, mesh, config)
+    if pipeline == "auto" or not pipeline.complete:
+        return plan_auto(capture_at, batch, mesh, config, None if pipeline == "auto" else pipeline)
     return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)

@@ -38,24 +38,36 @@ SCHEDULES_TRIED = (("1f1b", 1), ("interleaved", 2))
 """The schedules tried for each, with their stages per rank."""
 
 
-def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, config: PlanConfig) -> ShardingPlan:
+def plan_auto(
+    capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, config: PlanConfig, given: Pipeline | None = None
+) -> ShardingPlan:
     """The fastest of the candidates above, ``capture_at(m)`` capturing the model on one of
-    ``m`` micro-batches of a batch of ``batch`` (0: the inputs share no batch, no stages)."""
+    ``m`` micro-batches of a batch of ``batch`` (0: the inputs share no batch, no stages); with
+    ``given`` (a :class:`~autopar.core.pipeline.Pipeline` with parts left ``None``), the fastest
+    with stages that has the parts it gives."""
     capture_at = functools.cache(capture_at)
     plans: list[ShardingPlan] = []
     refusals: list[str] = []
-    try:
-        plans.append(plan_with(capture_at(1), mesh, config))
-    except InfeasiblePlanError as exc:
-        refusals.append(f"without stages: {exc}")
+    if given is None:
+        try:
+            plans.append(plan_with(capture_at(1), mesh, config))
+        except InfeasiblePlanError as exc:
+            refusals.append(f"without stages: {exc}")
     for axis, size in zip(mesh.axis_names, mesh.shape):
         if size < 2 or not batch:  # no batch the inputs share: nothing to cut into micro-batches
             continue
-        for schedule, per_rank in SCHEDULES_TRIED:
-            for microbatches in (size * k for k in MICROBATCHES_PER_STAGE):
-                if batch % microbatches:
-                    continue
+        schedules, counts = SCHEDULES_TRIED, [size * k for k in MICROBATCHES_PER_STAGE]
+        if given is not None and given.schedule is not None:
+            schedules = ((given.schedule, given.stages_per_rank),)
+        if given is not None and given.microbatches is not None:
+            counts = [given.microbatches]
+        for schedule, per_rank in schedules:
+            for microbatches in counts:
                 pipeline = Pipeline(axis=axis, microbatches=microbatches, schedule=schedule, stages_per_rank=per_rank)
+                if batch % microbatches or (given is not None and not given.allows(pipeline)):
+                    continue
+                if schedule == "interleaved" and microbatches % size:
+                    continue
                 try:
                     plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, config))
                 except (InputError, InfeasiblePlanError) as exc:
@@ -63,7 +75,8 @@ def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, con
                     if isinstance(exc, InputError):
                         break  # the model cannot be cut so, at any micro-batch count
     if not plans:
-        raise InfeasiblePlanError("no plan, with or without pipeline stages, fits:\n" + "\n".join(refusals))
+        what = "no plan, with or without pipeline stages," if given is None else f"no plan in stages as {given} asks"
+        raise InfeasiblePlanError(f"{what} fits:\n" + "\n".join(refusals or ["no candidate: see the Pipeline's parts"]))
     best = min(plans, key=lambda p: p.predicted_step_s)
     for p in plans:
         what = (
@@ -77,15 +90,17 @@ def plan_auto(capture_at: Callable[[int], Captured], batch: int, mesh: Mesh, con
 
 def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
     """``pipeline`` checked for ``mesh``: ``None`` (or ``"off"``), ``"auto"`` or a
-    :class:`~autopar.core.pipeline.Pipeline` over one of its axes."""
+    :class:`~autopar.core.pipeline.Pipeline` over one of its axes (or with its axis left to
+    planning)."""
     if pipeline in (None, "off"):
         return None
-    if pipeline == "auto":
+    if pipeline == "auto" or isinstance(pipeline, Pipeline) and pipeline.axis is None:
         if pins:
             raise ValueError(
-                "pins with pipeline='auto' are not supported yet: they would name placements on the whole mesh for "
-                "plans without stages and on the mesh inside the stages for the others. Fix: pipeline=None, or "
-                "pipeline=Pipeline(axis=..., microbatches=...) with pins on the mesh inside the stages"
+                "pins with pipeline='auto', or a Pipeline whose axis is left to planning, are not supported yet: "
+                "they would name placements on the whole mesh for plans without stages and on the mesh inside the "
+                "stages for the others. Fix: pipeline=None, or pipeline=Pipeline(axis=...) with pins on the mesh "
+                "inside the stages"
             )
         return pipeline
     if not isinstance(pipeline, Pipeline):

@@ -51,12 +51,12 @@ class PipelinedModule(ParallelModule):
                 "pipeline stages do not yet build a model from the meta device. Fix: build it on a real device, "
                 "or compile without pipeline="
             )
-        if self._plan is None and self._pipeline == "auto":
+        if self._plan is None and self._searched:
             ensure_process_group(self._mesh, device_type)
             timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
             self._world = None if timeout is None else dist.new_group(timeout=timeout)
             self._plan = self._plan_on_rank0(MicroBatches(self.module, inputs, self._param_dtype))
-        if self._pipeline == "auto" and self._plan is not None:
+        if self._searched and self._plan is not None:
             if self._plan.stages is None:
                 return super()._build(inputs, first_call)
             stages = self._plan.stages
@@ -105,6 +105,12 @@ class PipelinedModule(ParallelModule):
         self._shard_state(self._captured)
         self._release_other_stages()
         self._built = True
+
+    @property
+    def _searched(self) -> bool:
+        """Whether planning chooses the stages (``pipeline="auto"``, or a Pipeline with parts left
+        ``None``) and they are not chosen yet."""
+        return self._pipeline == "auto" or not self._pipeline.complete
 
     def _lay_out(self, device_type: str) -> Mesh:
         """Lay the mesh over the ranks: this rank's stage, its peers on the other stages (at its

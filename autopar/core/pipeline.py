@@ -34,35 +34,60 @@ class Pipeline:
     Which layers each stage holds is planned: the cuts fall between the model's layers (of a
     stack, or its top-level modules) so that the stages' compute is as even as it can be. Under
     the interleaved schedule each rank holds ``stages_per_rank`` stages (2 or more), and the
-    micro-batches are a multiple of the axis's positions."""
+    micro-batches are a multiple of the axis's positions.
 
-    axis: str
-    microbatches: int
-    schedule: Schedule = "1f1b"
+    ``axis``, ``microbatches`` or ``schedule`` left ``None`` are chosen by planning, as
+    ``pipeline="auto"`` chooses them (:mod:`autopar.stage_search`), among plans with stages."""
+
+    axis: str | None = None
+    microbatches: int | None = None
+    schedule: Schedule | None = "1f1b"
     stages_per_rank: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.axis, str):
+        if self.axis is not None and not isinstance(self.axis, str):
             raise TypeError(f"Pipeline(axis=...) names a mesh axis, got {self.axis!r}")
-        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
+        count = self.microbatches
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
             raise ValueError(
-                f"Pipeline(microbatches={self.microbatches!r}): give the number of slices of the batch, a positive int "
-                "(at least the number of stages keeps every stage busy)"
+                f"Pipeline(microbatches={count!r}): give the number of slices of the batch, a positive int "
+                "(at least the number of stages keeps every stage busy), or None to have it chosen"
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline(schedule={self.schedule!r}) is not one of {', '.join(map(repr, SCHEDULES))}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Pipeline(schedule={self.schedule!r}) is not one of {', '.join(map(repr, SCHEDULES))} or None"
+            )
         per_rank = self.stages_per_rank
         if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
             raise ValueError(f"Pipeline(stages_per_rank={per_rank!r}): give a positive int")
-        if (self.schedule == "interleaved") != (per_rank > 1):
+        if self.schedule is None and per_rank > 1:
+            raise ValueError(
+                f"Pipeline(stages_per_rank={per_rank}) with the schedule left to planning: give "
+                "schedule='interleaved' with it, or leave both to planning"
+            )
+        if self.schedule is not None and (self.schedule == "interleaved") != (per_rank > 1):
             raise ValueError(
                 f"Pipeline(schedule={self.schedule!r}, stages_per_rank={per_rank}): the interleaved schedule runs 2 or "
                 "more stages per rank, the others one. Fix: schedule='interleaved' with stages_per_rank=2 or more, "
                 "or stages_per_rank=1"
             )
 
+    @property
+    def complete(self) -> bool:
+        """Whether every part is given (else planning chooses the parts left ``None``)."""
+        return None not in (self.axis, self.microbatches, self.schedule)
+
+    def allows(self, other: "Pipeline") -> bool:
+        """Whether ``other`` (complete) has every part this one gives."""
+        given = [(self.axis, other.axis), (self.microbatches, other.microbatches)]
+        if self.schedule is not None:
+            given += [(self.schedule, other.schedule), (self.stages_per_rank, other.stages_per_rank)]
+        return all(mine is None or mine == theirs for mine, theirs in given)
+
     def check(self, mesh: Mesh) -> None:
         """Refuse an axis ``mesh`` has not, or one of one position (no stages to make)."""
+        if self.axis is None:
+            return
         if self.axis not in mesh.axis_names:
             raise ValueError(
                 f"Pipeline(axis={self.axis!r}) is not an axis of {mesh}. Fix: name one of {mesh.axis_names}"
@@ -70,7 +95,7 @@ class Pipeline:
         if mesh.shape[mesh.axis_names.index(self.axis)] < 2:
             raise ValueError(f"Pipeline(axis={self.axis!r}) has one position in {mesh}: give an axis of 2 or more")
         positions = mesh.shape[mesh.axis_names.index(self.axis)]
-        if self.schedule == "interleaved" and self.microbatches % positions:
+        if self.schedule == "interleaved" and self.microbatches is not None and self.microbatches % positions:
             raise ValueError(
                 f"the interleaved schedule runs micro-batches in rounds of one per position of '{self.axis}' "
                 f"({positions}); Pipeline(microbatches={self.microbatches}) is not a multiple of it. Fix: "
@@ -97,6 +122,12 @@ def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
     if not kept:
         return Mesh((1,), (f"{axis}_stage",))
     return Mesh(tuple(n for n, _ in kept), tuple(name for _, name in kept))
+
+
+def pinned_mesh(pipeline: "Pipeline | str | None", mesh: Mesh) -> Mesh:
+    """The mesh pins name placements on: the mesh inside the stages of a Pipeline that gives its
+    axis, else ``mesh``."""
+    return inner_mesh(mesh, pipeline.axis) if isinstance(pipeline, Pipeline) and pipeline.axis else mesh
 
 
 @dataclass(frozen=True, slots=True)
