@@ -63,7 +63,7 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
     """Plan an already captured graph as ``config`` says."""
     check_mesh(mesh)
     problem = _Problem.build(captured, mesh, config)
-    if config.stage_memory is not None:
+    if config.stage_memory is not None and problem.budget is not None:
         result, live, times = problem.in_stages()
     elif problem.merges and program_size(problem.space) > WHOLE_MESH_BELOW:
         result, live, times = problem.merged_plan()
@@ -313,11 +313,19 @@ class _Problem:
         return self.solved[solver_budget]
 
     def in_stages(self) -> tuple[ShardingPlan, None, dict[str, float]]:
-        """The fastest plan the search finds for one micro-batch of a plan in pipeline stages,
-        each position of the pipeline axis held to the budget by its own rows
+        """The fastest plan the search finds for one micro-batch of a plan in pipeline stages
+        under a budget, each position of the pipeline axis held to it by its own rows
         (:mod:`autopar.passes.solve.stage_memory`); the plan's own liveness, which runs every
         stage on one device, is not its ranks'. With no stage times but the search's."""
-        plan, times, _ = self.solved_under(None if self.budget is None else float(self.budget))
+        try:
+            plan, times, _ = self.solved_under(float(self.budget))
+        except InfeasiblePlanError:
+            raise InfeasiblePlanError(
+                f"no plan of the stages holds every position of the pipeline axis within memory_budget="
+                f"{format_bytes(self.budget)} per device, recomputing what it can. Fix: more positions or "
+                "micro-batches, the 1f1b schedule (interleaving and GPipe hold more activations), or a larger "
+                "memory_budget"
+            ) from None
         return plan, None, times
 
     @property

@@ -119,7 +119,7 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
     positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
     segments = cut_stages(captured, positions * pipeline.stages_per_rank)
     staged = assign_stages(captured, segments)
-    check_tied(staged, positions)
+    check_tied(staged, captured, positions)
     holders = {
         n.name: tuple(sorted({s % positions for s in staged.shared.get(k.name, (staged.stage_of.get(n.name, 0),))}))
         for n, k in zip(captured.placeholders, captured.inputs)

@@ -108,7 +108,7 @@ def _layouts(model_name: str, world: int) -> tuple[str, ...]:
     if world == 1:
         return ("auto",)
     if model_name == "gpt":  # 6 units to cut into stages: token and position embeddings, 2 blocks, norm, head
-        return ("auto", "ddp", "fsdp", "megatron", "pp-gpipe", "pp-1f1b") + (("pp-interleaved",) if world <= 3 else ())
+        return ("auto", "ddp", "fsdp", "megatron", "pp-gpipe", "pp-1f1b") + (("pp-interleaved",) if world == 2 else ())
     return ("auto", "ddp", "fsdp", "megatron") if model_name == "mlp" else ("auto", "ddp", "fsdp")
 
 

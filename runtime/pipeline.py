@@ -170,6 +170,10 @@ class StageRunner:
         count = len(microbatches)
         self.sent: list[Send] = []
         """This step's sends, as :attr:`~autopar.core.pipeline.Stages.sends` prices them."""
+        self.handed: dict[tuple, torch.Tensor] = {}
+        """Values one of this position's stages made for another of them (interleaved), by
+        micro-batch, stages, direction and value: handed over, not sent."""
+        self.handed_over = 0
         for chunk in self.chunks.values():
             chunk.unsynced.take()  # what a step that failed half-way left
         weight = 1.0 if divisor is not None else 1.0 / count
@@ -269,10 +273,13 @@ class StageRunner:
         for kind, node in chunk.received:
             if (kind.kind == "recv_grad") != backward:
                 continue
+            source = chunk.sources[kind.name]
+            if self.stages.position_of(source) == self.position:
+                got.append(self.handed.pop((m, source, chunk.stage, backward, kind.name)))
+                continue
             val = node.meta["val"]
             layout = self.layouts[kind.name]
             buffer = torch.empty(local_shape(tuple(val.shape), layout, self.mesh), dtype=val.dtype, device=self.device)
-            source = chunk.sources[kind.name]
             tag = self._tag(m, source, chunk.stage, backward)
             works.append(dist.irecv(buffer, src=self.peers[self.stages.position_of(source)], tag=tag))
             got.append(buffer)
@@ -286,6 +293,10 @@ class StageRunner:
         works = []
         for t in chunk.targets[value]:
             position = self.stages.position_of(t)
+            if position == self.position:  # another stage of this position: handed over
+                self.handed[m, chunk.stage, t, backward, value] = tensor
+                self.handed_over += 1
+                continue
             works.append(dist.isend(tensor, dst=self.peers[position], tag=self._tag(m, chunk.stage, t, backward)))
             self.sent.append(Send(self.position, position, tensor.numel() * tensor.element_size()))
         return works

@@ -261,6 +261,11 @@ def order(kind: Schedule, position: int, positions: int, microbatches: int, stag
     if kind == "gpipe":
         return [("F", m, position) for m in range(microbatches)] + [("B", m, position) for m in range(microbatches)]
     p, v = positions, stages_per_rank
+    if v > 1 and microbatches % p:
+        raise ValueError(
+            f"the interleaved schedule runs micro-batches in rounds of one per position ({p}); {microbatches} "
+            "micro-batches is not a multiple of it. Fix: a multiple of the positions"
+        )
     total = microbatches * v
 
     def unit(action: str, k: int) -> Action:

@@ -14,9 +14,9 @@ keep for each micro-batch in flight. So instead of the moments of one device's s
 
 ``s_p,k`` is parameter ``p``'s piece under strategy ``k`` with its gradient and optimizer state
 (a weight tied across stages counts at each position holding a copy). ``kept_n`` is what op
-``n`` keeps for the backward (its keep, recompute or offload choice,
-:mod:`autopar.passes.solve.memory_choices`, or its outputs the backward reads when nothing is
-chosen), ``L_s`` how many micro-batches' activations of stage ``s`` the position holds at that
+``n`` keeps for the backward (its keep or recompute choice,
+:mod:`autopar.passes.solve.memory_choices`; stages do not offload; or its outputs the backward
+reads when nothing is chosen), ``L_s`` how many micro-batches' activations of stage ``s`` the position holds at that
 moment (:func:`~autopar.core.pipeline.held_activations`: after a forward its schedule runs),
 ``T`` the largest temporary of an op (outside the chosen ones) and ``R`` the most a segment's
 backward recomputes (``Q_S``). These are the parts
@@ -39,7 +39,7 @@ class StageMemory:
     positions: int
     """Positions of the pipeline axis; stage ``s`` runs at position ``s % positions``."""
     stage_of: Mapping[str, int]
-    """Each op's stage, by node name."""
+    """Each node's stage, by name (ops, and parameters, buffers and tangents)."""
     holders: Mapping[str, tuple[int, ...]]
     """Each parameter's placeholder → the positions holding it."""
     moments: tuple[tuple[Mapping[int, int], ...], ...]
@@ -93,7 +93,11 @@ def stage_budget(
     for name, positions in stages.holders.items():
         if name not in memory.params:  # a parameter no op reads
             continue
-        sizes = [a + b + c for a, b, c in zip(memory.params[name], memory.grads[name], memory.optimizer[name])]
+        none = [0.0] * len(memory.params[name])  # a frozen parameter has no gradient or optimizer state
+        sizes = [
+            a + b + c
+            for a, b, c in zip(memory.params[name], memory.grads.get(name, none), memory.optimizer.get(name, none))
+        ]
         for position in positions:
             held[position] += onehot(name, sizes)
     kept: dict[int, list[tuple[object, float]]] = {}

@@ -7,8 +7,8 @@ the stages each runs under the interleaved schedule), the heaviest run as
 light as it can be (a linear-partition dynamic program over the units). The plan inside the
 stages is then the integer program's for one micro-batch on the mesh without the pipeline axis,
 its gradient buckets each of one stage, each position of the pipeline axis held to the memory
-budget (:mod:`autopar.passes.solve.stage_memory`). Each micro-batch takes the slowest stage's time per step
-of the schedule (:attr:`~autopar.core.pipeline.Stages.step_s`).
+budget (:mod:`autopar.passes.solve.stage_memory`). Each micro-batch takes the busiest position's
+time per step of the schedule (:attr:`~autopar.core.pipeline.Stages.step_s`).
 """
 
 import dataclasses
@@ -47,16 +47,18 @@ def cut_stages(captured: Captured, count: int) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(layers[i] for i in run) for run in balanced_runs([work[u] for u in layers], count))
 
 
-def check_tied(staged: Staged, positions: int) -> None:
-    """Refuse a weight tied across two stages that run at one of the ``positions`` of the
-    pipeline axis (interleaved), which the runtime does not run."""
+def check_tied(staged: Staged, captured: Captured, positions: int) -> None:
+    """Refuse a weight with a gradient tied across two stages that run at one of the
+    ``positions`` of the pipeline axis (interleaved): the runtime holds one copy of it per rank and
+    sends its gradient between positions only."""
+    graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
     for name, readers in staged.shared.items():
         together = sorted(s for s in readers if any(s != t and s % positions == t % positions for t in readers))
-        if together:
+        if name in graded and together:
             raise InputError(
                 f"{name} is tied across stages {', '.join(map(str, together))}, which the interleaved schedule puts "
-                "on the same ranks; pipeline stages do not run that yet. Fix: another stages_per_rank, or the 1f1b "
-                "schedule"
+                "on the same ranks; a weight tied across two stages of one rank is not supported yet. Fix: another "
+                "stages_per_rank, or the 1f1b schedule"
             )
 
 
@@ -72,7 +74,7 @@ def with_stages(
 ) -> ShardingPlan:
     """``plan`` (made for one micro-batch on the mesh inside the stages) with the stages
     ``segments`` (placed as ``staged``) of ``pipeline`` over ``mesh``, whose sends cross ``link``;
-    refused where a stage's predicted peak is over ``budget``."""
+    refused where a position's predicted peak is over ``budget``."""
     count = len(segments)
     where = staged.stage_of
     positions = count // pipeline.stages_per_rank
@@ -132,12 +134,14 @@ def _send_times(
     plan: ShardingPlan, captured: Captured, staged: Staged, link: Link, count: int, positions: int
 ) -> tuple[list[float], list[Send]]:
     """Each stage's sends of one micro-batch, with the sends: every value it sends, as its op
-    lays it out, once per stage that reads it."""
+    lays it out, once per stage that reads it at another position."""
     nodes = {n.name: n for n in captured.graph.graph.nodes}
     aliases = getitem_aliases(captured.graph.graph)
     by_name = {n.name: n for n in plan.nodes}
     times, sends = [0.0] * count, []
     for c in staged.crossings:
+        if c.src % positions == c.dst % positions:  # two stages of one position: handed over, not sent
+            continue
         ref = aliases.get(c.value, (c.value, 0))
         layout = by_name[ref[0]].outputs[ref[1]]
         val = nodes[c.value].meta["val"]
@@ -151,11 +155,13 @@ def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, positio
     """The parameters' bytes per device at each position of the pipeline axis, with their
     gradients and optimizer state (a weight tied across stages at each position holding a copy)."""
     held = [0] * positions
+    graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.kind == "param":
             stages = staged.shared.get(kind.name, (staged.stage_of.get(node.name, 0),))
+            copies = 2 + plan.optimizer_slots if kind.name in graded else 1  # a frozen one has no gradient or state
             for position in {s % positions for s in stages}:
-                held[position] += _local_bytes(plan, node, kind.name) * (2 + plan.optimizer_slots)
+                held[position] += _local_bytes(plan, node, kind.name) * copies
     return held
 
 
