@@ -10,7 +10,9 @@ schedule, and under the interleaved schedule with two stages per rank
 interleaving halves the bubble for twice the sends and more activations held). Each is planned
 by the integer program; the fastest by predicted step time whose stages fit the memory budget is
 the plan. A candidate the model cannot take (too few layers for the stages, buffers the forward
-updates, a loss that is no mean) is left out, and so is one whose plan does not fit.
+updates, a loss that is no mean) is left out, and so is one whose plan does not fit. Pins name
+placements on the whole mesh: stages over an axis keep a pin's other placements, and are left out
+when a pin splits over that axis.
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from autopar.config import PlanConfig
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, inner_mesh
+from autopar.core.pipeline import Pipeline, inner_mesh, pins_inside
 from autopar.core.plan import ShardingPlan
 from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
@@ -56,6 +58,13 @@ def plan_auto(
     for axis, size in zip(mesh.axis_names, mesh.shape):
         if size < 2 or not batch:  # no batch the inputs share: nothing to cut into micro-batches
             continue
+        inside = config
+        if given is None or given.axis is None:  # the pins name placements on the whole mesh
+            pins = pins_inside(config.pins_for(mesh), mesh, axis)
+            if pins is None:
+                refusals.append(f"stages over {axis}: a pin splits over it")
+                continue
+            inside = dataclasses.replace(config, pins=pins)
         schedules, counts = SCHEDULES_TRIED, [size * k for k in MICROBATCHES_PER_STAGE]
         if given is not None and given.schedule is not None:
             schedules = ((given.schedule, given.stages_per_rank),)
@@ -69,7 +78,7 @@ def plan_auto(
                 if schedule == "interleaved" and microbatches % size:
                     continue
                 try:
-                    plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, config))
+                    plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, inside))
                 except (InputError, InfeasiblePlanError) as exc:
                     refusals.append(f"stages over {axis} ({schedule}) with {microbatches} micro-batches: {exc}")
                     if isinstance(exc, InputError):
@@ -95,13 +104,6 @@ def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
     if pipeline in (None, "off"):
         return None
     if pipeline == "auto" or isinstance(pipeline, Pipeline) and pipeline.axis is None:
-        if pins:
-            raise ValueError(
-                "pins with pipeline='auto', or a Pipeline whose axis is left to planning, are not supported yet: "
-                "they would name placements on the whole mesh for plans without stages and on the mesh inside the "
-                "stages for the others. Fix: pipeline=None, or pipeline=Pipeline(axis=...) with pins on the mesh "
-                "inside the stages"
-            )
         return pipeline
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be None, 'auto' or an autopar.Pipeline, got {pipeline!r}")

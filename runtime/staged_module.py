@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import InputError, RewriteError, StalePlanError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, shared_batch
+from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, pins_inside, shared_batch
 from autopar.core.plan import ShardingPlan
 
 
@@ -60,6 +60,8 @@ class PipelinedModule(ParallelModule):
             if self._plan.stages is None:
                 return super()._build(inputs, first_call)
             stages = self._plan.stages
+            if self._pipeline == "auto" or self._pipeline.axis is None:  # pins on the whole mesh, as planned
+                self._pins = pins_inside(self._pins, self._mesh, stages.axis)
             self._pipeline = Pipeline(
                 axis=stages.axis,
                 microbatches=stages.microbatches,

@@ -8,11 +8,12 @@ a stage the other mesh axes split tensors as a plan without stages does.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from autopar.core.mesh import Mesh
+from autopar.core.placement import Placements, Replicate
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 """``"gpipe"``: every micro-batch's forward, then every backward (GPipe); ``"1f1b"``: each stage
@@ -124,9 +125,20 @@ def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
     return Mesh(tuple(n for n, _ in kept), tuple(name for _, name in kept))
 
 
+def pins_inside(pins: Mapping[str, Placements], mesh: Mesh, axis: str) -> dict[str, Placements] | None:
+    """Pins on ``mesh`` as pins on the mesh inside stages over ``axis``: each placement but the
+    axis's, which must replicate; ``None`` when a pin splits over the axis (it asks that axis to
+    split, not to hold stages)."""
+    at = mesh.axis_names.index(axis)
+    if any(not placements[at].is_replicate() for placements in pins.values()):
+        return None
+    return {name: tuple(q for i, q in enumerate(p) if i != at) or (Replicate(),) for name, p in pins.items()}
+
+
 def pinned_mesh(pipeline: "Pipeline | str | None", mesh: Mesh) -> Mesh:
     """The mesh pins name placements on: the mesh inside the stages of a Pipeline that gives its
-    axis, else ``mesh``."""
+    axis, else ``mesh`` (with ``"auto"`` or the axis left to planning, pins that replicate over
+    the axis planning picks keep their other placements inside the stages, :func:`pins_inside`)."""
     return inner_mesh(mesh, pipeline.axis) if isinstance(pipeline, Pipeline) and pipeline.axis else mesh
 
 

@@ -21,6 +21,7 @@ from autopar.passes.solve.stages import balanced_runs
 
 import autopar
 from autopar.core.pipeline import Pipeline, Stages, held_activations, order
+from autopar.core.placement import Shard
 from tests.cases import SYNTHETIC
 
 
@@ -94,7 +95,7 @@ CASES = {
     "gpt-pp2xtp2-1f1b": ("gpt", (2, 2), ("pp", "tp"), Pipeline(axis="pp", microbatches=4), "megatron"),
     "gpt-pp4-1f1b": ("gpt", (4,), ("pp",), Pipeline(axis="pp", microbatches=4), None),
     "hf-llama-dp2xpp2-1f1b": ("llama", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), "dp"),
-    "gpt-auto-slow-hosts": ("gpt", (2, 2), ("pp", "gpu"), "auto", None),
+    "gpt-auto-slow-hosts": ("gpt", (2, 2), ("pp", "gpu"), "auto", "dp-inside"),
     "mse-auto-budget": ("odd", (2, 2), ("pp", "dp"), "auto", "budget"),
     "gpt-tied-pp2xdp2-1f1b": ("gpt-tied", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "dp"),
     "gpt-pp2xdp2xtp2-1f1b": ("gpt", (2, 2, 2), ("pp", "dp", "tp"), Pipeline(axis="pp", microbatches=2), "2d"),
@@ -146,6 +147,7 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
     inputs = ("input_ids", "labels") if model_name == "llama" else ("idx", "targets")
     pins = {
         "dp": {name: "S(0)" for name in inputs},
+        "dp-inside": {name: ("R", "S(0)") for name in inputs},  # pipeline="auto": pins on the whole mesh
         "megatron": _megatron(4),
         "2d": {**{name: ("S(0)", "R") for name in inputs}, **{k: ("R", p) for k, p in _megatron(4).items()}},
     }.get(preset)
@@ -502,8 +504,20 @@ def test_the_parts_a_pipeline_leaves_open_are_chosen_as_auto_chooses_them():
     assert over_host.predicted_step_s <= fixed.predicted_step_s
     four = autopar.plan(model, mesh, batch, hardware=SLOW_HOSTS, pipeline=Pipeline(microbatches=4))
     assert (four.stages.axis, four.stages.microbatches, four.stages.schedule) == ("host", 4, "1f1b")
-    with pytest.raises(ValueError, match="axis is left to planning"):
-        autopar.plan(model, mesh, batch, pipeline=Pipeline(microbatches=4), pins={"idx": ("S(0)", "R")})
+
+
+def test_auto_takes_pins_on_the_whole_mesh():
+    """Pins that replicate over the slow link keep their other placements inside the stages over
+    it; pins that split over it leave stages over it out."""
+    model, batch = _deep_narrow()
+    mesh = autopar.Mesh((2, 2), ("host", "gpu"))
+    inside = {"idx": ("R", "S(0)"), "targets": ("R", "S(0)")}
+    plan = autopar.plan(model, mesh, batch, hardware=SLOW_HOSTS, pipeline="auto", pins=inside)
+    assert plan.stages is not None and plan.stages.axis == "host"
+    assert plan.inputs["idx"] == (Shard(0),) and "idx" in plan.pinned
+    across = {"idx": ("S(0)", "R"), "targets": ("S(0)", "R")}
+    plan = autopar.plan(model, mesh, batch, hardware=SLOW_HOSTS, pipeline="auto", pins=across)
+    assert plan.stages is None or plan.stages.axis != "host"
 
 
 def test_auto_keeps_one_stage_where_links_are_equal():
