@@ -374,7 +374,7 @@ def _runtime_overhead(model: torch.nn.Module) -> tuple[float, float]:
         [k.kind == "tangent" for k in captured.inputs],
         [None if k is None else k.kind == "grad" for k in captured.outputs],
     )
-    grads = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    grads = captured.graded
     program = Program(
         parts,
         "eager",

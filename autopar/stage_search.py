@@ -29,7 +29,7 @@ from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.stages import assign_stages, check_stageable
 from autopar.passes.solve.stage_memory import StageMemory
-from autopar.passes.solve.stages import check_tied, cut_stages, with_stages
+from autopar.passes.solve.stages import check_tied, cut_stages, holding_positions, with_stages
 from autopar.planner import plan_with, warn_over_device
 
 log = logging.getLogger("autopar")
@@ -122,11 +122,6 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
     segments = cut_stages(captured, positions * pipeline.stages_per_rank)
     staged = assign_stages(captured, segments)
     check_tied(staged, captured, positions)
-    holders = {
-        n.name: tuple(sorted({s % positions for s in staged.shared.get(k.name, (staged.stage_of.get(n.name, 0),))}))
-        for n, k in zip(captured.placeholders, captured.inputs)
-        if k.kind == "param"
-    }
     inside = dataclasses.replace(
         config,
         hardware=InsideStages(config.profile, mesh),
@@ -142,7 +137,7 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
             pipeline.microbatches,
             pipeline.stages_per_rank,
             staged.stage_of,
-            holders,
+            holding_positions(captured, staged, positions),
         ),
     )
     plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)

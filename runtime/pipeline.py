@@ -48,9 +48,9 @@ class PositionInputs:
 class _Stage:
     """One stage's programs on this rank, and the stages it receives from and sends to."""
 
-    def __init__(self, captured: Captured, plan: ShardingPlan, staged: Staged, stage: int, lowering, given):
+    def __init__(self, captured: Captured, plan: ShardingPlan, staged: Staged, stage: int, aliases, lowering, given):
         self.stage = stage
-        self.captured = stage_graph(captured, staged, stage, getitem_aliases(captured.graph.graph), given)
+        self.captured = stage_graph(captured, staged, stage, aliases, given)
         self.unsynced = Unsynced()
         self.forms = ("reduced",) if plan.stages.microbatches == 1 else ("unreduced", "accumulated")
         self.lowered: dict[str, Lowered] = {form: lowering(self.captured, form, self.unsynced) for form in self.forms}
@@ -102,7 +102,8 @@ class StageRunner:
             return lower(part, plan, plan.mesh, coordinate, groups, backend, timeout_s, form, unsynced)
 
         mine = list(self.stages.on_position(position))
-        self.chunks = {s: _Stage(captured, plan, staged, s, lowering, given) for s in mine}
+        aliases = getitem_aliases(captured.graph.graph)
+        self.chunks = {s: _Stage(captured, plan, staged, s, aliases, lowering, given) for s in mine}
         self.output_position = self.stages.position_of(staged.output_stage)
         self.makes_loss = staged.output_stage in self.chunks
         self.loss_dtype = next(
@@ -136,7 +137,7 @@ class StageRunner:
         here = {name for name, readers in staged.shared.items() if any(s in self.chunks for s in readers)}
         self.copies = {name for name in here if holder[name] != self.position}
         """Tensors tied across stages whose copy another position counts (and makes the gradient of)."""
-        graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+        graded = captured.graded
         self.tied = sorted(name for name in staged.shared if name in graded)
         """Every stage's weights tied across stages whose gradients are sent, in one order on every rank."""
         self.tied_in = {name: holder[name] for name in self.copies if name in graded}
@@ -173,7 +174,6 @@ class StageRunner:
         self.handed: dict[tuple, torch.Tensor] = {}
         """Values one of this position's stages made for another of them (interleaved), by
         micro-batch, stages, direction and value: handed over, not sent."""
-        self.handed_over = 0
         for chunk in self.chunks.values():
             chunk.unsynced.take()  # what a step that failed half-way left
         weight = 1.0 if divisor is not None else 1.0 / count
@@ -223,7 +223,7 @@ class StageRunner:
     def _share_tied(self, grads: dict[str, torch.Tensor], microbatches: int) -> list:
         """Send the gradients of tied weights this position makes to the positions holding
         copies, and put those the others make into ``grads``."""
-        first = 2 * microbatches * self.stages.count**2  # after every micro-batch's tags
+        first = self._tag(microbatches, 0, 0, False)  # after every micro-batch's tags
         tag = {name: first + i for i, name in enumerate(self.tied)}
         sends = []
         for name, targets in self.tied_out.items():
@@ -295,7 +295,6 @@ class StageRunner:
             position = self.stages.position_of(t)
             if position == self.position:  # another stage of this position: handed over
                 self.handed[m, chunk.stage, t, backward, value] = tensor
-                self.handed_over += 1
                 continue
             works.append(dist.isend(tensor, dst=self.peers[position], tag=self._tag(m, chunk.stage, t, backward)))
             self.sent.append(Send(self.position, position, tensor.numel() * tensor.element_size()))

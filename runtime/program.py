@@ -262,8 +262,8 @@ def lower(
     if gradients == "accumulated":  # the sums of the micro-batches before are inputs of the backward
         is_tangent += [True] * len(unreduced)
     output_is_grad = [None if k is None else k.in_backward for k in captured.outputs]
-    grad_names = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
-    grad_slots = [k.kind == "param" and k.name in grad_names for k in captured.inputs if not k.is_tangent]
+    graded = captured.graded
+    grad_slots = [k.kind == "param" and k.name in graded for k in captured.inputs if not k.is_tangent]
     updated_buffers = [
         k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and not k.in_backward
     ]

@@ -161,6 +161,11 @@ class Captured:
         return sum(1 for o in self.outputs if o is not None and o.kind == "output")
 
     @property
+    def graded(self) -> frozenset[str]:
+        """The parameters whose gradient the graph makes, by name (not the frozen ones)."""
+        return frozenset(k.name for k in self.outputs if k is not None and k.kind == "grad")
+
+    @property
     def updated_buffers(self) -> list[str]:
         """The buffers the forward updates in place (batch norm's running statistics), by name."""
         return [k.name for k in self.outputs if k is not None and k.kind == "buffer"]

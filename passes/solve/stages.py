@@ -51,7 +51,7 @@ def check_tied(staged: Staged, captured: Captured, positions: int) -> None:
     """Refuse a weight with a gradient tied across two stages that run at one of the
     ``positions`` of the pipeline axis (interleaved): the runtime holds one copy of it per rank and
     sends its gradient between positions only."""
-    graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    graded = captured.graded
     for name, readers in staged.shared.items():
         together = sorted(s for s in readers if any(s != t and s % positions == t % positions for t in readers))
         if name in graded and together:
@@ -151,16 +151,27 @@ def _send_times(
     return times, sends
 
 
+def holding_positions(captured: Captured, staged: Staged, positions: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter's placeholder → the positions of the pipeline axis holding it (a weight tied
+    across stages: each position with a stage reading it holds a copy)."""
+    return {
+        node.name: tuple(
+            sorted({s % positions for s in staged.shared.get(kind.name, (staged.stage_of.get(node.name, 0),))})
+        )
+        for node, kind in zip(captured.placeholders, captured.inputs)
+        if kind.kind == "param"
+    }
+
+
 def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, positions: int) -> list[int]:
     """The parameters' bytes per device at each position of the pipeline axis, with their
     gradients and optimizer state (a weight tied across stages at each position holding a copy)."""
     held = [0] * positions
-    graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    graded, holding = captured.graded, holding_positions(captured, staged, positions)
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.kind == "param":
-            stages = staged.shared.get(kind.name, (staged.stage_of.get(node.name, 0),))
             copies = 2 + plan.optimizer_slots if kind.name in graded else 1  # a frozen one has no gradient or state
-            for position in {s % positions for s in stages}:
+            for position in holding[node.name]:
                 held[position] += _local_bytes(plan, node, kind.name) * copies
     return held
 
@@ -176,7 +187,7 @@ def _tied_sends(
     """Each stage's sends, once per step, of the gradients of weights tied across stages that it
     makes, to the other positions holding copies; with the sends."""
     times, sends = [0.0] * count, []
-    graded = {k.name for k in captured.outputs if k is not None and k.kind == "grad"}
+    graded = captured.graded
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.name in staged.shared and kind.name in graded:
             holder = staged.stage_of[node.name]

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from autopar.passes.analysis.capture import OutputKind, capture
+from autopar.passes.analysis.capture import capture
 from autopar.passes.analysis.stages import assign_stages, layer_order
 from autopar.passes.solve.stages import balanced_runs
 
@@ -166,7 +166,10 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
     losses, norms = _train(pmodel, batches, opt, lambda: pmodel.clip_grad_norm_(0.5))
     stages = pmodel.plan.stages
     sent = [(x.src, x.dst, x.bytes, x.tied) for x in pmodel._runner.sent]  # the last step's
-    handed = pmodel._runner.handed_over
+    runner = pmodel._runner
+    handed = sum(  # values its stages receive from another of them, handed over
+        runner.stages.position_of(src) == runner.position for c in runner.chunks.values() for src in c.sources.values()
+    )
     times = {True: 1, False: stages.microbatches}  # a tied weight's gradient once, a value per micro-batch
     priced = [(x.src, x.dst, x.bytes, x.tied) for x in stages.sends for _ in range(times[x.tied])]
     with torch.no_grad():  # forwards only, after the steps
@@ -404,9 +407,10 @@ def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_before_planning(
 
     from autopar.passes.solve.stages import check_tied
 
-    graded = types.SimpleNamespace(outputs=(OutputKind("grad", "tok.weight"),))
+    graded = types.SimpleNamespace(graded=frozenset({"tok.weight"}))
     check_tied(types.SimpleNamespace(shared={"tok.weight": (0, 3)}), graded, 2)  # positions 0 and 1
-    check_tied(types.SimpleNamespace(shared={"tok.weight": (0, 2)}), types.SimpleNamespace(outputs=()), 2)  # frozen
+    frozen = types.SimpleNamespace(graded=frozenset())
+    check_tied(types.SimpleNamespace(shared={"tok.weight": (0, 2)}), frozen, 2)
     with pytest.raises(autopar.AutoparError, match="stages 0, 2, which the interleaved schedule puts on the same"):
         check_tied(types.SimpleNamespace(shared={"tok.weight": (0, 2)}), graded, 2)
 
