@@ -424,10 +424,13 @@ class ParallelModule(torch.nn.Module):
             raise value
         return ShardingPlan.from_json(value)
 
-    def _shard_state(self, captured: Captured) -> None:
+    def _shard_state(self, captured: Captured, elsewhere: frozenset[int] = frozenset()) -> None:
         """Replace each planned parameter and buffer by a DTensor holding this rank's piece, in
         host memory (pinned on CUDA) for the parameters the plan keeps there. Tensors on the meta
-        device are materialised piece by piece (:func:`~autopar.runtime.state.materialise`)."""
+        device are materialised piece by piece (:func:`~autopar.runtime.state.materialise`);
+        those in ``elsewhere`` (by id: other ranks' pipeline stages read them) are made and
+        initialised too, so that every rank draws the random values one device would, and not
+        kept."""
         planned = {}
         for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
@@ -437,6 +440,8 @@ class ParallelModule(torch.nn.Module):
                 planned[id(tensor)] = (kind.name, tensor)
 
         def cut(key: int, whole: torch.Tensor) -> torch.Tensor:
+            if key in elsewhere:
+                return whole.new_empty(0)
             if key not in planned:
                 raise ValueError(
                     "the model holds tensors on the meta device that its forward does not use. Fix: "

@@ -2,32 +2,40 @@
 pipelined plan (:mod:`autopar.runtime.pipeline`).
 
 Each rank holds the parameters of its stage only, as DTensors on the mesh inside the stages;
-the others' are freed. A call runs the whole step's schedule, forwards and backwards of every
-micro-batch, and returns the batch's loss on every rank; ``backward()`` on it then writes the
-gradients the schedule made (times the loss's gradient, 1 for ``loss.backward()``: the moves are
-linear). Tools that would read every stage's parameters through ``pmodel.parameters()`` (torch's
-``clip_grad_norm_``, an optimizer built over them, ``torch.distributed.checkpoint``) would see one
-stage's only, so ``parameters()`` refuses and names the stage-aware methods instead.
-"""
+the others' are taken out of the model (``None`` in their modules' tables, as pruning leaves
+them). So the model's state dict and ``named_parameters()`` are the stage's, and
+``torch.distributed.checkpoint`` saves every stage's entries under the model's own names (a
+weight tied across stages, equal on both, once), to be loaded under any plan. A call runs the
+whole step's schedule, forwards and backwards of every micro-batch, and returns the batch's loss
+on every rank; ``backward()`` on it then writes the gradients the schedule made (times the
+loss's gradient, 1 for ``loss.backward()``: the moves are linear). ``pmodel.parameters()``, which
+torch's ``clip_grad_norm_`` and parameter counts read, refuses: they would see one stage's only;
+``pmodel.clip_grad_norm_`` and ``parameter_counts`` combine the stages. Other batch sizes and
+the eval mode lower the same plan again where the model runs the planned ops."""
 
 import datetime
+import logging
+import time
 
 import torch
 import torch.distributed as dist
-from autopar.passes.analysis.capture import capture
+from autopar.passes.analysis.capture import Captured, capture
 from autopar.passes.analysis.stages import assign_stages
+from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_group
 from autopar.runtime.module import ParallelModule, _modes, _refuse_split_pins_of_parts
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import check_plan, check_tensors, refuse_autocast
-from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release
+from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release, whole_fake_state
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import InputError, RewriteError, StalePlanError
 from autopar.core.mesh import Mesh
 from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, pins_inside, shared_batch
 from autopar.core.plan import ShardingPlan
+
+log = logging.getLogger("autopar")
 
 
 class PipelinedModule(ParallelModule):
@@ -37,6 +45,9 @@ class PipelinedModule(ParallelModule):
         if isinstance(pipeline, Pipeline):
             pipeline.check(mesh)
         self._pipeline = pipeline
+        self._elsewhere: list[tuple[dict, str, torch.Tensor]] = []
+        """The tables, names and whole-shape meta stand-ins of the tensors only other ranks'
+        stages hold (:meth:`_drop_other_stages`)."""
         super().__init__(model, mesh, **options)
 
     # building ----------------------------------------------------------------------------
@@ -46,16 +57,15 @@ class PipelinedModule(ParallelModule):
         stage this rank runs, or the module of a plan without stages."""
         check_tensors(inputs)
         device_type = device_type_of(self.module)
-        if device_type == "meta":
-            raise InputError(
-                "pipeline stages do not yet build a model from the meta device. Fix: build it on a real device, "
-                "or compile without pipeline="
-            )
+        on_meta = device_type == "meta"
+        if on_meta:  # built on the meta device: each rank materialises its stage's pieces
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = torch.device("cpu")
         if self._plan is None and self._searched:
             ensure_process_group(self._mesh, device_type)
             timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
             self._world = None if timeout is None else dist.new_group(timeout=timeout)
-            self._plan = self._plan_on_rank0(MicroBatches(self.module, inputs, self._param_dtype))
+            self._plan = self._plan_on_rank0(MicroBatches(self, inputs))
         if self._searched and self._plan is not None:
             if self._plan.stages is None:
                 return super()._build(inputs, first_call)
@@ -74,9 +84,8 @@ class PipelinedModule(ParallelModule):
                 "(one stage's send and its peer's would wait on each other). Fix: compile without pipeline= on GPUs"
             )
         keep_freed_memory()
-        self._whole_shapes = _batch_shapes(inputs, self._pipeline.microbatches)
-        captured = capture(self.module, first_microbatch(inputs, self._pipeline.microbatches), self._param_dtype)
-        self._modes_built = _modes(self.module)
+        whole_shapes = _batch_shapes(inputs, self._pipeline.microbatches)
+        captured = self._capture(first_microbatch(inputs, self._pipeline.microbatches))
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
         inner = self._lay_out(device_type)
@@ -84,29 +93,85 @@ class PipelinedModule(ParallelModule):
         check_plan(plan, captured, inner, self._pins)
         _check_stages(plan, self._pipeline, self._whole_mesh)
         self._plan = plan
-        self._runner = _on_every_stage(
-            lambda: StageRunner(
-                captured,
-                plan,
-                assign_stages(captured, plan.stages.segments),
-                self._position,
-                self._coordinate,
-                self._groups,
-                self._peers,
-                self._backend,
-                self._timeout_s,
-                self._device,
-            )  # fmt: skip
-        )
-        self._captured = self._runner.captured
-        self._layouts = self._runner.layouts
+        self._runners = {(whole_shapes, _modes(self.module)): _on_every_stage(lambda: self._stage_runner(captured))}
+        """This rank's stages lowered for each size of the whole batch and mode of the model."""
+        self._use(next(iter(self._runners)))
         self._inputs = [
             (n.meta["val"], k.name) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
         ]
-        self.collectives = self._runner.collectives
-        self._shard_state(self._captured)
-        self._release_other_stages()
+        self._state_keys = list(self.module.state_dict(keep_vars=True))
+        """The model's state dict keys, every stage's, in the model's order."""
+        read = {id(self._state_tensor(k.name)) for k in captured.inputs if k.kind in ("param", "buffer")}
+        mine = {id(self._state_tensor(k.name)) for k in self._captured.inputs if k.kind in ("param", "buffer")}
+        self._shard_state(self._captured, elsewhere=frozenset(read - mine))
+        self._drop_other_stages(read)
         self._built = True
+
+    def _capture(self, inputs: tuple, shapes: tuple | None = None) -> Captured:
+        """The model captured on ``inputs`` (one micro-batch), or on fake tensors like them of
+        ``shapes``, with fake tensors of the whole shapes in place of its DTensors, of meta
+        tensors, and of the tensors only other ranks' stages hold."""
+        for table, name, stand_in in self._elsewhere:
+            table[name] = stand_in
+        try:
+            with whole_fake_state(self.module, self._device) as mode:
+                if shapes is not None:
+                    with mode:
+                        inputs = tuple(torch.empty(n, dtype=x.dtype, device=x.device) for n, x in zip(shapes, inputs))
+                return capture(self.module, inputs, self._param_dtype)
+        finally:
+            for table, name, _ in self._elsewhere:
+                table[name] = None
+
+    def _stage_runner(self, captured: Captured) -> StageRunner:
+        return StageRunner(
+            captured,
+            self._plan,
+            assign_stages(captured, self._plan.stages.segments),
+            self._position,
+            self._coordinate,
+            self._groups,
+            self._peers,
+            self._backend,
+            self._timeout_s,
+            self._device,
+        )
+
+    def _use(self, key: tuple) -> None:
+        """Run the stages lowered for whole batches of these shapes, in this mode, from now."""
+        self._runner = self._runners[key]
+        self._captured = self._runner.captured
+        self._layouts = self._runner.layouts
+        self.collectives = self._runner.collectives
+
+    def _lower_for(self, key: tuple, inputs: tuple) -> None:
+        """Lower the plan's stages for whole batches of other shapes or another mode (the model
+        captured again on fake tensors, the plan checked to fit, no solving), on every rank."""
+        shapes, modes = key
+        count = self._pipeline.microbatches
+
+        def lowered() -> StageRunner:
+            started = time.perf_counter()
+            captured = self._capture(inputs, tuple((s[0] // count, *s[1:]) for s in shapes))
+            if not runs_planned_ops(captured, self._plan):
+                raise InputError(
+                    f"at input shapes {', '.join(map(str, shapes))} in "
+                    f"{'training' if self.module.training else 'eval'} mode the model runs other ops than planned "
+                    "(its code branches on a size, or dropout and batch norm differ in eval mode), and pipeline "
+                    "stages do not plan them again yet. Fix: pass batches of the planned shapes in the planned mode, "
+                    "or evaluate with a module compiled without pipeline= (load_state_dict(pmodel.full_state_dict()))"
+                )
+            check_fits(captured, self._plan)
+            runner = self._stage_runner(captured)
+            log.info(
+                "lowered the stages for input shapes %s (%s mode) in %.1f s",
+                ", ".join(map(str, shapes)),
+                "training" if self.module.training else "eval",
+                time.perf_counter() - started,
+            )
+            return runner
+
+        self._runners[key] = _on_every_stage(lowered)
 
     @property
     def _searched(self) -> bool:
@@ -124,7 +189,6 @@ class PipelinedModule(ParallelModule):
         mesh = device_mesh(laid, device_type, timeout)
         if not hasattr(self, "_world"):  # pipeline="auto" made it to broadcast its choice
             self._world = None if timeout is None else dist.new_group(timeout=timeout)
-        self._device = torch.device("cpu")
         where = tuple(int(c) for c in mesh.get_coordinate())
         at = laid.axis_names.index(axis)
         kept = [i for i, name in enumerate(laid.axis_names) if name in inner.axis_names]
@@ -138,11 +202,33 @@ class PipelinedModule(ParallelModule):
         self._whole_mesh, self._mesh = whole, inner  # pieces are cut on the mesh inside the stages
         return inner
 
-    def _release_other_stages(self) -> None:
-        mine = {k.name for k in self._captured.inputs if k.kind in ("param", "buffer")}
-        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
-            if name not in mine:
-                release(tensor)
+    def _state_tensor(self, name: str) -> torch.Tensor:
+        owner, _, attr = name.rpartition(".")
+        sub = self.module.get_submodule(owner)
+        return sub._parameters[attr] if attr in sub._parameters else sub._buffers[attr]
+
+    def _drop_other_stages(self, read: set[int]) -> None:
+        """Take the parameters and buffers that only other positions' stages read (by id, in
+        ``read`` but not this rank's) out of the model: ``None`` in their modules' tables, as
+        torch's pruning leaves them, so that the model's state dict, ``named_parameters()`` and
+        ``torch.distributed.checkpoint`` hold this rank's stages' own. Each is remembered as a
+        meta tensor of its whole shape (one for tied ones), to capture the model again."""
+        mine = {id(self._state_tensor(k.name)) for k in self._captured.inputs if k.kind in ("param", "buffer")}
+        stand_ins: dict[int, torch.Tensor] = {}
+        for sub in self.module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or id(tensor) in mine or id(tensor) not in read:
+                        continue
+                    if id(tensor) not in stand_ins:
+                        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                        is_param = isinstance(tensor, torch.nn.Parameter)
+                        stand_ins[id(tensor)] = (
+                            torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
+                        )
+                        release(tensor)
+                    self._elsewhere.append((table, name, stand_ins[id(tensor)]))
+                    table[name] = None
 
     # running -----------------------------------------------------------------------------
 
@@ -156,15 +242,11 @@ class PipelinedModule(ParallelModule):
             self._build(inputs, first_call=True)
         if not self._in_stages:
             return super().forward(*inputs)
-        shapes, modes = self._whole_key(inputs)
-        if shapes != self._whole_shapes or modes != self._modes_built:
-            raise InputError(
-                f"the pipelined plan was made for inputs of shapes {self._whole_shapes} in "
-                f"{'training' if self.module.training else 'eval'} mode as now, got {shapes}"
-                f"{'' if modes == self._modes_built else ' in another mode'}; pipeline stages do not yet lower the "
-                "plan for other sizes or modes, and every rank passes the whole batch (not its part). Fix: pass "
-                "batches of the planned size (DataLoader(drop_last=True)) in the planned mode, or compile again"
-            )
+        key = self._whole_key(inputs)
+        if key not in self._runners:
+            _batch_shapes(inputs, self._pipeline.microbatches)
+            self._lower_for(key, inputs)
+        self._use(key)
         count = self._pipeline.microbatches
         slices = [tuple(x.chunk(count)[m] for x in inputs) for m in range(count)]  # whole micro-batches
         divisor = self._runner.batch_divisor(slices)
@@ -195,11 +277,6 @@ class PipelinedModule(ParallelModule):
             "pmodel.stage_parameters() for this stage's"
         )
 
-    def named_parameters(self, *args, **kwargs):
-        if not self._in_stages:
-            return super().named_parameters(*args, **kwargs)
-        self.parameters()
-
     def _counted(self) -> list[torch.nn.Parameter]:
         """This stage's parameters but the copies of weights tied to another stage's, which that
         stage counts."""
@@ -229,7 +306,9 @@ class PipelinedModule(ParallelModule):
                 "Fix: compile with a larger memory_budget"
             )
         self._optimizer_checked = True
-        return optimizer_class(self.stage_parameters(), **options)
+        optimizer = optimizer_class(self.stage_parameters(), **options)
+        optimizer.register_load_state_dict_pre_hook(_check_groups_loaded)
+        return optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self._in_stages:
@@ -266,38 +345,69 @@ class PipelinedModule(ParallelModule):
             "Pipeline(microbatches=...) instead of accumulating outside"
         )
 
-    def full_state_dict(self, *, rank0_only: bool = False):
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, every stage's, with the model's own key
+        names: each stage gathers its own inside, and the stages exchange them along the
+        pipeline axis (to rank 0 only with ``rank0_only``; the other ranks get ``{}``)."""
         if not self._in_stages:
             return super().full_state_dict(rank0_only=rank0_only)
-        raise InputError(_NO_CHECKPOINT)
-
-    def state_dict(self, *args, **kwargs):
-        if not self._in_stages:
-            return super().state_dict(*args, **kwargs)
-        raise InputError(_NO_CHECKPOINT)
+        own = super().full_state_dict()
+        if rank0_only and any(self._coordinate):  # rank 0's stage group is the one at the first place inside
+            return {}
+        parts: list = [None] * self._stage_group.size()
+        if rank0_only:
+            dist.gather_object(own, parts if dist.get_rank() == 0 else None, dst=0, group=self._stage_group)
+            if dist.get_rank() != 0:
+                return {}
+        else:
+            dist.all_gather_object(parts, own, group=self._stage_group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {k: merged[k] for k in self._state_keys if k in merged}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load this rank's stages' entries of a state dict: a whole one (the model's names, as
+        the model or :meth:`full_state_dict` gives it, every stage's) or this module's
+        (``module.``-prefixed, as ``state_dict()`` and ``torch.distributed.checkpoint`` give
+        it). Entries of other stages are skipped; ``strict`` still refuses keys the model does
+        not have, and this stage's keys missing."""
         if not self._in_stages:
             return super().load_state_dict(state_dict, strict, assign)
-        raise InputError(_NO_CHECKPOINT)
+        prefix = "module."
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+        here = set(self.module.state_dict(keep_vars=True))
+        elsewhere = set(self._state_keys) - here
+        return super().load_state_dict(
+            {k: v for k, v in state_dict.items() if k not in elsewhere}, strict=strict, assign=assign
+        )
 
 
-_NO_CHECKPOINT = (
-    "checkpoints of a pipelined module are not supported yet: each rank holds one stage's parameters. Fix: compile "
-    "without pipeline= to save or load state"
-)
+def _check_groups_loaded(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Refuse, before loading, optimizer state whose parameter groups lost their
+    hyperparameters: a checkpoint of stages saved without flattening keeps one stage's groups
+    (every stage saves its own under the same key), in which the other stages' parameters are
+    not."""
+    for group in state_dict["param_groups"]:
+        missing = sorted(set(optimizer.defaults) - set(group))
+        if missing:
+            raise InputError(
+                f"the optimizer state loaded has no {', '.join(missing)} for this stage's parameters: a checkpoint of "
+                "pipeline stages keeps each stage's parameter groups only when the optimizer's state dict is "
+                "flattened. Fix: pass options=StateDictOptions(flatten_optimizer_state_dict=True) to get_state_dict "
+                "and set_state_dict, when saving and when loading"
+            )
 
 
 class MicroBatches:
     """Captures the model on one of ``m`` micro-batches of ``inputs`` (what ``pipeline="auto"``
     plans each candidate on)."""
 
-    def __init__(self, module: torch.nn.Module, inputs: tuple, param_dtype):
-        self.module, self.inputs, self.param_dtype = module, inputs, param_dtype
+    def __init__(self, module: PipelinedModule, inputs: tuple):
+        self.module, self.inputs = module, inputs
         self.batch = shared_batch(inputs)
 
-    def __call__(self, microbatches: int):
-        return capture(self.module, first_microbatch(self.inputs, microbatches), self.param_dtype)
+    def __call__(self, microbatches: int) -> Captured:
+        return self.module._capture(first_microbatch(self.inputs, microbatches))
 
 
 class _Step(torch.autograd.Function):
