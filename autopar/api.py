@@ -9,7 +9,7 @@ import torch
 
 from autopar.config import Pins, PlanConfig
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, pinned_mesh
+from autopar.core.pipeline import Pipeline, given_parts, pinned_mesh, planning_chooses
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
@@ -125,9 +125,8 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
         timeout_s=timeout,
         param_dtype=config.param_dtype,
     )
-    if pipeline == "auto" or isinstance(pipeline, Pipeline) and not pipeline.complete:
-        given = None if pipeline == "auto" else pipeline
-        planner = functools.partial(_plan_auto, mesh=mesh, config=config, given=given)
+    if planning_chooses(pipeline):
+        planner = functools.partial(_plan_auto, mesh=mesh, config=config, given=given_parts(pipeline))
         return PipelinedModule(model, mesh, pipeline=pipeline, planner=planner, **run)
     if pipeline is not None:
         planner = functools.partial(_plan_stages, mesh=mesh, pipeline=pipeline, config=config)

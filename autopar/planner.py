@@ -15,7 +15,7 @@ from autopar.core.errors import InfeasiblePlanError, SolverTimeoutError
 from autopar.core.explain import format_bytes
 from autopar.core.graph import segment_of
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, first_microbatch, pinned_mesh, shared_batch
+from autopar.core.pipeline import Pipeline, first_microbatch, given_parts, pinned_mesh, planning_chooses, shared_batch
 from autopar.core.placement import Placements
 from autopar.core.plan import ShardingPlan, SolverInfo
 from autopar.core.precision import MixedPrecision
@@ -679,6 +679,6 @@ def plan(
     def capture_at(microbatches: int) -> Captured:
         return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype)
 
-    if pipeline == "auto" or not pipeline.complete:
-        return plan_auto(capture_at, batch, mesh, config, None if pipeline == "auto" else pipeline)
+    if planning_chooses(pipeline):
+        return plan_auto(capture_at, batch, mesh, config, given_parts(pipeline))
     return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)

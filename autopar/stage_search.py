@@ -23,7 +23,7 @@ from collections.abc import Callable
 from autopar.config import PlanConfig
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, inner_mesh, pins_inside
+from autopar.core.pipeline import Pipeline, inner_mesh, pins_inside, pins_name_whole_mesh
 from autopar.core.plan import ShardingPlan
 from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
@@ -103,7 +103,7 @@ def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
     planning)."""
     if pipeline in (None, "off"):
         return None
-    if pipeline == "auto" or isinstance(pipeline, Pipeline) and pipeline.axis is None:
+    if pins_name_whole_mesh(pipeline):
         return pipeline
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be None, 'auto' or an autopar.Pipeline, got {pipeline!r}")

@@ -194,6 +194,10 @@ class ParallelModule(torch.nn.Module):
         finally:
             self._sync = previous
 
+    def _unsynced_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients of calls under :meth:`no_sync` are not yet in ``.grad``."""
+        return list(self.parameters()) if self._unsynced.grads is not None else []
+
     def _program_for_gradients(self) -> Program:
         """The program for this call: inside :meth:`no_sync`, the one that keeps its gradients
         unreduced; outside, after micro-batches inside, the one that adds their sums; else the
@@ -566,7 +570,7 @@ def _refuse_unsynced_steps(module: ParallelModule) -> None:
 def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for module in list(_ACCUMULATING):
-        if module._unsynced.grads is not None and any(id(p) in stepped for p in module.parameters()):
+        if any(id(p) in stepped for p in module._unsynced_parameters()):
             raise RuntimeError(
                 "the optimizer steps parameters whose gradients of micro-batches under pmodel.no_sync() were never "
                 "synchronised: only the backward of a call outside no_sync() adds them to .grad. Fix: run the last "

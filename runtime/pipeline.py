@@ -20,6 +20,8 @@ micro-batches'. Each backward starts from its part's gradient (1, or one over th
 micro-batches), so the gradients add up to the batch's. Within the micro-batches but the last,
 each backward keeps its gradients as made and sums them; the last one's adds the sums before its
 collectives, which then run once per step (the ``"unreduced"`` and ``"accumulated"`` programs of gradient accumulation).
+Under ``no_sync`` every micro-batch keeps its gradients so, and the last one of the next call
+outside adds the sums of all.
 """
 
 from collections.abc import Sequence
@@ -48,10 +50,15 @@ class PositionInputs:
 class _Stage:
     """One stage's programs on this rank, and the stages it receives from and sends to."""
 
-    def __init__(self, captured: Captured, plan: ShardingPlan, staged: Staged, stage: int, aliases, lowering, given):
+    def __init__(
+        self, captured: Captured, plan: ShardingPlan, staged: Staged, stage: int, aliases, lowering, given, unsynced
+    ):
         self.stage = stage
         self.captured = stage_graph(captured, staged, stage, aliases, given)
-        self.unsynced = Unsynced()
+        self.unsynced = unsynced
+        """The sums of the gradients made before their collectives, over micro-batches and over
+        calls under ``no_sync`` (shared by the stage's programs for every input size)."""
+        self._lowering = lowering
         self.forms = ("reduced",) if plan.stages.microbatches == 1 else ("unreduced", "accumulated")
         self.lowered: dict[str, Lowered] = {form: lowering(self.captured, form, self.unsynced) for form in self.forms}
         kinds = self.captured.inputs
@@ -67,10 +74,17 @@ class _Stage:
             if c.src == stage:
                 self.targets.setdefault(c.value, []).append(c.dst)
 
-    def form(self, m: int, microbatches: int) -> str:
-        if microbatches == 1:
-            return "reduced"
-        return "accumulated" if m == microbatches - 1 else "unreduced"
+    def form(self, m: int, microbatches: int, sync: bool, continuing: bool) -> str:
+        """Micro-batch ``m``'s program: each keeps its gradients as made (``"unreduced"``) but
+        the last of a call that synchronises, which adds the sums (``"accumulated"``), or has
+        none to add (``"reduced"``, one micro-batch and no calls under ``no_sync`` before)."""
+        if not sync or m < microbatches - 1:
+            form = "unreduced"
+        else:
+            form = "accumulated" if microbatches > 1 or continuing else "reduced"
+        if form not in self.lowered:  # one micro-batch per call, accumulated under no_sync
+            self.lowered[form] = self._lowering(self.captured, form, self.unsynced)
+        return form
 
 
 class StageRunner:
@@ -89,6 +103,7 @@ class StageRunner:
         backend: str,
         timeout_s: float | None,
         device: torch.device,
+        unsynced: dict[int, Unsynced],
     ):
         self.stages = plan.stages
         self.device = device
@@ -103,7 +118,10 @@ class StageRunner:
 
         mine = list(self.stages.on_position(position))
         aliases = getitem_aliases(captured.graph.graph)
-        self.chunks = {s: _Stage(captured, plan, staged, s, aliases, lowering, given) for s in mine}
+        self.chunks = {
+            s: _Stage(captured, plan, staged, s, aliases, lowering, given, unsynced.setdefault(s, Unsynced()))
+            for s in mine
+        }
         self.output_position = self.stages.position_of(staged.output_stage)
         self.makes_loss = staged.output_stage in self.chunks
         self.loss_dtype = next(
@@ -163,19 +181,25 @@ class StageRunner:
         microbatches: list[dict[str, torch.Tensor]],
         divisor,
         backward: bool,
+        sync: bool = True,
+        continuing: bool = False,
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Run the schedule (forwards only without ``backward``) on ``microbatches`` (each one's
         local inputs by name) whose batch's loss divides by ``divisor`` (:meth:`batch_divisor`),
         with the local pieces of ``state`` by name: the batch's loss at the position making it,
-        and each parameter's gradient by name."""
+        and each parameter's gradient by name. Without ``sync`` (under ``no_sync``) every
+        gradient is kept as made and added to the sums, and none is returned; ``continuing``
+        says the sums hold earlier such calls' (else they are dropped: a step that failed
+        half-way left them)."""
         count = len(microbatches)
         self.sent: list[Send] = []
         """This step's sends, as :attr:`~autopar.core.pipeline.Stages.sends` prices them."""
         self.handed: dict[tuple, torch.Tensor] = {}
         """Values one of this position's stages made for another of them (interleaved), by
         micro-batch, stages, direction and value: handed over, not sent."""
-        for chunk in self.chunks.values():
-            chunk.unsynced.take()  # what a step that failed half-way left
+        if backward and not continuing:
+            for chunk in self.chunks.values():
+                chunk.unsynced.take()
         weight = 1.0 if divisor is not None else 1.0 / count
         saved: dict[tuple[int, int], list[torch.Tensor]] = {}
         sends: list = []
@@ -186,7 +210,7 @@ class StageRunner:
             actions = [a for a in actions if a[0] == "F"]
         for action, m, s in actions:
             chunk = self.chunks[s]
-            form = chunk.form(m, count) if backward else chunk.forms[0]
+            form = chunk.form(m, count, sync, continuing) if backward else chunk.forms[0]
             program = chunk.lowered[form].program
             if action == "F":
                 got = self._receive(chunk, m, False)
@@ -213,7 +237,7 @@ class StageRunner:
                     chunk.unsynced.add([v for _, v in mine], program.unreduced_layouts)
                 else:
                     grads.update(mine)
-        if backward:
+        if backward and sync:
             sends += self._share_tied(grads, count)
         for work in sends:
             with named_timeouts(self.timeout_s, "pipeline sends"):

@@ -26,13 +26,21 @@ from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_group
 from autopar.runtime.module import ParallelModule, _modes, _refuse_split_pins_of_parts
 from autopar.runtime.pipeline import StageRunner
-from autopar.runtime.program import check_plan, check_tensors, refuse_autocast
+from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast
 from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release, whole_fake_state
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import InputError, RewriteError, StalePlanError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, first_microbatch, inner_mesh, pins_inside, shared_batch
+from autopar.core.pipeline import (
+    Pipeline,
+    first_microbatch,
+    inner_mesh,
+    pins_inside,
+    pins_name_whole_mesh,
+    planning_chooses,
+    shared_batch,
+)
 from autopar.core.plan import ShardingPlan
 
 log = logging.getLogger("autopar")
@@ -45,6 +53,12 @@ class PipelinedModule(ParallelModule):
         if isinstance(pipeline, Pipeline):
             pipeline.check(mesh)
         self._pipeline = pipeline
+        self._sums: dict[int, Unsynced] = {}
+        """Each of this rank's stages' gradient sums under ``no_sync``, by stage, for every input size."""
+        self._held = 0
+        """How many calls under ``no_sync`` the sums hold, not yet synchronised."""
+        self._held_tangents: list[torch.Tensor] = []
+        """The gradients their losses got (one per backward run)."""
         self._elsewhere: list[tuple[dict, str, torch.Tensor]] = []
         """The tables, names and whole-shape meta stand-ins of the tensors only other ranks'
         stages hold (:meth:`_drop_other_stages`)."""
@@ -70,7 +84,7 @@ class PipelinedModule(ParallelModule):
             if self._plan.stages is None:
                 return super()._build(inputs, first_call)
             stages = self._plan.stages
-            if self._pipeline == "auto" or self._pipeline.axis is None:  # pins on the whole mesh, as planned
+            if pins_name_whole_mesh(self._pipeline):  # as planned
                 self._pins = pins_inside(self._pins, self._mesh, stages.axis)
             self._pipeline = Pipeline(
                 axis=stages.axis,
@@ -135,6 +149,7 @@ class PipelinedModule(ParallelModule):
             self._backend,
             self._timeout_s,
             self._device,
+            self._sums,
         )
 
     def _use(self, key: tuple) -> None:
@@ -177,7 +192,7 @@ class PipelinedModule(ParallelModule):
     def _searched(self) -> bool:
         """Whether planning chooses the stages (``pipeline="auto"``, or a Pipeline with parts left
         ``None``) and they are not chosen yet."""
-        return self._pipeline == "auto" or not self._pipeline.complete
+        return planning_chooses(self._pipeline)
 
     def _lay_out(self, device_type: str) -> Mesh:
         """Lay the mesh over the ranks: this rank's stage, its peers on the other stages (at its
@@ -313,6 +328,7 @@ class PipelinedModule(ParallelModule):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self._in_stages:
             return super().zero_grad(set_to_none)
+        self._drop_sums()
         for p in self.stage_parameters():
             if set_to_none:
                 p.grad = None
@@ -337,13 +353,15 @@ class PipelinedModule(ParallelModule):
         torch.nn.utils.clip_grads_with_norm_(self.stage_parameters(), max_norm, norm)
         return norm
 
-    def no_sync(self):
+    def _drop_sums(self) -> None:
+        for sums in self._sums.values():
+            sums.take()
+        self._held, self._held_tangents = 0, []
+
+    def _unsynced_parameters(self) -> list[torch.nn.Parameter]:
         if not self._in_stages:
-            return super().no_sync()
-        raise InputError(
-            "pipeline stages accumulate over their micro-batches already; no_sync() is not needed. Fix: raise "
-            "Pipeline(microbatches=...) instead of accumulating outside"
-        )
+            return super()._unsynced_parameters()
+        return self.stage_parameters() if self._held else []
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, every stage's, with the model's own key
@@ -418,7 +436,14 @@ class _Step(torch.autograd.Function):
     def forward(ctx, module: PipelinedModule, local, divisor, backward: bool, *state):
         runner = module._runner
         kinds = [k for k in module._captured.inputs if k.kind in ("param", "buffer")]
-        loss, grads = runner.step({k.name: piece_of(x) for k, x in zip(kinds, state)}, local, divisor, backward)
+        pieces = {k.name: piece_of(x) for k, x in zip(kinds, state)}
+        loss, grads = runner.step(pieces, local, divisor, backward, module._sync, module._held > 0)
+        ctx.module, ctx.synced, ctx.held, ctx.held_tangents = module, module._sync, 0, []
+        if backward and not module._sync:
+            module._held += 1
+        elif backward:  # the sums of the calls before are in these gradients now
+            ctx.held, ctx.held_tangents = module._held, module._held_tangents
+            module._held, module._held_tangents = 0, []
         ctx.grads = [grads.get(k.name) if k.kind == "param" else None for k in kinds]
         ctx.specs = [x._spec if isinstance(x, DTensor) else None for x in state]
         if runner.makes_loss:
@@ -430,6 +455,11 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, tangent):
+        if not ctx.synced:
+            ctx.module._held_tangents.append(tangent.detach().clone())
+            return (None, None, None, None, *[None] * len(ctx.grads))
+        if ctx.held:
+            _check_accumulated(ctx.held, ctx.held_tangents, tangent)
         scale = None if bool(tangent == 1) else tangent
         grads = [
             gradient_as(g if g is None or scale is None else g * scale.to(g.dtype), spec)
@@ -437,6 +467,25 @@ class _Step(torch.autograd.Function):
         ]
         ctx.grads = None
         return (None, None, None, None, *grads)
+
+
+def _check_accumulated(held: int, tangents: list[torch.Tensor], tangent: torch.Tensor) -> None:
+    """Refuse gradients made with the sums of calls under ``no_sync`` where they are not what
+    one device would make: the sums were added unscaled before this call's collectives and
+    scale by this call's loss's gradient, so every call's loss must have had the same one, and
+    every call its backward."""
+    if len(tangents) != held:
+        raise InputError(
+            f"{held - len(tangents)} of the {held} calls under no_sync() before this one ran no backward, but pipeline "
+            "stages add a call's gradients to the sums when it runs. Fix: call backward() on the loss of every call "
+            "under no_sync(), or pmodel.zero_grad() to drop the round"
+        )
+    if any(not torch.equal(t, tangent) for t in tangents):
+        raise InputError(
+            "the calls under no_sync() gave their losses other gradients than this call's (e.g. loss * 0.5 and "
+            "loss * 0.25): pipeline stages sum the calls' gradients before this call's, which scale alike. Fix: scale "
+            "every call's loss by the same factor (loss / number of calls), or accumulate without no_sync()"
+        )
 
 
 def _on_every_stage(build):

@@ -135,6 +135,23 @@ def pins_inside(pins: Mapping[str, Placements], mesh: Mesh, axis: str) -> dict[s
     return {name: tuple(q for i, q in enumerate(p) if i != at) or (Replicate(),) for name, p in pins.items()}
 
 
+def planning_chooses(pipeline: "Pipeline | str | None") -> bool:
+    """Whether planning chooses the stages or some of their parts: ``"auto"``, or a
+    :class:`Pipeline` that leaves parts ``None``."""
+    return pipeline == "auto" or isinstance(pipeline, Pipeline) and not pipeline.complete
+
+
+def given_parts(pipeline: "Pipeline | str") -> "Pipeline | None":
+    """The parts of the stages a pipeline that :func:`planning_chooses` fixes: none for ``"auto"``."""
+    return None if pipeline == "auto" else pipeline
+
+
+def pins_name_whole_mesh(pipeline: "Pipeline | str | None") -> bool:
+    """Whether pins name placements on the whole mesh though the plan may have stages: with
+    ``"auto"`` or a Pipeline leaving its axis to planning (:func:`pins_inside` then projects them)."""
+    return pipeline == "auto" or isinstance(pipeline, Pipeline) and pipeline.axis is None
+
+
 def pinned_mesh(pipeline: "Pipeline | str | None", mesh: Mesh) -> Mesh:
     """The mesh pins name placements on: the mesh inside the stages of a Pipeline that gives its
     axis, else ``mesh`` (with ``"auto"`` or the axis left to planning, pins that replicate over

@@ -3,6 +3,7 @@ through ``torch.distributed.checkpoint`` between plans with and without stages, 
 dicts, a smaller last batch, eval mode, and a model built on the meta device.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -190,6 +191,73 @@ def test_pipelined_state_dicts_other_batch_sizes_and_eval_match_one_device():
         assert set(r["named"]) < set(r["all"])
     assert set().union(*(r["named"] for r in runs)) == set(runs[0]["all"]), "every parameter is on some stage"
     assert runs[0]["rank0_only"] == runs[0]["ref_keys"] and not any(r["rank0_only"] for r in runs[1:])
+
+
+# accumulation -------------------------------------------------------------------------------
+
+
+def accumulated() -> dict:
+    """Each step sums the gradients of a batch's halves, the first under ``no_sync()``, each
+    loss halved, in two stages and on one device; a step with only calls under it, losses
+    scaled otherwise, and a call under it without backward are refused."""
+    pmodel, reference, batches = _compile("pp2xdp2")
+
+    written = []
+
+    def train(m, opt):
+        losses = []
+        for batch in batches:
+            opt.zero_grad()
+            with m.no_sync() if m is pmodel else contextlib.nullcontext():
+                loss = m(*(x[:4] for x in batch)) / 2
+                loss.backward()
+                losses.append(float(loss.detach()))
+            if m is pmodel:  # the sums are held apart, before any collective
+                written.append(any(p.grad is not None for p in pmodel.stage_parameters()))
+            loss = m(*(x[4:] for x in batch)) / 2
+            loss.backward()
+            losses.append(float(loss.detach()))
+            opt.step()
+        return losses
+
+    optimizer = pmodel.optimizer(torch.optim.AdamW, lr=1e-2)
+    out = {
+        "losses": train(pmodel, optimizer),
+        "ref_losses": train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2)),
+    }
+    out["param_max"] = _max_difference(pmodel, reference)
+    out["written under no_sync"] = written
+    half = tuple(x[:4] for x in batches[0])
+    misuse = {
+        "unsynced step": lambda: (_under_no_sync(pmodel, half, 2), optimizer.step()),
+        "scaled otherwise": lambda: (_under_no_sync(pmodel, half, 2), (pmodel(*half) / 4).backward()),
+        "no backward": lambda: (_under_no_sync(pmodel, half, None), (pmodel(*half) / 2).backward()),
+    }
+    for name, call in misuse.items():
+        pmodel.zero_grad()
+        try:
+            call()
+            out[name] = "no error"
+        except (RuntimeError, autopar.AutoparError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def _under_no_sync(pmodel, batch, divisor):
+    with pmodel.no_sync():
+        loss = pmodel(*batch)
+        if divisor is not None:
+            (loss / divisor).backward()
+
+
+@pytest.mark.slow
+def test_pipelined_gradients_accumulated_under_no_sync_match_one_device():
+    for r in run_ranks(4, accumulated):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
+        assert r["written under no_sync"] == [False] * 3
+        assert "never synchronised" in r["unsynced step"], r["unsynced step"]
+        assert "scale every call's loss by the same factor" in r["scaled otherwise"], r["scaled otherwise"]
+        assert "ran no backward" in r["no backward"], r["no backward"]
 
 
 # the meta device ------------------------------------------------------------------------------
