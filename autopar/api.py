@@ -9,7 +9,7 @@ import torch
 
 from autopar.config import Pins, PlanConfig
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, given_parts, pinned_mesh, planning_chooses
+from autopar.core.pipeline import Pipeline, Stages, given_parts, pinned_mesh, planning_chooses
 from autopar.core.plan import ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import Profile
@@ -18,7 +18,7 @@ from autopar.passes.analysis.liveness import ADAM_SLOTS
 from autopar.planner import check_mesh, plan_with
 from autopar.runtime.module import BACKENDS, ParallelModule
 from autopar.runtime.staged_module import PipelinedModule
-from autopar.stage_search import check_pipeline, plan_auto, plan_stages
+from autopar.stage_search import check_pipeline, plan_again_in, plan_auto, plan_stages
 
 
 def default_backend(model: torch.nn.Module) -> str:
@@ -135,17 +135,27 @@ def _parallelize(model, mesh: Mesh | None, example_inputs, options: dict) -> Par
     return ParallelModule(model, mesh, planner=planner, **run)
 
 
-def _plan_auto(micro, state_pins=None, *, mesh: Mesh, config: PlanConfig, given: Pipeline | None) -> ShardingPlan:
+def _plan_auto(
+    micro, state_pins=None, stages: Stages | None = None, *, mesh: Mesh, config: PlanConfig, given: Pipeline | None
+) -> ShardingPlan:
     """``pipeline="auto"``'s choice (or, ``given`` a Pipeline with parts left ``None``, the
     choice of those parts) for a model's first inputs (``micro`` captures it on micro-batches of
-    them); once it chose no stages, a graph captured at other sizes or in another mode is planned
-    without."""
+    them); a graph captured at other sizes or in another mode is planned in the ``stages``
+    chosen, or without once it chose none."""
+    if stages is not None:
+        return plan_again_in(micro, mesh, stages, state_pins, config)
     if isinstance(micro, Captured):
         return plan_with(micro, mesh, config.with_pins(state_pins or {}))
     return plan_auto(micro, micro.batch, mesh, config.with_pins(state_pins or {}), given)
 
 
-def _plan_stages(captured, state_pins=None, *, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
+def _plan_stages(
+    captured, state_pins=None, stages: Stages | None = None, *, mesh: Mesh, pipeline: Pipeline, config: PlanConfig
+) -> ShardingPlan:
+    """The plan in ``pipeline``'s stages; a graph captured at other sizes or in another mode is
+    planned in the ``stages`` its first plan cut."""
+    if stages is not None:
+        return plan_again_in(captured, mesh, stages, state_pins, config)
     return plan_stages(captured, mesh, pipeline, config.with_pins(state_pins or {}))
 
 

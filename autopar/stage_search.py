@@ -23,7 +23,7 @@ from collections.abc import Callable
 from autopar.config import PlanConfig
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.mesh import Mesh
-from autopar.core.pipeline import Pipeline, inner_mesh, pins_inside, pins_name_whole_mesh
+from autopar.core.pipeline import Pipeline, Stages, inner_mesh, pins_inside, pins_name_whole_mesh
 from autopar.core.plan import ShardingPlan
 from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
@@ -111,15 +111,22 @@ def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
     return pipeline
 
 
-def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: PlanConfig) -> ShardingPlan:
+def plan_stages(
+    captured: Captured,
+    mesh: Mesh,
+    pipeline: Pipeline,
+    config: PlanConfig,
+    segments: tuple[tuple[str, ...], ...] | None = None,
+) -> ShardingPlan:
     """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, each
     position of the pipeline axis held to the memory budget (what it recomputes chosen with the
     placements, :mod:`autopar.passes.solve.stage_memory`), and cut it into the stages
-    (:mod:`autopar.passes.solve.stages`)."""
+    (:mod:`autopar.passes.solve.stages`), or into the units of ``segments``."""
     pipeline.check(mesh)
     check_stageable(captured)
     positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
-    segments = cut_stages(captured, positions * pipeline.stages_per_rank)
+    if segments is None:
+        segments = cut_stages(captured, positions * pipeline.stages_per_rank)
     staged = assign_stages(captured, segments)
     check_tied(staged, captured, positions)
     inside = dataclasses.replace(
@@ -146,3 +153,11 @@ def plan_stages(captured: Captured, mesh: Mesh, pipeline: Pipeline, config: Plan
     if config.budget_bytes is None:
         warn_over_device(plan, config.profile)
     return plan
+
+
+def plan_again_in(captured: Captured, mesh: Mesh, stages: Stages, pins, config: PlanConfig) -> ShardingPlan:
+    """Plan ``captured``, the model at other sizes or in another mode where it runs other ops
+    than its plan in ``stages`` has, in the same stages: the same cuts, pipeline and ``pins``
+    (the plan's placements of the parameters, buffers and inputs on the mesh inside the stages,
+    so that every rank's pieces stay as they are)."""
+    return plan_stages(captured, mesh, stages.pipeline, dataclasses.replace(config, pins=dict(pins)), stages.segments)

@@ -405,8 +405,11 @@ class ParallelModule(torch.nn.Module):
                 "DistributedSampler(drop_last=True) or DataLoader(drop_last=True)"
             )
 
-    def _plan_on_rank0(self, captured: Captured, state_pins: Mapping[str, Placements] | None = None) -> ShardingPlan:
-        """Rank 0 plans (with ``state_pins`` added to the pins) and sends the plan to every rank;
+    def _plan_on_rank0(
+        self, captured: Captured, state_pins: Mapping[str, Placements] | None = None, **options
+    ) -> ShardingPlan:
+        """Rank 0 plans (with ``state_pins`` added to the pins, and the planner's ``options``) and
+        sends the plan to every rank;
         if planning fails there, every rank raises the same error instead of waiting for a plan
         that never comes. Under a timeout the other ranks wait for the plan as long as rank 0
         shows it is planning (:func:`~autopar.runtime.handoff.planning_on_rank0`), and the plan's broadcast is bounded
@@ -416,7 +419,7 @@ class ParallelModule(torch.nn.Module):
         with planning_on_rank0(self._timeout_s, n) if dist.get_rank() == 0 else contextlib.nullcontext():
             if dist.get_rank() == 0:
                 try:
-                    box = [("plan", self._planner(captured, state_pins).to_json())]
+                    box = [("plan", self._planner(captured, state_pins, **options).to_json())]
                 except Exception as exc:
                     box = [("error", exc)]
         if dist.get_rank() != 0 and self._timeout_s is not None:

@@ -105,7 +105,8 @@ class StageRunner:
         device: torch.device,
         unsynced: dict[int, Unsynced],
     ):
-        self.stages = plan.stages
+        self.plan, self.stages = plan, plan.stages
+        """The plan its programs run: the module's, or one of other ops in the same stages."""
         self.device = device
         self.position, self.peers, self.timeout_s = position, list(peers), timeout_s
         self.divisor = check_stageable(captured)

@@ -86,12 +86,7 @@ class PipelinedModule(ParallelModule):
             stages = self._plan.stages
             if pins_name_whole_mesh(self._pipeline):  # as planned
                 self._pins = pins_inside(self._pins, self._mesh, stages.axis)
-            self._pipeline = Pipeline(
-                axis=stages.axis,
-                microbatches=stages.microbatches,
-                schedule=stages.schedule,
-                stages_per_rank=stages.stages_per_rank,
-            )
+            self._pipeline = stages.pipeline
         if device_type == "cuda":
             raise InputError(
                 "pipeline stages run on gloo (CPU) only so far: their sends are not yet batched as NCCL needs "
@@ -137,11 +132,12 @@ class PipelinedModule(ParallelModule):
             for table, name, _ in self._elsewhere:
                 table[name] = None
 
-    def _stage_runner(self, captured: Captured) -> StageRunner:
+    def _stage_runner(self, captured: Captured, plan: ShardingPlan | None = None) -> StageRunner:
+        plan = plan or self._plan
         return StageRunner(
             captured,
-            self._plan,
-            assign_stages(captured, self._plan.stages.segments),
+            plan,
+            assign_stages(captured, plan.stages.segments),
             self._position,
             self._coordinate,
             self._groups,
@@ -152,6 +148,18 @@ class PipelinedModule(ParallelModule):
             self._sums,
         )
 
+    def _stage_pins(self, captured: Captured) -> dict:
+        """The plan's placements of the parameters, buffers and inputs, which a plan of other ops
+        in the same stages keeps (each rank's pieces stay where they are)."""
+        state = [k.name for k in captured.inputs if k.kind in ("param", "buffer")]
+        unplanned = [name for name in state if name not in self._plan.placements]
+        if unplanned:
+            raise InputError(
+                f"at these input sizes, or in this mode, the model reads {', '.join(unplanned)}, which it did not read "
+                "when planned, so no stage holds them. Fix: compile with example inputs in this mode"
+            )
+        return {**{name: self._plan.placements[name] for name in state}, **self._plan.inputs}
+
     def _use(self, key: tuple) -> None:
         """Run the stages lowered for whole batches of these shapes, in this mode, from now."""
         self._runner = self._runners[key]
@@ -161,25 +169,23 @@ class PipelinedModule(ParallelModule):
 
     def _lower_for(self, key: tuple, inputs: tuple) -> None:
         """Lower the plan's stages for whole batches of other shapes or another mode (the model
-        captured again on fake tensors, the plan checked to fit, no solving), on every rank."""
+        captured again on fake tensors, the plan checked to fit, no solving), on every rank.
+        Where the model runs other ops there (eval mode without dropout), those are planned in
+        the same stages, the parameters, buffers and inputs pinned where they are."""
         shapes, modes = key
         count = self._pipeline.microbatches
 
         def lowered() -> StageRunner:
             started = time.perf_counter()
             captured = self._capture(inputs, tuple((s[0] // count, *s[1:]) for s in shapes))
-            if not runs_planned_ops(captured, self._plan):
-                raise InputError(
-                    f"at input shapes {', '.join(map(str, shapes))} in "
-                    f"{'training' if self.module.training else 'eval'} mode the model runs other ops than planned "
-                    "(its code branches on a size, or dropout and batch norm differ in eval mode), and pipeline "
-                    "stages do not plan them again yet. Fix: pass batches of the planned shapes in the planned mode, "
-                    "or evaluate with a module compiled without pipeline= (load_state_dict(pmodel.full_state_dict()))"
-                )
-            check_fits(captured, self._plan)
-            runner = self._stage_runner(captured)
+            plan = self._plan
+            if not runs_planned_ops(captured, plan):
+                plan = self._plan_on_rank0(captured, self._stage_pins(captured), stages=plan.stages)
+            check_fits(captured, plan)
+            runner = self._stage_runner(captured, plan)
             log.info(
-                "lowered the stages for input shapes %s (%s mode) in %.1f s",
+                "lowered %s for input shapes %s (%s mode) in %.1f s",
+                "the stages' plan" if plan is self._plan else "a plan in the same stages",
                 ", ".join(map(str, shapes)),
                 "training" if self.module.training else "eval",
                 time.perf_counter() - started,

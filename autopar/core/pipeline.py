@@ -213,6 +213,13 @@ class Stages:
         return len(self.segments)
 
     @property
+    def pipeline(self) -> Pipeline:
+        """The :class:`Pipeline` these stages run."""
+        return Pipeline(
+            axis=self.axis, microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank
+        )
+
+    @property
     def positions(self) -> int:
         """The positions of the pipeline axis."""
         return self.count // self.stages_per_rank

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import autopar
 from autopar.core.pipeline import Pipeline
-from tests.cases import SYNTHETIC, _rank_inputs
+from tests.cases import NEEDS_TRANSFORMERS, SYNTHETIC, _rank_inputs
 from tests.harness import run_ranks
 
 MEGATRON = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "fc1.weight": "S(0)", "fc2.weight": "S(1)"}
@@ -191,6 +191,38 @@ def test_pipelined_state_dicts_other_batch_sizes_and_eval_match_one_device():
         assert set(r["named"]) < set(r["all"])
     assert set().union(*(r["named"] for r in runs)) == set(runs[0]["all"]), "every parameter is on some stage"
     assert runs[0]["rank0_only"] == runs[0]["ref_keys"] and not any(r["rank0_only"] for r in runs[1:])
+
+
+def dropout_in_eval_mode() -> dict:
+    """Hugging Face's GPT-2 with dropout (its embedding tied to its output head across the
+    stages) evaluates in eval mode, whose ops the stages plan again, as on one device; train
+    mode then runs its own stages again."""
+    from autopar.examples import hf
+
+    torch.manual_seed(0)
+    model = hf.gpt2(vocab_size=64, seq=8, dim=16, num_heads=4, num_layers=2, dropout=0.1)
+    reference = copy.deepcopy(model)
+    batch = (torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8)))
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    pmodel = autopar.compile(model, mesh, batch, hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=2))
+    planned = len(pmodel.plan.nodes)
+    pmodel.eval(), reference.eval()
+    with torch.no_grad():
+        out = {"eval": float(pmodel(*batch)), "ref_eval": float(reference(*batch))}
+    out["eval nodes"], out["planned nodes"] = len(pmodel._runner.plan.nodes), planned
+    pmodel.train()
+    out["train"] = float(pmodel(*batch).detach())
+    out["lowered"] = len(pmodel._runners)
+    return out
+
+
+@pytest.mark.slow
+@NEEDS_TRANSFORMERS
+def test_a_pipelined_model_with_dropout_evaluates_as_on_one_device():
+    for r in run_ranks(4, dropout_in_eval_mode):
+        assert r["eval"] == pytest.approx(r["ref_eval"], rel=1e-5)
+        assert r["eval nodes"] < r["planned nodes"], "eval mode's plan has no dropout"
+        assert r["lowered"] == 2 and r["train"] != pytest.approx(r["eval"])
 
 
 # accumulation -------------------------------------------------------------------------------
