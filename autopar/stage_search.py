@@ -29,7 +29,7 @@ from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.stages import assign_stages, check_stageable
 from autopar.passes.solve.stage_memory import StageMemory
-from autopar.passes.solve.stages import check_tied, cut_stages, holding_positions, with_stages
+from autopar.passes.solve.stages import check_tied, cut_stages, holding_positions, reading_positions, with_stages
 from autopar.planner import plan_with, warn_over_device
 
 log = logging.getLogger("autopar")
@@ -145,6 +145,7 @@ def plan_stages(
             pipeline.stages_per_rank,
             staged.stage_of,
             holding_positions(captured, staged, positions),
+            reading_positions(captured, staged, positions),
         ),
     )
     plan = plan_with(captured, inner_mesh(mesh, pipeline.axis), inside)

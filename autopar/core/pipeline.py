@@ -201,8 +201,9 @@ class Stages:
     tied across stages to the stages holding copies."""
     peak_bytes: tuple[int, ...]
     """Predicted peak per device at each position of the pipeline axis: its stages' parameters,
-    gradients and optimizer state, the activations of the micro-batches the schedule holds at
-    once (:func:`held_activations`), and the largest transient of the plan."""
+    gradients and optimizer state, every micro-batch's pieces of the inputs its stages read, the
+    activations of the micro-batches the schedule holds at once (:func:`held_activations`), and
+    the largest transient of the plan."""
     stages_per_rank: int = 1
     sends: tuple[Send, ...] = ()
     """Every send the step's schedule makes, per micro-batch or (tied) once, as priced in

@@ -7,13 +7,16 @@ keep for each micro-batch in flight. So instead of the moments of one device's s
 (:mod:`autopar.passes.solve.memory_program`), the peak ``M`` is at least, for every position
 ``r`` and every fullest moment ``L`` of its schedule::
 
-    M ≥ Σ_(p held at r) Σ_k s_p,k · x_p,k  +  Σ_(stage s at r) L_s · A_s  +  T  +  R
+    M ≥ Σ_(p held at r) Σ_k s_p,k · x_p,k  +  m · Σ_(input i read at r) Σ_k b_i,k · x_i,k
+        +  Σ_(stage s at r) L_s · A_s  +  T  +  R
     A_s = Σ_(op n of stage s) kept_n          T ≥ Σ_k t_n,k · x_n,k   for every op n
     R ≥ Q_S                                   for every segment S
     M ≤ budget
 
 ``s_p,k`` is parameter ``p``'s piece under strategy ``k`` with its gradient and optimizer state
-(a weight tied across stages counts at each position holding a copy). ``kept_n`` is what op
+(a weight tied across stages counts at each position holding a copy); ``b_i,k`` is a
+micro-batch's piece of model input ``i``, of which the ranks whose stages read it hold all
+``m`` micro-batches' for the step. ``kept_n`` is what op
 ``n`` keeps for the backward (its keep or recompute choice,
 :mod:`autopar.passes.solve.memory_choices`; stages do not offload; or its outputs the backward
 reads when nothing is chosen), ``L_s`` how many micro-batches' activations of stage ``s`` the position holds at that
@@ -42,6 +45,9 @@ class StageMemory:
     """Each node's stage, by name (ops, and parameters, buffers and tangents)."""
     holders: Mapping[str, tuple[int, ...]]
     """Each parameter's placeholder → the positions holding it."""
+    readers: Mapping[str, tuple[int, ...]]
+    """Each model input's placeholder → the positions whose stages read it."""
+    microbatches: int
     moments: tuple[tuple[Mapping[int, int], ...], ...]
     """Per position, the moments its activations can be fullest at: micro-batches held by stage."""
 
@@ -54,6 +60,7 @@ class StageMemory:
         stages_per_rank: int,
         stage_of: Mapping[str, int],
         holders: Mapping[str, tuple[int, ...]],
+        readers: Mapping[str, tuple[int, ...]],
     ) -> "StageMemory":
         moments = []
         for position in range(positions):
@@ -65,7 +72,7 @@ class StageMemory:
                     seen.append(dict(live))
             fullest = [a for a in seen if not any(b != a and all(b.get(s, 0) >= n for s, n in a.items()) for b in seen)]
             moments.append(tuple({tuple(sorted(m.items())): m for m in fullest}.values()))
-        return cls(positions, dict(stage_of), dict(holders), tuple(moments))
+        return cls(positions, dict(stage_of), dict(holders), dict(readers), microbatches, tuple(moments))
 
 
 def stage_budget(
@@ -100,6 +107,10 @@ def stage_budget(
         ]
         for position in positions:
             held[position] += onehot(name, sizes)
+    for name, positions in stages.readers.items():
+        if name in memory.activations:  # every micro-batch's piece, held for the step
+            for position in positions:
+                held[position] += onehot(name, [stages.microbatches * b for b in memory.activations[name]])
     kept: dict[int, list[tuple[object, float]]] = {}
     for name, stage in stages.stage_of.items():
         first = shared.get(name, name)

@@ -85,7 +85,7 @@ def with_stages(
     for c in plan.collectives:
         if c.consumer in where:
             compute[where[c.consumer]] += c.time_s
-    held = _state_bytes(plan, captured, staged, positions)
+    held = _held_bytes(plan, captured, staged, pipeline.microbatches, positions)
     synced = _sync_times(plan, captured, where, count)
     tied, tied_sends = _tied_sends(plan, captured, staged, link, count, positions)
     sent, sends = _send_times(plan, captured, staged, link, count, positions)
@@ -163,22 +163,37 @@ def holding_positions(captured: Captured, staged: Staged, positions: int) -> dic
     }
 
 
-def _state_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, positions: int) -> list[int]:
-    """The parameters' bytes per device at each position of the pipeline axis, with their
-    gradients and optimizer state (a weight tied across stages at each position holding a copy)."""
+def reading_positions(captured: Captured, staged: Staged, positions: int) -> dict[str, tuple[int, ...]]:
+    """Each model input's placeholder → the positions of the pipeline axis whose stages read it
+    (each holds every micro-batch's piece of it for the step)."""
+    return {
+        node.name: tuple(sorted({staged.stage_of[u.name] % positions for u in node.users if u.name in staged.stage_of}))
+        for node, kind in zip(captured.placeholders, captured.inputs)
+        if kind.kind == "input"
+    }
+
+
+def _held_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, microbatches: int, positions: int) -> list[int]:
+    """The bytes per device each position of the pipeline axis holds for the whole step: its
+    parameters with their gradients and optimizer state (a weight tied across stages at each
+    position holding a copy), and every micro-batch's pieces of the model inputs it reads."""
     held = [0] * positions
     graded, holding = captured.graded, holding_positions(captured, staged, positions)
+    reading = reading_positions(captured, staged, positions)
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.kind == "param":
             copies = 2 + plan.optimizer_slots if kind.name in graded else 1  # a frozen one has no gradient or state
             for position in holding[node.name]:
-                held[position] += _local_bytes(plan, node, kind.name) * copies
+                held[position] += _local_bytes(plan, node, plan.placements[kind.name]) * copies
+        elif kind.kind == "input":
+            for position in reading[node.name]:
+                held[position] += _local_bytes(plan, node, plan.inputs[kind.name]) * microbatches
     return held
 
 
-def _local_bytes(plan: ShardingPlan, placeholder, name: str) -> int:
+def _local_bytes(plan: ShardingPlan, placeholder, placements) -> int:
     val = placeholder.meta["val"]
-    return math.prod(local_shape(tuple(val.shape), plan.placements[name], plan.mesh)) * val.element_size()
+    return math.prod(local_shape(tuple(val.shape), placements, plan.mesh)) * val.element_size()
 
 
 def _tied_sends(
@@ -191,7 +206,7 @@ def _tied_sends(
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.name in staged.shared and kind.name in graded:
             holder = staged.stage_of[node.name]
-            nbytes = _local_bytes(plan, node, kind.name)
+            nbytes = _local_bytes(plan, node, plan.placements[kind.name])
             for position in sorted({s % positions for s in staged.shared[kind.name]} - {holder % positions}):
                 times[holder] += link.send_s(nbytes)
                 sends.append(Send(holder % positions, position, nbytes, tied=True))
@@ -199,9 +214,10 @@ def _tied_sends(
 
 
 def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: list[int], count: int) -> list[int]:
-    """Each position's peak, as :mod:`autopar.passes.solve.stage_memory` bounds it: its
-    parameters' state, the activations its schedule holds at its fullest, the largest
-    temporary and the most a segment's backward recomputes."""
+    """Each position's peak, as :mod:`autopar.passes.solve.stage_memory` bounds it: what it
+    holds for the step (its parameters' state, its inputs' micro-batches), the activations its
+    schedule holds at its fullest, the largest temporary and the most a segment's backward
+    recomputes."""
     kept = [0] * count
     for node in plan.nodes:
         if node.activation == "keep" and node.name in where:

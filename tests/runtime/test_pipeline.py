@@ -463,6 +463,30 @@ def test_each_position_recomputes_to_meet_the_budget(pipeline):
         autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget // 10)
 
 
+class _WideInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(1024, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_the_position_reading_an_input_holds_every_micro_batch_of_it():
+    """A wide input read by the first stage only: its position's peak counts all four
+    micro-batches' pieces (the runtime cuts them at the call and holds them for the step), the
+    other's does not, and a budget below them is refused though either layer's state fits."""
+    x, y = torch.randn(64, 1024), torch.randn(64, 4)
+    mesh, pipeline = autopar.Mesh((2,), ("pp",)), Pipeline(axis="pp", microbatches=4)
+    plan = autopar.plan(_WideInput(), mesh, (x, y), hardware=SYNTHETIC, pipeline=pipeline)
+    first, last = plan.stages.peak_bytes
+    assert first >= x.nbytes > last
+    with pytest.raises(autopar.InfeasiblePlanError):
+        autopar.plan(_WideInput(), mesh, (x, y), hardware=SYNTHETIC, pipeline=pipeline, memory_budget=x.nbytes // 2)
+
+
 def _deep_narrow():
     from autopar.examples.gpt import GPT, GPTConfig
 
