@@ -353,13 +353,13 @@ class ParallelModule(torch.nn.Module):
                 "call it at the planned sizes and mode, or compile without offloading (a larger memory_budget)"
             )
         state = [k.name for k in captured.inputs if k.kind in ("param", "buffer")]
-        unplanned = [name for name in state if name not in self._layouts]
+        unplanned = [name for name in state if name not in self._plan.placements]
         if unplanned:
             raise InputError(
                 f"at these input sizes, or in this mode, the model reads {', '.join(unplanned)}, which it did not read "
                 "when planned, so they were never split across the ranks. Fix: compile with example inputs in this mode"
             )
-        return {name: self._layouts[name] for name in state}
+        return {name: self._plan.placements[name] for name in state}
 
     def _whole_key(self, inputs: tuple) -> tuple:
         """Each input's whole shape (an input whose split was pinned is passed as this rank's

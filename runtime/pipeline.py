@@ -34,6 +34,7 @@ from autopar.passes.analysis.stages import Staged, check_stageable, stage_graph
 from autopar.passes.propagation.redistribute import local_shape
 from autopar.runtime.program import Lowered, Unsynced, lower, named_timeouts
 
+from autopar.core.errors import InputError
 from autopar.core.pipeline import Send, order
 from autopar.core.plan import ShardingPlan
 from autopar.core.strategy import getitem_aliases
@@ -227,6 +228,12 @@ class StageRunner:
                     else:
                         sends += self._send(chunk, kind.name, value, m, False)
             else:
+                if form != "reduced" and chunk.unsynced.layouts not in (None, program.unreduced_layouts):
+                    raise InputError(
+                        "the calls under no_sync ran a plan that makes their gradients in other placements than this "
+                        "call's (the model ran other ops at their sizes or in their mode, planned again). Fix: "
+                        "accumulate calls of one size and mode, or without no_sync()"
+                    )
                 made = self._backward(chunk, program, form, m, saved.pop((m, s)), weight)
                 mine = []
                 for kind, value in zip(chunk.backward_kinds, made):

@@ -55,10 +55,8 @@ class PipelinedModule(ParallelModule):
         self._pipeline = pipeline
         self._sums: dict[int, Unsynced] = {}
         """Each of this rank's stages' gradient sums under ``no_sync``, by stage, for every input size."""
-        self._held = 0
-        """How many calls under ``no_sync`` the sums hold, not yet synchronised."""
-        self._held_tangents: list[torch.Tensor] = []
-        """The gradients their losses got (one per backward run)."""
+        self._round = _Round()
+        """The calls under ``no_sync`` the sums hold."""
         self._elsewhere: list[tuple[dict, str, torch.Tensor]] = []
         """The tables, names and whole-shape meta stand-ins of the tensors only other ranks'
         stages hold (:meth:`_drop_other_stages`)."""
@@ -113,7 +111,7 @@ class PipelinedModule(ParallelModule):
         read = {id(self._state_tensor(k.name)) for k in captured.inputs if k.kind in ("param", "buffer")}
         mine = {id(self._state_tensor(k.name)) for k in self._captured.inputs if k.kind in ("param", "buffer")}
         self._shard_state(self._captured, elsewhere=frozenset(read - mine))
-        self._drop_other_stages(read)
+        self._drop_other_stages(read - mine)
         self._built = True
 
     def _capture(self, inputs: tuple, shapes: tuple | None = None) -> Captured:
@@ -151,14 +149,7 @@ class PipelinedModule(ParallelModule):
     def _stage_pins(self, captured: Captured) -> dict:
         """The plan's placements of the parameters, buffers and inputs, which a plan of other ops
         in the same stages keeps (each rank's pieces stay where they are)."""
-        state = [k.name for k in captured.inputs if k.kind in ("param", "buffer")]
-        unplanned = [name for name in state if name not in self._plan.placements]
-        if unplanned:
-            raise InputError(
-                f"at these input sizes, or in this mode, the model reads {', '.join(unplanned)}, which it did not read "
-                "when planned, so no stage holds them. Fix: compile with example inputs in this mode"
-            )
-        return {**{name: self._plan.placements[name] for name in state}, **self._plan.inputs}
+        return {**self._state_pins(captured), **self._plan.inputs}
 
     def _use(self, key: tuple) -> None:
         """Run the stages lowered for whole batches of these shapes, in this mode, from now."""
@@ -228,18 +219,17 @@ class PipelinedModule(ParallelModule):
         sub = self.module.get_submodule(owner)
         return sub._parameters[attr] if attr in sub._parameters else sub._buffers[attr]
 
-    def _drop_other_stages(self, read: set[int]) -> None:
-        """Take the parameters and buffers that only other positions' stages read (by id, in
-        ``read`` but not this rank's) out of the model: ``None`` in their modules' tables, as
+    def _drop_other_stages(self, elsewhere: set[int]) -> None:
+        """Take the parameters and buffers that only other positions' stages read (by id,
+        ``elsewhere``) out of the model: ``None`` in their modules' tables, as
         torch's pruning leaves them, so that the model's state dict, ``named_parameters()`` and
         ``torch.distributed.checkpoint`` hold this rank's stages' own. Each is remembered as a
         meta tensor of its whole shape (one for tied ones), to capture the model again."""
-        mine = {id(self._state_tensor(k.name)) for k in self._captured.inputs if k.kind in ("param", "buffer")}
         stand_ins: dict[int, torch.Tensor] = {}
         for sub in self.module.modules():
             for table in (sub._parameters, sub._buffers):
                 for name, tensor in table.items():
-                    if tensor is None or id(tensor) in mine or id(tensor) not in read:
+                    if tensor is None or id(tensor) not in elsewhere:
                         continue
                     if id(tensor) not in stand_ins:
                         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
@@ -263,6 +253,7 @@ class PipelinedModule(ParallelModule):
             self._build(inputs, first_call=True)
         if not self._in_stages:
             return super().forward(*inputs)
+        self._round.check()
         key = self._whole_key(inputs)
         if key not in self._runners:
             _batch_shapes(inputs, self._pipeline.microbatches)
@@ -362,12 +353,12 @@ class PipelinedModule(ParallelModule):
     def _drop_sums(self) -> None:
         for sums in self._sums.values():
             sums.take()
-        self._held, self._held_tangents = 0, []
+        self._round = _Round()
 
     def _unsynced_parameters(self) -> list[torch.nn.Parameter]:
         if not self._in_stages:
             return super()._unsynced_parameters()
-        return self.stage_parameters() if self._held else []
+        return self.stage_parameters() if self._round.pending else []
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, every stage's, with the model's own key
@@ -412,10 +403,9 @@ def _check_groups_loaded(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     (every stage saves its own under the same key), in which the other stages' parameters are
     not."""
     for group in state_dict["param_groups"]:
-        missing = sorted(set(optimizer.defaults) - set(group))
-        if missing:
+        if set(group) <= {"params"}:
             raise InputError(
-                f"the optimizer state loaded has no {', '.join(missing)} for this stage's parameters: a checkpoint of "
+                "the optimizer state loaded has no hyperparameters for this stage's parameters: a checkpoint of "
                 "pipeline stages keeps each stage's parameter groups only when the optimizer's state dict is "
                 "flattened. Fix: pass options=StateDictOptions(flatten_optimizer_state_dict=True) to get_state_dict "
                 "and set_state_dict, when saving and when loading"
@@ -443,13 +433,19 @@ class _Step(torch.autograd.Function):
         runner = module._runner
         kinds = [k for k in module._captured.inputs if k.kind in ("param", "buffer")]
         pieces = {k.name: piece_of(x) for k, x in zip(kinds, state)}
-        loss, grads = runner.step(pieces, local, divisor, backward, module._sync, module._held > 0)
-        ctx.module, ctx.synced, ctx.held, ctx.held_tangents = module, module._sync, 0, []
+        held = module._round.held
+        try:
+            loss, grads = runner.step(pieces, local, divisor, backward, module._sync, held > 0)
+        except BaseException:
+            if backward and (held or not module._sync):  # the sums of the round are incomplete
+                module._drop_sums()
+                module._round.broken = True
+            raise
+        ctx.module, ctx.synced, ctx.held = module, module._sync, 0
         if backward and not module._sync:
-            module._held += 1
-        elif backward:  # the sums of the calls before are in these gradients now
-            ctx.held, ctx.held_tangents = module._held, module._held_tangents
-            module._held, module._held_tangents = 0, []
+            module._round.held += 1
+        elif backward and held:  # the sums of the calls before are in these gradients now
+            ctx.held, module._round.taken = held, True
         ctx.grads = [grads.get(k.name) if k.kind == "param" else None for k in kinds]
         ctx.specs = [x._spec if isinstance(x, DTensor) else None for x in state]
         if runner.makes_loss:
@@ -462,10 +458,12 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, tangent):
         if not ctx.synced:
-            ctx.module._held_tangents.append(tangent.detach().clone())
+            ctx.module._round.tangents.append(tangent.detach().clone())
             return (None, None, None, None, *[None] * len(ctx.grads))
         if ctx.held:
-            _check_accumulated(ctx.held, ctx.held_tangents, tangent)
+            tangents = ctx.module._round.tangents
+            ctx.module._round = _Round()
+            _check_accumulated(ctx.held, tangents, tangent)
         scale = None if bool(tangent == 1) else tangent
         grads = [
             gradient_as(g if g is None or scale is None else g * scale.to(g.dtype), spec)
@@ -475,15 +473,44 @@ class _Step(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
+class _Round:
+    """A round of gradient accumulation over calls under ``no_sync``: the calls whose gradients
+    the sums hold (a call runs its backward schedule, adding them, before its loss's backward),
+    the gradients their losses got, and whether a call outside took the sums (its backward then
+    pending) or a call failed half-way (the sums then lost)."""
+
+    def __init__(self):
+        self.held, self.tangents, self.taken, self.broken = 0, [], False, False
+
+    @property
+    def pending(self) -> bool:
+        """Whether gradients of the round are not in ``.grad`` yet, or lost."""
+        return bool(self.held or self.taken or self.broken)
+
+    def check(self) -> None:
+        """Refuse a call while the round cannot go on."""
+        if self.broken:
+            raise InputError(
+                "a call failed half-way in a round of gradient accumulation under no_sync(), and the gradients the "
+                "round summed are lost. Fix: pmodel.zero_grad() and run the round again"
+            )
+        if self.taken:
+            raise InputError(
+                "the last call added the gradients of the calls under no_sync() before it to its own, but no backward "
+                "ran on its loss, so they never reached .grad. Fix: call backward() on the loss of the call after "
+                "no_sync(), or pmodel.zero_grad() to drop the round"
+            )
+
+
 def _check_accumulated(held: int, tangents: list[torch.Tensor], tangent: torch.Tensor) -> None:
     """Refuse gradients made with the sums of calls under ``no_sync`` where they are not what
     one device would make: the sums were added unscaled before this call's collectives and
     scale by this call's loss's gradient, so every call's loss must have had the same one, and
-    every call its backward."""
+    every call one backward."""
     if len(tangents) != held:
         raise InputError(
-            f"{held - len(tangents)} of the {held} calls under no_sync() before this one ran no backward, but pipeline "
-            "stages add a call's gradients to the sums when it runs. Fix: call backward() on the loss of every call "
+            f"the {held} calls under no_sync() before this one ran {len(tangents)} backwards, but pipeline stages add "
+            "a call's gradients to the sums once, when it runs. Fix: call backward() once on the loss of every call "
             "under no_sync(), or pmodel.zero_grad() to drop the round"
         )
     if any(not torch.equal(t, tangent) for t in tangents):

@@ -22,6 +22,12 @@ MEGATRON = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "fc1.weight":
 LAYOUTS = {  # mesh shape, axis names, pipeline, pins
     "pp2xdp2": ((2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=2), {"idx": "S(0)", "targets": "S(0)"}),
     "pp4": ((4,), ("pp",), Pipeline(axis="pp", microbatches=2), None),
+    "pp2xdp2-one-micro-batch": (
+        (2, 2),
+        ("pp", "dp"),
+        Pipeline(axis="pp", microbatches=1),
+        {"idx": "S(0)", "targets": "S(0)"},
+    ),
     "dp2xtp2": (
         (2, 2),
         ("dp", "tp"),
@@ -228,11 +234,12 @@ def test_a_pipelined_model_with_dropout_evaluates_as_on_one_device():
 # accumulation -------------------------------------------------------------------------------
 
 
-def accumulated() -> dict:
+def accumulated(layout: str) -> dict:
     """Each step sums the gradients of a batch's halves, the first under ``no_sync()``, each
-    loss halved, in two stages and on one device; a step with only calls under it, losses
-    scaled otherwise, and a call under it without backward are refused."""
-    pmodel, reference, batches = _compile("pp2xdp2")
+    loss halved, in two stages (an embedding tied across them) and on one device. Refused: a
+    step with only calls under it, losses scaled otherwise, a call under it without backward,
+    and a call after the round whose loss got no backward."""
+    pmodel, reference, batches = _compile(layout, tie=True)
 
     written = []
 
@@ -264,6 +271,7 @@ def accumulated() -> dict:
         "unsynced step": lambda: (_under_no_sync(pmodel, half, 2), optimizer.step()),
         "scaled otherwise": lambda: (_under_no_sync(pmodel, half, 2), (pmodel(*half) / 4).backward()),
         "no backward": lambda: (_under_no_sync(pmodel, half, None), (pmodel(*half) / 2).backward()),
+        "last without backward": lambda: (_under_no_sync(pmodel, half, 2), pmodel(*half), pmodel(*half)),
     }
     for name, call in misuse.items():
         pmodel.zero_grad()
@@ -283,13 +291,15 @@ def _under_no_sync(pmodel, batch, divisor):
 
 
 @pytest.mark.slow
-def test_pipelined_gradients_accumulated_under_no_sync_match_one_device():
-    for r in run_ranks(4, accumulated):
+@pytest.mark.parametrize("layout", ["pp2xdp2", "pp2xdp2-one-micro-batch"])
+def test_pipelined_gradients_accumulated_under_no_sync_match_one_device(layout):
+    for r in run_ranks(4, accumulated, layout):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5) and r["param_max"] < 1e-5
         assert r["written under no_sync"] == [False] * 3
         assert "never synchronised" in r["unsynced step"], r["unsynced step"]
         assert "scale every call's loss by the same factor" in r["scaled otherwise"], r["scaled otherwise"]
-        assert "ran no backward" in r["no backward"], r["no backward"]
+        assert "ran 0 backwards" in r["no backward"], r["no backward"]
+        assert "never reached .grad" in r["last without backward"], r["last without backward"]
 
 
 # the meta device ------------------------------------------------------------------------------
