@@ -17,15 +17,24 @@ plans the activations around them):
 
 Megatron layouts apply to the transformers and the MLP; the ConvNet gets DDP and FSDP.
 
+``llama70b`` (the LLaMA-3-70B shape) is planned on meshes of three axes, pipeline x data x tensor
+(``--meshes 8x8x8``), against torchtitan's hand-written 3-D layout: FSDP on the data axis and
+Megatron on the tensor axis inside stages over the pipeline axis, interleaved 1F1B with two stages
+per rank and two micro-batches per position. autopar plans stages over the same axis under the
+device's memory, choosing the micro-batches (1, 2 or 4 per position) and the schedule (1F1B, or
+interleaved over two stages per rank), and the placements, recomputation and cuts.
+
 Prints the predicted step time and per-device peak memory of each plan, whether it fits in the
 device's memory, and the ratio of the best hand-written plan that fits to autopar's; writes
 ``benchmarks/results/plan_quality.json``, keeping the rows of model and mesh pairs that this run did
 not plan.
 
     python -m benchmarks.plan_quality [--models gpt,bert,llama,mlp,moe,convnet] [--meshes 8,2x4,8x8,16x16]
+    python -m benchmarks.plan_quality --models llama70b --meshes 8x8x8
 """
 
 import argparse
+import inspect
 import json
 import math
 import re
@@ -61,6 +70,9 @@ MEGATRON = {
     },
     "mlp": {r"layers\.[0-9]*[02468]\.(weight|bias)": "col", r"layers\.[0-9]*[13579]\.weight": "row"},
 }
+MEGATRON["llama70b"] = MEGATRON["llama"]
+STAGED = ("llama70b",)
+"""Models planned on meshes of three axes with pipeline stages."""
 
 
 def full_size(name: str, devices: int):
@@ -93,6 +105,18 @@ def full_size(name: str, devices: int):
                 rope_theta=500000.0,
             )
             model, batch, seq, vocab = Llama(cfg), devices, 2048, cfg.vocab_size
+        elif name == "llama70b":  # LLaMA-3-70B-shaped; a sequence per 4 devices (16 per FSDP rank on 8x8x8)
+            cfg = LlamaConfig(
+                vocab_size=128256,
+                dim=8192,
+                num_heads=64,
+                num_kv_heads=8,
+                hidden=28672,
+                num_layers=80,
+                max_seq=8192,
+                rope_theta=500000.0,
+            )
+            model, batch, seq, vocab = Llama(cfg), devices // 4, 8192, cfg.vocab_size
         elif name == "moe":  # 12 GPT blocks of width 1024 whose MLPs are 64 experts, top-2
             cfg = MoEConfig(
                 vocab_size=50432,
@@ -185,6 +209,44 @@ def _plan(captured, mesh, **kwargs) -> dict:
     }
 
 
+def _plan_staged(model, inputs, mesh, pipeline, **kwargs) -> dict:
+    import autopar
+
+    started = time.perf_counter()
+    try:
+        plan = autopar.plan(model, mesh, inputs, hardware="h100", pipeline=pipeline, **kwargs)
+    except autopar.AutoparError as exc:
+        return {"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started}
+    st = plan.stages
+    return {
+        "status": plan.solver.status,
+        "step_s": plan.predicted_step_s,
+        "peak_bytes": plan.peak_memory_bytes,
+        "collectives": len(plan.collectives),
+        "wall_s": time.perf_counter() - started,
+        "stages": f"{st.count} stages, {st.microbatches} micro-batches, {st.schedule}, bubble {st.bubble:.0%}",
+    }
+
+
+def staged_results(name: str, shape: tuple[int, ...], device_bytes: int, limit_s: float) -> dict[str, dict]:
+    """autopar's plan in stages over the first axis, and torchtitan's 3-D layout, on a mesh of
+    pipeline x data x tensor axes."""
+    import autopar
+    from autopar.core.pipeline import Pipeline
+
+    model, inputs = full_size(name, math.prod(shape))
+    mesh = autopar.Mesh(shape, ("pp", "dp", "tp"))
+    batch_names = list(inspect.signature(model.forward).parameters)
+    inside = hand_written(name, model, batch_names, shape[1:])["fsdp+tp"]
+    titan = Pipeline(axis="pp", microbatches=2 * shape[0], schedule="interleaved", stages_per_rank=2)
+    chosen = Pipeline(axis="pp", microbatches=None, schedule=None)
+    options = dict(memory_budget=device_bytes, solver_time_limit_s=limit_s)
+    return {
+        "autopar": _plan_staged(model, inputs, mesh, chosen, **options),
+        "torchtitan": _plan_staged(model, inputs, mesh, titan, pins=inside, solver_time_limit_s=limit_s),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,bert,llama,mlp,moe,convnet")
@@ -208,13 +270,17 @@ def main() -> None:
     for name in args.models.split(","):
         for spec in args.meshes.split(","):
             shape = tuple(int(n) for n in spec.split("x"))
-            model, inputs = full_size(name, math.prod(shape))
-            captured = capture(model, inputs)
-            batch_names = [k.name for k in captured.inputs if k.kind == "input"]
-            mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape) :])
-            results = {"autopar": _plan(captured, mesh, memory_budget=device_bytes, solver_time_limit_s=args.limit_s)}
-            for label, pins in hand_written(name, model, batch_names, shape).items():
-                results[label] = _plan(captured, mesh, pins=pins, solver_time_limit_s=args.limit_s)
+            if name in STAGED:
+                results = staged_results(name, shape, device_bytes, args.limit_s)
+            else:
+                model, inputs = full_size(name, math.prod(shape))
+                captured = capture(model, inputs)
+                batch_names = [k.name for k in captured.inputs if k.kind == "input"]
+                mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape) :])
+                options = dict(memory_budget=device_bytes, solver_time_limit_s=args.limit_s)
+                results = {"autopar": _plan(captured, mesh, **options)}
+                for label, pins in hand_written(name, model, batch_names, shape).items():
+                    results[label] = _plan(captured, mesh, pins=pins, solver_time_limit_s=args.limit_s)
             fitting = [
                 r["step_s"] for k, r in results.items() if k != "autopar" and r.get("peak_bytes", 1e30) <= device_bytes
             ]
@@ -230,7 +296,8 @@ def main() -> None:
                 print(
                     f"{name:6} {spec:6} {label:9} {r.get('step_s', float('nan')) * 1e3:>9.2f} "
                     f"{r.get('peak_bytes', float('nan')) / 2**30:>9.2f} {'yes' if fits else 'no':>4} "
-                    f"{'' if ratio is None else f'{ratio:.3f}':>10}  {r['status']}",
+                    f"{'' if ratio is None else f'{ratio:.3f}':>10}  {r['status']} {r['wall_s']:.0f} s "
+                    f"{r.get('stages', '')}",
                     flush=True,
                 )
             auto = results["autopar"].get("step_s")
