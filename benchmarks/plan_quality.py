@@ -20,7 +20,8 @@ Megatron layouts apply to the transformers and the MLP; the ConvNet gets DDP and
 ``llama70b`` (the LLaMA-3-70B shape) is planned on meshes of three axes, pipeline x data x tensor
 (``--meshes 8x8x8``), against torchtitan's hand-written 3-D layout: FSDP on the data axis and
 Megatron on the tensor axis inside stages over the pipeline axis, interleaved 1F1B with two stages
-per rank and two micro-batches per position. autopar plans stages over the same axis under the
+per rank and two micro-batches per position, every block recomputed (its full activation
+checkpointing). autopar plans stages over the same axis under the
 device's memory, choosing the micro-batches (1, 2 or 4 per position) and the schedule (1F1B, or
 interleaved over two stages per rank), and the placements, recomputation and cuts.
 
@@ -243,7 +244,9 @@ def staged_results(name: str, shape: tuple[int, ...], device_bytes: int, limit_s
     options = dict(memory_budget=device_bytes, solver_time_limit_s=limit_s)
     return {
         "autopar": _plan_staged(model, inputs, mesh, chosen, **options),
-        "torchtitan": _plan_staged(model, inputs, mesh, titan, pins=inside, solver_time_limit_s=limit_s),
+        "torchtitan": _plan_staged(
+            model, inputs, mesh, titan, pins=inside, recompute="layers", solver_time_limit_s=limit_s
+        ),
     }
 
 
