@@ -106,18 +106,10 @@ def full_size(name: str, devices: int):
                 rope_theta=500000.0,
             )
             model, batch, seq, vocab = Llama(cfg), devices, 2048, cfg.vocab_size
-        elif name == "llama70b":  # LLaMA-3-70B-shaped; a sequence per 4 devices (16 per FSDP rank on 8x8x8)
-            cfg = LlamaConfig(
-                vocab_size=128256,
-                dim=8192,
-                num_heads=64,
-                num_kv_heads=8,
-                hidden=28672,
-                num_layers=80,
-                max_seq=8192,
-                rope_theta=500000.0,
-            )
-            model, batch, seq, vocab = Llama(cfg), devices // 4, 8192, cfg.vocab_size
+        elif name == "llama70b":  # sequences of 8,192, one per 4 devices (16 per FSDP rank on 8x8x8)
+            from benchmarks.planning import llama3_70b_shaped
+
+            return llama3_70b_shaped(80, batch=devices // 4)
         elif name == "moe":  # 12 GPT blocks of width 1024 whose MLPs are 64 experts, top-2
             cfg = MoEConfig(
                 vocab_size=50432,

@@ -61,10 +61,10 @@ def llama3_8b_shaped(num_layers: int, batch: int = 64, dim: int = 4096, heads: i
     return model, (tokens, tokens)
 
 
-def llama3_70b_shaped(num_layers: int):
+def llama3_70b_shaped(num_layers: int, batch: int = 1024):
     """The LLaMA-3-70B shape (hidden 8192, 64 query / 8 key-value heads, MLP 28672) with a global
-    batch of 1,024 x 8,192 tokens, on the meta device."""
-    return llama3_8b_shaped(num_layers, batch=1024, dim=8192, heads=64, hidden=28672)
+    batch of ``batch`` x 8,192 tokens, on the meta device."""
+    return llama3_8b_shaped(num_layers, batch=batch, dim=8192, heads=64, hidden=28672)
 
 
 AUTOPARALLEL_STACK_S = 136.0
