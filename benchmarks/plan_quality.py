@@ -184,41 +184,39 @@ def _fit(layout: tuple[str, ...], shape: tuple[int, ...], mesh_shape: tuple[int,
     return tuple(fitted)
 
 
-def _plan(captured, mesh, **kwargs) -> dict:
+def _timed(make) -> dict:
+    """The predicted step, peak and collectives of the plan ``make()`` returns (and its stages),
+    with the wall time it took; its error's first line where it makes none."""
     from autopar import AutoparError
-    from autopar.planner import plan_captured
 
     started = time.perf_counter()
     try:
-        plan = plan_captured(captured, mesh, hardware="h100", **kwargs)
+        plan = make()
     except AutoparError as exc:
         return {"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started}
-    return {
+    row = {
         "status": plan.solver.status,
         "step_s": plan.predicted_step_s,
         "peak_bytes": plan.peak_memory_bytes,
         "collectives": len(plan.collectives),
         "wall_s": time.perf_counter() - started,
     }
+    if plan.stages is not None:
+        st = plan.stages
+        row["stages"] = f"{st.count} stages, {st.microbatches} micro-batches, {st.schedule}, bubble {st.bubble:.0%}"
+    return row
+
+
+def _plan(captured, mesh, **kwargs) -> dict:
+    from autopar.planner import plan_captured
+
+    return _timed(lambda: plan_captured(captured, mesh, hardware="h100", **kwargs))
 
 
 def _plan_staged(model, inputs, mesh, pipeline, **kwargs) -> dict:
     import autopar
 
-    started = time.perf_counter()
-    try:
-        plan = autopar.plan(model, mesh, inputs, hardware="h100", pipeline=pipeline, **kwargs)
-    except autopar.AutoparError as exc:
-        return {"status": "NO PLAN", "error": str(exc).splitlines()[0], "wall_s": time.perf_counter() - started}
-    st = plan.stages
-    return {
-        "status": plan.solver.status,
-        "step_s": plan.predicted_step_s,
-        "peak_bytes": plan.peak_memory_bytes,
-        "collectives": len(plan.collectives),
-        "wall_s": time.perf_counter() - started,
-        "stages": f"{st.count} stages, {st.microbatches} micro-batches, {st.schedule}, bubble {st.bubble:.0%}",
-    }
+    return _timed(lambda: autopar.plan(model, mesh, inputs, hardware="h100", pipeline=pipeline, **kwargs))
 
 
 def staged_results(name: str, shape: tuple[int, ...], device_bytes: int, limit_s: float) -> dict[str, dict]:

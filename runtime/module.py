@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from autopar.passes.analysis.capture import Captured, capture
+from autopar.passes.analysis.capture import Captured, InputKind, capture
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.handoff import next_planning, planning_on_rank0, wait_for_rank0_to_plan
@@ -441,9 +441,7 @@ class ParallelModule(torch.nn.Module):
         planned = {}
         for kind in captured.inputs:
             if kind.kind in ("param", "buffer"):
-                tensor = (
-                    self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
-                )
+                tensor = self._tensor_of(kind)
                 planned[id(tensor)] = (kind.name, tensor)
 
         def cut(key: int, whole: torch.Tensor) -> torch.Tensor:
@@ -472,6 +470,10 @@ class ParallelModule(torch.nn.Module):
         for _, tensor in planned.values():
             if not tensor.is_meta:
                 release(tensor)
+
+    def _tensor_of(self, kind: InputKind) -> torch.Tensor:
+        """The model's parameter or buffer that a graph input of kind ``"param"`` or ``"buffer"`` reads."""
+        return self.module.get_parameter(kind.name) if kind.kind == "param" else self.module.get_buffer(kind.name)
 
     def _state(self) -> list[torch.Tensor]:
         """The parameters and buffers, DTensors, in the program's order (:class:`Step` takes
@@ -523,9 +525,7 @@ class ParallelModule(torch.nn.Module):
         :meth:`full_state_dict` gives it) or by this module's (``module.``-prefixed, as
         ``state_dict()`` and ``torch.distributed.checkpoint`` give it). Whole tensors are cut
         to this rank's pieces; DTensors are laid out as planned."""
-        prefix = "module."
-        if state_dict and all(k.startswith(prefix) for k in state_dict):
-            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+        state_dict = _model_names(state_dict)
         current = self.module.state_dict(keep_vars=True)
         planned = {
             k: as_planned(k, current[k], v, self._coordinate, self._mesh.shape) if k in current else v
@@ -621,6 +621,15 @@ def _warn_of_uncounted_state(optimizer: torch.optim.Optimizer, args, kwargs) -> 
                 planned,
                 kept,
             )
+
+
+def _model_names(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``state_dict`` keyed by the model's own names: without the ``module.`` prefix of this
+    module's ``state_dict()`` (and of ``torch.distributed.checkpoint``'s) where every key has it."""
+    prefix = "module."
+    if state_dict and all(k.startswith(prefix) for k in state_dict):
+        return {k[len(prefix) :]: v for k, v in state_dict.items()}
+    return state_dict
 
 
 def _refuse_split_pins_of_parts(captured: Captured, pins: Mapping[str, Placements]) -> None:

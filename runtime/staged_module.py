@@ -24,7 +24,7 @@ from autopar.passes.analysis.stages import assign_stages
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_group
-from autopar.runtime.module import ParallelModule, _modes, _refuse_split_pins_of_parts
+from autopar.runtime.module import ParallelModule, _model_names, _modes, _refuse_split_pins_of_parts
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast
 from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release, whole_fake_state
@@ -69,8 +69,7 @@ class PipelinedModule(ParallelModule):
         stage this rank runs, or the module of a plan without stages."""
         check_tensors(inputs)
         device_type = device_type_of(self.module)
-        on_meta = device_type == "meta"
-        if on_meta:  # built on the meta device: each rank materialises its stage's pieces
+        if device_type == "meta":  # each rank materialises its stage's pieces
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device("cpu")
         if self._plan is None and self._searched:
@@ -108,8 +107,8 @@ class PipelinedModule(ParallelModule):
         ]
         self._state_keys = list(self.module.state_dict(keep_vars=True))
         """The model's state dict keys, every stage's, in the model's order."""
-        read = {id(self._state_tensor(k.name)) for k in captured.inputs if k.kind in ("param", "buffer")}
-        mine = {id(self._state_tensor(k.name)) for k in self._captured.inputs if k.kind in ("param", "buffer")}
+        read = {id(self._tensor_of(k)) for k in captured.inputs if k.kind in ("param", "buffer")}
+        mine = {id(self._tensor_of(k)) for k in self._captured.inputs if k.kind in ("param", "buffer")}
         self._shard_state(self._captured, elsewhere=frozenset(read - mine))
         self._drop_other_stages(read - mine)
         self._built = True
@@ -163,8 +162,7 @@ class PipelinedModule(ParallelModule):
         captured again on fake tensors, the plan checked to fit, no solving), on every rank.
         Where the model runs other ops there (eval mode without dropout), those are planned in
         the same stages, the parameters, buffers and inputs pinned where they are."""
-        shapes, modes = key
-        count = self._pipeline.microbatches
+        shapes, count = key[0], self._pipeline.microbatches
 
         def lowered() -> StageRunner:
             started = time.perf_counter()
@@ -213,11 +211,6 @@ class PipelinedModule(ParallelModule):
         self._device_mesh = mesh[inner.axis_names if len(inner.axis_names) > 1 else inner.axis_names[0]]
         self._whole_mesh, self._mesh = whole, inner  # pieces are cut on the mesh inside the stages
         return inner
-
-    def _state_tensor(self, name: str) -> torch.Tensor:
-        owner, _, attr = name.rpartition(".")
-        sub = self.module.get_submodule(owner)
-        return sub._parameters[attr] if attr in sub._parameters else sub._buffers[attr]
 
     def _drop_other_stages(self, elsewhere: set[int]) -> None:
         """Take the parameters and buffers that only other positions' stages read (by id,
@@ -387,9 +380,7 @@ class PipelinedModule(ParallelModule):
         not have, and this stage's keys missing."""
         if not self._in_stages:
             return super().load_state_dict(state_dict, strict, assign)
-        prefix = "module."
-        if state_dict and all(k.startswith(prefix) for k in state_dict):
-            state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+        state_dict = _model_names(state_dict)
         here = set(self.module.state_dict(keep_vars=True))
         elsewhere = set(self._state_keys) - here
         return super().load_state_dict(

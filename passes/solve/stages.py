@@ -202,12 +202,12 @@ def _tied_sends(
     """Each stage's sends, once per step, of the gradients of weights tied across stages that it
     makes, to the other positions holding copies; with the sends."""
     times, sends = [0.0] * count, []
-    graded = captured.graded
+    graded, holding = captured.graded, holding_positions(captured, staged, positions)
     for node, kind in zip(captured.placeholders, captured.inputs):
         if kind.name in staged.shared and kind.name in graded:
             holder = staged.stage_of[node.name]
             nbytes = _local_bytes(plan, node, plan.placements[kind.name])
-            for position in sorted({s % positions for s in staged.shared[kind.name]} - {holder % positions}):
+            for position in sorted(set(holding[node.name]) - {holder % positions}):
                 times[holder] += link.send_s(nbytes)
                 sends.append(Send(holder % positions, position, nbytes, tied=True))
     return times, sends
