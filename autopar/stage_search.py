@@ -28,6 +28,7 @@ from autopar.core.plan import ShardingPlan
 from autopar.cost_model.hardware import InsideStages
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.stages import assign_stages, check_stageable
+from autopar.passes.propagation.samples import check_samples_apart
 from autopar.passes.solve.stage_memory import StageMemory
 from autopar.passes.solve.stages import check_tied, cut_stages, holding_positions, reading_positions, with_stages
 from autopar.planner import plan_with, warn_over_device
@@ -123,7 +124,8 @@ def plan_stages(
     placements, :mod:`autopar.passes.solve.stage_memory`), and cut it into the stages
     (:mod:`autopar.passes.solve.stages`), or into the units of ``segments``."""
     pipeline.check(mesh)
-    check_stageable(captured)
+    divisor = check_stageable(captured)
+    check_samples_apart(captured, pipeline.microbatches, frozenset({divisor[1]} if divisor else ()))
     positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
     if segments is None:
         segments = cut_stages(captured, positions * pipeline.stages_per_rank)

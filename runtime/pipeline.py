@@ -32,6 +32,7 @@ import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, InputKind
 from autopar.passes.analysis.stages import Staged, check_stageable, stage_graph
 from autopar.passes.propagation.redistribute import local_shape
+from autopar.passes.propagation.samples import check_samples_apart
 from autopar.runtime.program import Lowered, Unsynced, lower, named_timeouts
 
 from autopar.core.errors import InputError
@@ -112,6 +113,7 @@ class StageRunner:
         self.position, self.peers, self.timeout_s = position, list(peers), timeout_s
         self.divisor = check_stageable(captured)
         given = frozenset({self.divisor[1]} if self.divisor else ())
+        check_samples_apart(captured, self.stages.microbatches, given)
         nodes = {n.name: n for n in captured.graph.graph.nodes}
         self.divisor_dtype = nodes[self.divisor[1]].meta["val"].dtype if self.divisor else None
 

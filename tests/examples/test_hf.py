@@ -1,5 +1,6 @@
 """The Hugging Face examples: a plan with a rule for every op, the zoo's image classifiers
-captured with a rule for every op, and the error where transformers is missing."""
+captured with a rule for every op, CLIP's batch-wide loss kept whole in pipeline stages, and the
+error where transformers is missing."""
 
 import importlib.util
 
@@ -36,6 +37,26 @@ def test_every_op_of_the_zoo_image_classifiers_has_a_sharding_rule(name):
 
     model, inputs = zoo(batch=4, seq=8, dim=16, num_layers=1)[name]()
     assert fallback_ops(capture(model, inputs)) == {}
+
+
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
+def test_clip_is_not_cut_into_micro_batches_and_llama_is():
+    """CLIP's loss compares every image of the batch with every text: two micro-batches' losses
+    are not the batch's."""
+    import torch
+    from autopar.examples.hf import zoo
+
+    from autopar.core.pipeline import Pipeline
+
+    mesh, pipeline = autopar.Mesh((2,), ("pp",)), Pipeline(axis="pp", microbatches=2)
+    torch.manual_seed(0)
+    model, inputs = zoo()["clip"]()
+    with pytest.raises(autopar.InputError, match="several samples of the batch"):
+        autopar.plan(model, mesh, inputs, pipeline=pipeline)
+    model, inputs = zoo()["llama"]()
+    assert autopar.plan(model, mesh, inputs, pipeline=pipeline).stages.microbatches == 2
 
 
 def test_missing_transformers_is_named_with_the_command_that_installs_it(monkeypatch):

@@ -384,6 +384,36 @@ def test_bad_pipelines_name_the_fix():
         Pipeline(axis="pp", schedule=None, stages_per_rank=2)
 
 
+class _Towers(torch.nn.Module):
+    """Two layers, then a loss of the kind micro-batches change: CLIP's contrastive loss (each
+    sample's embedding against every other's), or the batch's statistics."""
+
+    def __init__(self, loss: str):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.loss = loss
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        if self.loss == "contrastive":
+            return torch.nn.functional.cross_entropy(x @ x.t(), torch.arange(x.shape[0]))
+        if self.loss == "batch statistics":
+            return ((x - x.mean(0)) ** 2).mean()
+        return (x**2).mean()
+
+
+@pytest.mark.parametrize(("loss", "op"), [("contrastive", "mm"), ("batch statistics", "sub")])
+def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, op):
+    mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
+    with pytest.raises(autopar.InputError, match=rf"{op}\b.*several samples of the batch.*microbatches=1"):
+        autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=2))
+    whole = autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=1))
+    assert whole.stages.microbatches == 1
+    apart = autopar.plan(_Towers("mean"), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=2))
+    assert apart.stages.microbatches == 2
+
+
 def test_a_plan_with_stages_round_trips_through_json():
     from autopar.config import PlanConfig
     from autopar.stage_search import plan_stages
