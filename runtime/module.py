@@ -166,6 +166,7 @@ class ParallelModule(torch.nn.Module):
                         len(self._stepped_on_host()),
                     )
                 self._optimizer_checked = True
+        self._check_same_inputs(inputs)
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = Step.apply(self._program_for_gradients(), *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
@@ -405,6 +406,28 @@ class ParallelModule(torch.nn.Module):
                 "DistributedSampler(drop_last=True) or DataLoader(drop_last=True)"
             )
 
+    def _check_same_inputs(self, inputs: tuple) -> None:
+        """Refuse whole inputs that differ between ranks: every rank passes the global batch and
+        the program cuts each rank's piece out of it, so ranks loading their own data (DDP's
+        ``DistributedSampler``) would train on pieces of different batches. One all-reduce of
+        two sums per input, the second weighted by position."""
+        whole = [(x, name) for x, (_, name) in zip(inputs, self._inputs) if not self.passes_own_part(name)]
+        if not whole or dist.get_world_size(self._world) == 1:
+            return
+        sums = torch.cat([_fingerprint(x) for x, _ in whole]).to(self._device)
+        bounds = torch.cat([sums, -sums])
+        with named_timeouts(self._timeout_s, "check that the ranks' inputs agree"):
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._world)
+        largest, smallest = bounds[: len(sums)].view(-1, 2), -bounds[len(sums) :].view(-1, 2)
+        differ = [name for (_, name), a, b in zip(whole, largest, smallest) if not torch.equal(a, b)]
+        if differ:
+            raise InputError(
+                f"the ranks passed different values of input {', '.join(repr(n) for n in differ)}: every rank passes "
+                "the whole global batch, of which the plan gives each rank its piece. Fix: load the same batch on "
+                "every rank (no DistributedSampler, the same seed for shuffling), or pin the input to a split "
+                "(pins={name: 'S(0)'}) and pass each rank's part"
+            )
+
     def _plan_on_rank0(
         self, captured: Captured, state_pins: Mapping[str, Placements] | None = None, **options
     ) -> ShardingPlan:
@@ -558,6 +581,15 @@ class ParallelModule(torch.nn.Module):
 _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
 """Modules that ran micro-batches under ``no_sync``, which every optimizer step checks."""
 _step_hook = None
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """Two float64 sums of ``x``'s values, plain and weighted by position (1 to 251, repeating),
+    with NaN read as 0: equal on two ranks holding equal values, and all but surely unequal
+    otherwise."""
+    values = torch.nan_to_num(x.detach().reshape(-1).to(torch.float64), nan=0.0)
+    weights = torch.arange(values.numel(), device=values.device, dtype=torch.float64).remainder_(251).add_(1)
+    return torch.stack([values.sum(), (values * weights).sum()])
 
 
 def _refuse_unsynced_steps(module: ParallelModule) -> None:

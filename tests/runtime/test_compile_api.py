@@ -1,10 +1,16 @@
 """autopar.compile as users call it: decorator, lazy inputs, saved plans, Inductor, bad input."""
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import autopar
+from autopar.core.pipeline import Pipeline
 from tests.cases import (
+    SYNTHETIC,
     decorated_and_lazy,
     dict_outputs,
+    make_model,
     planning_error_on_every_rank,
     saved_plan_and_inductor,
 )
@@ -36,3 +42,30 @@ def test_models_returning_a_dict_get_it_back_whole():
     for r in run_ranks(2, dict_outputs):
         assert r["keys"] == ["loss", "out"]
         assert r["out_ok"] and r["grad_ok"]
+
+
+def inputs_of_each_rank(pipeline) -> dict:
+    """A plan that splits the batch over 2 ranks (data parallel, or 2 pipeline stages of 2
+    micro-batches), called with the same batch on both ranks, then with a batch each rank draws
+    itself, as DDP's per-rank samplers give."""
+    model, batches = make_model("gpt")
+    batch = batches[0]
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), batch, hardware=SYNTHETIC, pipeline=pipeline)
+    out = {"same": float(pmodel(*batch).detach())}
+    drawn = torch.Generator().manual_seed(dist.get_rank())
+    own = tuple(torch.randint(0, 64, tuple(x.shape), generator=drawn) for x in batch)
+    try:
+        pmodel(*own)
+        out["own"] = "no error"
+    except autopar.InputError as exc:
+        out["own"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", [None, Pipeline(axis="dp", microbatches=2)], ids=["data-parallel", "stages"])
+def test_ranks_passing_different_batches_are_refused(pipeline):
+    runs = run_ranks(2, inputs_of_each_rank, pipeline)
+    assert runs[0]["same"] == runs[1]["same"]
+    for r in runs:
+        assert "different values of input 'idx', 'targets'" in r["own"] and "DistributedSampler" in r["own"], r["own"]
