@@ -125,7 +125,7 @@ def plan_stages(
     (:mod:`autopar.passes.solve.stages`), or into the units of ``segments``."""
     pipeline.check(mesh)
     divisor = check_stageable(captured)
-    check_samples_apart(captured, pipeline.microbatches, frozenset({divisor[1]} if divisor else ()))
+    check_samples_apart(captured, pipeline.microbatches, divisor)
     positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
     if segments is None:
         segments = cut_stages(captured, positions * pipeline.stages_per_rank)

@@ -113,7 +113,7 @@ class StageRunner:
         self.position, self.peers, self.timeout_s = position, list(peers), timeout_s
         self.divisor = check_stageable(captured)
         given = frozenset({self.divisor[1]} if self.divisor else ())
-        check_samples_apart(captured, self.stages.microbatches, given)
+        check_samples_apart(captured, self.stages.microbatches, self.divisor)
         nodes = {n.name: n for n in captured.graph.graph.nodes}
         self.divisor_dtype = nodes[self.divisor[1]].meta["val"].dtype if self.divisor else None
 

@@ -5,14 +5,19 @@ The forward is walked with every input split along dim 0, the batch (``Shard(0)`
 parameter, buffer and constant whole (``Replicate``). Each op takes the sharding rule's row
 (:mod:`autopar.passes.rules`) whose inputs are its operands' placements as they are: a rank
 holding one micro-batch then computes the op's outputs for that micro-batch without reading any
-other sample. Sums over the batch come out ``Partial``: only linear ops may read them, so that
-the micro-batches' losses add up to the batch's. An op with no such row (a contrastive loss's
-products of every sample with every other, batch statistics, a ratio or product of two sums over
-the batch, an expert capacity shared by the batch's tokens), a row whose op all-reduces over the
-split (:class:`~autopar.passes.rules.SplitOp`), or an op with no rule stops the walk: it is
-named, and micro-batches are refused. The backward of a forward so computed is too, so the walk
-stops at the backward. A value the runtime computes from the whole batch instead (the count a
-mean cross-entropy divides by, :func:`~autopar.passes.analysis.stages.loss_divisor`) is whole.
+other sample. Sums over the batch come out ``Partial``: only linear ops may read them, and the
+loss must be one, so that the micro-batches' losses add up to the batch's. An op with no such
+row (a contrastive loss's products of every sample with every other, batch statistics, a ratio
+or product of two sums over the batch, tokens sorted across the batch), a row whose op
+all-reduces over the split (:class:`~autopar.passes.rules.SplitOp`), or an op with no rule stops
+the walk, and micro-batches are refused. The backward of a forward so computed is too.
+
+A whole value may be read split along a dim only where it holds the same values at every index
+of that dim (:func:`_uniform_dims`): a mask, position ids or a class token expanded along the
+batch, which the micro-batch's graph makes at its own size with the same values; not ``arange``
+over the batch, whose slices differ from what the micro-batch makes. The count a mean
+cross-entropy divides by, which the runtime sums over the micro-batches and gives every one
+whole (:func:`~autopar.passes.analysis.stages.loss_divisor`), must be such a sum.
 """
 
 import operator
@@ -23,92 +28,180 @@ from autopar.passes.rules import SplitOp, rule_for, split_op, tensor_args
 from torch import fx
 
 from autopar.core.errors import InputError
-from autopar.core.placement import P, R, Shard
+from autopar.core.placement import P, Placement, R, Shard
+
+aten = torch.ops.aten
+_SAME_DIMS = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default, aten.slice.Tensor)
+"""Ops whose output has its operand's dims, each a copy or a part of the operand's."""
+_FILLS = (
+    aten.ones.default,
+    aten.zeros.default,
+    aten.full.default,
+    aten.new_ones.default,
+    aten.new_zeros.default,
+    aten.new_full.default,
+    aten.ones_like.default,
+    aten.zeros_like.default,
+    aten.full_like.default,
+    aten.scalar_tensor.default,
+)
+"""Ops making a tensor of one value."""
 
 
-def mixing_op(captured: Captured, whole: frozenset[str] = frozenset()) -> fx.Node | None:
-    """The first forward op of ``captured`` that reads more than one sample of the batch to make
-    a value, as the module docstring says, or ``None``; ``whole`` names nodes whose value the
-    runtime gives whole."""
+def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, str] | None:
+    """The first value of the forward of ``captured`` that is not computed sample by sample, as
+    the module docstring says, and why; ``None`` when there is none. ``divisor`` names the node
+    of the loss's divisor (:func:`~autopar.passes.analysis.stages.loss_divisor`)."""
     backward = captured_backward(captured)
     kinds = dict(zip(captured.placeholders, captured.inputs))
-    placed: dict[fx.Node, tuple] = {}
-    batch = next((n.meta["val"].shape[0] for n, k in kinds.items() if k.kind == "input" and n.meta["val"].ndim), 0)
+    batch = next(n.meta["val"].shape[0] for n, k in kinds.items() if k.kind == "input")
+    placed: dict[fx.Node, tuple[Placement, ...]] = {}
+    uniform: dict[fx.Node, frozenset[int]] = {}
     for node in captured.graph.graph.nodes:
-        if node in backward:
+        if node in backward or node.op == "output":
             continue
+        value = node.meta.get("val")
         if node.op == "placeholder":
-            value = node.meta.get("val")
-            batched = kinds[node].kind == "input" and isinstance(value, torch.Tensor) and value.ndim > 0
-            placed[node] = (Shard(0) if batched else R,)
+            placed[node] = (Shard(0) if kinds[node].kind == "input" else R,)
         elif node.op == "get_attr":
             placed[node] = (R,)
-        elif node.op == "call_function" and node.target is operator.getitem:
+        elif node.target is operator.getitem:
             placed[node] = (placed[node.args[0]][node.args[1]],)
         elif node.op == "call_function":
             operands = tuple(placed[a][0] for a in tensor_args(node))
-            outputs = node.meta.get("val")
-            count = len(outputs) if isinstance(outputs, (list, tuple)) else 1
-            if node.name in whole or all(p == R for p in operands):
+            count = len(value) if isinstance(value, (list, tuple)) else 1
+            if all(p == R for p in operands):
                 placed[node] = (R,) * count
+                uniform[node] = _uniform_dims(node, uniform)
                 continue
-            outs = _local_row(node, operands, batch)
+            if rule_for(node.target) is None:
+                return node, "has no sharding rule to show it (add one in passes/rules/)"
+            outs = _local_row(node, operands, batch, uniform)
             if outs is None:
-                return node
+                return node, "reads several samples of the batch together, or the rules cannot show that it does not"
             placed[node] = tuple(R if p is None else p for p in outs)
-        elif node.op == "output":
-            for value, kind in zip(node.args[0], captured.outputs):
-                if kind is not None and kind.kind == "output" and isinstance(value, fx.Node):
-                    if placed[value][0] not in (P, R):
-                        return value
+        if node.name == divisor:
+            if placed[node][0] != P:
+                return node, "divides the loss by something other than a sum over the batch's samples"
+            placed[node] = (R,)  # the runtime gives every micro-batch the batch's
+        if isinstance(value, torch.Tensor) and node not in uniform:
+            uniform[node] = frozenset(d for d, n in enumerate(value.shape) if n == 1)
+    loss = next(
+        v for v, k in zip(captured.graph.graph.output_node().args[0], captured.outputs) if k and k.kind == "output"
+    )
+    if placed[loss][0] != P:
+        return loss, "is a loss that is no sum over the batch's samples"
     return None
 
 
-def _local_row(node: fx.Node, operands: tuple, batch: int):
+def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> frozenset[int]:
+    """The dims along which the whole value of ``node`` (every operand whole) holds the same
+    values at every index: every dim of a constant fill; those of size 1; those an expand makes
+    from size 1; and those where every operand of an elementwise op, the operand of a copy, a
+    slice, a cumulative sum along another dim or a concatenation along another dim, or every index
+    tensor reading a dim of an indexed table that varies, holds them so."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return frozenset()
+    ones = frozenset(d for d, n in enumerate(value.shape) if n == 1)
+    args = tensor_args(node)
+    target = node.target
+
+    def of(a: fx.Node, lead: int = 0) -> set[int]:  # ``a``'s uniform dims behind ``lead`` broadcast ones
+        shape = a.meta["val"].shape
+        return (
+            set(range(lead))
+            | {d + lead for d in uniform.get(a, ())}
+            | {d + lead for d, n in enumerate(shape) if n == 1}
+        )
+
+    if target in _FILLS:
+        return frozenset(range(value.ndim))
+    if target == aten.expand.default:
+        lead = value.ndim - args[0].meta["val"].ndim
+        return ones | of(args[0], lead)
+    if target in _SAME_DIMS:
+        return ones | of(args[0])
+    if target == aten.unsqueeze.default:
+        dim = node.args[1] % value.ndim
+        return ones | {d + (d >= dim) for d in of(args[0])}
+    if target in (aten.cumsum.default, aten.cat.default):
+        dim = node.args[1] % value.ndim
+        return ones | (set.intersection(*(of(a) for a in args)) - {dim})
+    if target == aten.embedding.default:  # each row of indices picks a row of the whole table
+        return ones | of(args[1])
+    if target == aten.index.Tensor and args[0] is node.args[0] and all(i is not None for i in node.args[1]):
+        table, indices = node.args[0], node.args[1]
+        lead = value.ndim - (table.meta["val"].ndim - len(indices))
+        held = set(range(lead))
+        for k, index in enumerate(indices):  # an index into a dim the table holds the same reads the same
+            if k not in of(table):
+                held &= of(index, lead - index.meta["val"].ndim)
+        return ones | held | {d + lead - len(indices) for d in of(table) if d >= len(indices)}
+    if _elementwise(target) and args:
+        return ones | set.intersection(*(of(a, value.ndim - a.meta["val"].ndim) for a in args))
+    return ones
+
+
+def _elementwise(op) -> bool:
+    """Whether ``op`` computes each output element from the operands' elements at its position,
+    with no random draw."""
+    rule = rule_for(op)
+    seeded = isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+    return rule is not None and rule.__module__.endswith(".pointwise") and not seeded
+
+
+def _local_row(
+    node: fx.Node, operands: tuple[Placement, ...], batch: int, uniform: dict[fx.Node, frozenset[int]]
+) -> tuple[Placement | None, ...] | None:
     """The outputs' placements under the rule's row of ``node`` that takes ``operands`` as they
     are and needs no all-reduce, or ``None``. A whole operand may also be read split along a dim
-    as long as the batch (``batch``): a value every sample shares, expanded along the batch (a
-    causal mask, position ids, a class token), whose slice is what the micro-batch's graph
-    makes. Rows reading fewest operands so come first."""
-    rule = rule_for(node.target)
-    if rule is None:
-        return None
+    of the batch's size that it holds the same at every index of (``uniform``); of the rows that
+    do, the one slicing the fewest whole operands wins, and none may give a sum over the batch."""
     split = split_op(node.target)
-    shapes = [a.meta["val"].shape for a in tensor_args(node)]
+    args = tensor_args(node)
     found = []
-    for outs, ins in rule(node):
+    for outs, ins in rule_for(node.target)(node):
+        if len(ins) != len(operands):
+            continue
         sliced = 0
-        for have, need, shape in zip(operands, ins, shapes):
+        for have, need, arg in zip(operands, ins, args):
             if have == need:
                 continue
-            if have != R or not isinstance(need, Shard) or shape[need.dim] != batch:
+            if have != R or not isinstance(need, Shard):
+                break
+            if arg.meta["val"].shape[need.dim] != batch or need.dim not in uniform.get(arg, ()):
                 break
             sliced += 1
         else:
+            if sliced and any(p == P for p in outs):
+                continue
             if split is None or not _reduces_over_split(split, node, outs, ins):
                 found.append((sliced, outs))
     return min(found, key=lambda f: f[0])[1] if found else None
 
 
-def _reduces_over_split(split: SplitOp, node: fx.Node, outs, ins) -> bool:
+def _reduces_over_split(split: SplitOp, node: fx.Node, outs: tuple, ins: tuple) -> bool:
     """Whether the row splits the dim ``split`` reduces or indexes, which all-reduces over it."""
     p = (outs if split.output else ins)[split.index]
     return isinstance(p, Shard) and p.dim == split.dim(node)
 
 
-def check_samples_apart(captured: Captured, microbatches: int, whole: frozenset[str] = frozenset()) -> None:
-    """Refuse to cut the batch into ``microbatches`` (more than one) when the model's forward
-    mixes its samples (:func:`mixing_op`): the micro-batches' losses would not add up to the
-    batch's."""
+def check_samples_apart(captured: Captured, microbatches: int, divisor: tuple | None = None) -> None:
+    """Refuse to cut the batch into ``microbatches`` (more than one) when the forward is not
+    shown to compute its samples apart (:func:`mixing_op`; ``divisor`` is
+    :func:`~autopar.passes.analysis.stages.loss_divisor`'s): the micro-batches' losses could
+    differ from the batch's."""
     if microbatches <= 1:
         return
-    node = mixing_op(captured, whole)
-    if node is None:
+    found = mixing_op(captured, divisor[1] if divisor else None)
+    if found is None:
         return
+    node, why = found
     where = module_paths(captured).get(node.name, "")
     raise InputError(
-        f"{node.name} ({node.target}{' in ' + where if where else ''}) reads several samples of the batch together, "
-        f"or autopar cannot show that it does not, so the loss of {microbatches} micro-batches could differ from the "
-        "batch's (a contrastive loss over the batch, batch statistics, a product of means over the batch, tokens "
-        "sorted across the batch). Fix: Pipeline(microbatches=1), or compile without pipeline="
+        f"{node.name} ({node.target}{' in ' + where if where else ''}) {why}, so the loss of {microbatches} "
+        "micro-batches could differ from the batch's (a contrastive loss over the batch, batch statistics, a product "
+        "of means over the batch, tokens sorted across the batch). Fix: Pipeline(microbatches=1), or compile without "
+        "pipeline="
     )

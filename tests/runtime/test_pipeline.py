@@ -386,7 +386,8 @@ def test_bad_pipelines_name_the_fix():
 
 class _Towers(torch.nn.Module):
     """Two layers, then a loss of the kind micro-batches change: CLIP's contrastive loss (each
-    sample's embedding against every other's), or the batch's statistics."""
+    sample's embedding against every other's), the batch's statistics, samples weighted by their
+    place in the batch, or every sample added into each."""
 
     def __init__(self, loss: str):
         super().__init__()
@@ -400,10 +401,22 @@ class _Towers(torch.nn.Module):
             return torch.nn.functional.cross_entropy(x @ x.t(), torch.arange(x.shape[0]))
         if self.loss == "batch statistics":
             return ((x - x.mean(0)) ** 2).mean()
+        if self.loss == "weighted by position":  # a micro-batch's arange restarts at 0
+            return (x.sum(1) * torch.arange(x.shape[0])).mean()
+        if self.loss == "summed over the batch":
+            return (torch.ones(x.shape[0], x.shape[0]) @ x).mean()
         return (x**2).mean()
 
 
-@pytest.mark.parametrize(("loss", "op"), [("contrastive", "mm"), ("batch statistics", "sub")])
+@pytest.mark.parametrize(
+    ("loss", "op"),
+    [
+        ("contrastive", "mm"),
+        ("batch statistics", "sub"),
+        ("weighted by position", "mul"),
+        ("summed over the batch", "mm"),
+    ],
+)
 def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, op):
     mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
     with pytest.raises(autopar.InputError, match=rf"{op}\b.*several samples of the batch.*microbatches=1"):
