@@ -107,6 +107,8 @@ class ParallelModule(torch.nn.Module):
         self._optimizer_checked = False
         self._sync = True
         self._unsynced = Unsynced()
+        self._agreed: set[tuple] = set()
+        """The input sizes and modes whose first call found the ranks' inputs alike."""
         if example_inputs is not None:
             self._build(tuple(example_inputs))
 
@@ -166,7 +168,7 @@ class ParallelModule(torch.nn.Module):
                         len(self._stepped_on_host()),
                     )
                 self._optimizer_checked = True
-        self._check_same_inputs(inputs)
+        self._check_same_inputs(inputs, self._key)
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = Step.apply(self._program_for_gradients(), *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
@@ -406,13 +408,15 @@ class ParallelModule(torch.nn.Module):
                 "DistributedSampler(drop_last=True) or DataLoader(drop_last=True)"
             )
 
-    def _check_same_inputs(self, inputs: tuple) -> None:
+    def _check_same_inputs(self, inputs: tuple, key: tuple) -> None:
         """Refuse whole inputs that differ between ranks: every rank passes the global batch and
         the program cuts each rank's piece out of it, so ranks loading their own data (DDP's
-        ``DistributedSampler``) would train on pieces of different batches. One all-reduce of
-        two sums per input, the second weighted by position."""
+        ``DistributedSampler``) would train on pieces of different batches. Checked at the first
+        call of each input size and mode (``key``), which such a loader's first batch fails:
+        one all-reduce of two sums per input, the second weighted by position, and a wait for
+        the device, which every call would pay."""
         whole = [(x, name) for x, (_, name) in zip(inputs, self._inputs) if not self.passes_own_part(name)]
-        if not whole or dist.get_world_size(self._world) == 1:
+        if key in self._agreed or not whole or dist.get_world_size(self._world) == 1:
             return
         sums = torch.cat([_fingerprint(x) for x, _ in whole]).to(self._device)
         bounds = torch.cat([sums, -sums])
@@ -427,6 +431,7 @@ class ParallelModule(torch.nn.Module):
                 "every rank (no DistributedSampler, the same seed for shuffling), or pin the input to a split "
                 "(pins={name: 'S(0)'}) and pass each rank's part"
             )
+        self._agreed.add(key)
 
     def _plan_on_rank0(
         self, captured: Captured, state_pins: Mapping[str, Placements] | None = None, **options

@@ -248,7 +248,7 @@ class PipelinedModule(ParallelModule):
             return super().forward(*inputs)
         self._round.check()
         key = self._whole_key(inputs)
-        self._check_same_inputs(inputs)
+        self._check_same_inputs(inputs, key)
         if key not in self._runners:
             _batch_shapes(inputs, self._pipeline.microbatches)
             self._lower_for(key, inputs)

@@ -46,19 +46,20 @@ def test_models_returning_a_dict_get_it_back_whole():
 
 def inputs_of_each_rank(pipeline) -> dict:
     """A plan that splits the batch over 2 ranks (data parallel, or 2 pipeline stages of 2
-    micro-batches), called with the same batch on both ranks, then with a batch each rank draws
-    itself, as DDP's per-rank samplers give."""
+    micro-batches), first called with a batch each rank draws itself, as DDP's per-rank samplers
+    give, then with the same batch on both ranks."""
     model, batches = make_model("gpt")
     batch = batches[0]
     pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), batch, hardware=SYNTHETIC, pipeline=pipeline)
-    out = {"same": float(pmodel(*batch).detach())}
     drawn = torch.Generator().manual_seed(dist.get_rank())
     own = tuple(torch.randint(0, 64, tuple(x.shape), generator=drawn) for x in batch)
+    out = {}
     try:
         pmodel(*own)
         out["own"] = "no error"
     except autopar.InputError as exc:
         out["own"] = str(exc)
+    out["same"] = float(pmodel(*batch).detach())
     return out
 
 
