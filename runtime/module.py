@@ -107,8 +107,8 @@ class ParallelModule(torch.nn.Module):
         self._optimizer_checked = False
         self._sync = True
         self._unsynced = Unsynced()
-        self._agreed: set[tuple] = set()
-        """The input sizes and modes whose first call found the ranks' inputs alike."""
+        self._calls = 0
+        """Calls so far, the same count on every rank."""
         if example_inputs is not None:
             self._build(tuple(example_inputs))
 
@@ -157,6 +157,7 @@ class ParallelModule(torch.nn.Module):
         refuse_autocast()
         if not self._built:
             self._build(inputs, first_call=True)
+            self._check_same_inputs(inputs)
         else:
             self._switch(inputs)
             if not self._optimizer_checked:
@@ -168,7 +169,6 @@ class ParallelModule(torch.nn.Module):
                         len(self._stepped_on_host()),
                     )
                 self._optimizer_checked = True
-        self._check_same_inputs(inputs, self._key)
         flat = [*self._state(), *self._local_inputs(inputs)]
         results = Step.apply(self._program_for_gradients(), *flat)
         return tree_unflatten(self._write_back(results), self._captured.out_spec)
@@ -297,9 +297,10 @@ class ParallelModule(torch.nn.Module):
             self._backend,
         )
 
-    def _lower(self, captured: Captured, plan: ShardingPlan) -> None:
-        """Make and cache the per-rank program of ``plan`` for ``captured``, and run it from now."""
-        key = (
+    def _lower(self, captured: Captured, plan: ShardingPlan, key: tuple | None = None) -> None:
+        """Make and cache the per-rank program of ``plan`` for ``captured`` under ``key`` (by
+        default its inputs' sizes and the model's modes now), and run it from now."""
+        key = key or (
             tuple(
                 tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
             ),
@@ -322,6 +323,7 @@ class ParallelModule(torch.nn.Module):
         solving). Where the model runs other ops there (its code branches on a size; dropout in
         eval mode), those ops are planned with the parameters and buffers pinned where they are."""
         key = self._whole_key(inputs)
+        self._check_same_inputs(inputs)
         if key == self._key:
             return
         if key in self._lowered:
@@ -336,12 +338,15 @@ class ParallelModule(torch.nn.Module):
         if not runs_planned_ops(captured, plan):
             plan = self._plan_on_rank0(captured, self._state_pins(captured))
         check_fits(captured, plan)
-        self._lower(captured, plan)
-        log.info(
-            "lowered %s for input sizes %s (%s mode) in %.1f s",
+        changed = changed_settings(self._key, key)
+        self._lower(captured, plan, key)
+        log.log(
+            logging.WARNING if changed else logging.INFO,
+            "lowered %s for input sizes %s (%s mode%s) in %.1f s",
             "the plan" if plan is self._plan else "a plan",
             ", ".join(map(str, key[0])),
             "training" if self.module.training else "eval",
+            f"; the model's settings changed, {changed}" if changed else "",
             time.perf_counter() - started,
         )
 
@@ -408,30 +413,36 @@ class ParallelModule(torch.nn.Module):
                 "DistributedSampler(drop_last=True) or DataLoader(drop_last=True)"
             )
 
-    def _check_same_inputs(self, inputs: tuple, key: tuple) -> None:
-        """Refuse whole inputs that differ between ranks: every rank passes the global batch and
-        the program cuts each rank's piece out of it, so ranks loading their own data (DDP's
-        ``DistributedSampler``) would train on pieces of different batches. Checked at the first
-        call of each input size and mode (``key``), which such a loader's first batch fails:
-        one all-reduce of two sums per input, the second weighted by position, and a wait for
-        the device, which every call would pay."""
+    def _check_same_inputs(self, inputs: tuple) -> None:
+        """Refuse whole inputs that differ between ranks, in sizes or values: every rank passes
+        the global batch and the program cuts each rank's piece out of it, so ranks loading their
+        own data (DDP's ``DistributedSampler``) would train on pieces of different batches, or
+        lower programs of other sizes. One all-reduce of the sizes and two integer sums of each
+        input's bits, the second weighted by position, and a wait for the device: made at the
+        calls numbered by powers of two (1, 2, 4, ...), which every rank counts alike, so that a
+        loader's first batch is checked and a long run pays next to nothing."""
+        self._calls += 1
         whole = [(x, name) for x, (_, name) in zip(inputs, self._inputs) if not self.passes_own_part(name)]
-        if key in self._agreed or not whole or dist.get_world_size(self._world) == 1:
+        if self._calls & (self._calls - 1) or not whole or dist.get_world_size(self._world) == 1:
             return
-        sums = torch.cat([_fingerprint(x) for x, _ in whole]).to(self._device)
-        bounds = torch.cat([sums, -sums])
+        parts = [torch.tensor([n for x, _ in whole for n in x.shape], dtype=torch.int64)]
+        parts += [_fingerprint(x).cpu() for x, _ in whole]
+        checked = torch.cat(parts).to(self._device)
+        bounds = torch.cat([checked, -checked])
         with named_timeouts(self._timeout_s, "check that the ranks' inputs agree"):
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._world)
-        largest, smallest = bounds[: len(sums)].view(-1, 2), -bounds[len(sums) :].view(-1, 2)
-        differ = [name for (_, name), a, b in zip(whole, largest, smallest) if not torch.equal(a, b)]
+        agree = torch.eq(bounds[: len(checked)], -bounds[len(checked) :]).cpu()
+        sizes = len(parts[0])
+        shapes_differ = not bool(agree[:sizes].all())
+        values_agree = agree[sizes:].view(-1, 2).all(dim=1).tolist()
+        differ = [name for (_, name), same in zip(whole, values_agree) if shapes_differ or not same]
         if differ:
             raise InputError(
-                f"the ranks passed different values of input {', '.join(repr(n) for n in differ)}: every rank passes "
-                "the whole global batch, of which the plan gives each rank its piece. Fix: load the same batch on "
-                "every rank (no DistributedSampler, the same seed for shuffling), or pin the input to a split "
-                "(pins={name: 'S(0)'}) and pass each rank's part"
+                f"the ranks passed different {'sizes' if shapes_differ else 'values'} of input "
+                f"{', '.join(repr(n) for n in differ)}: every rank passes the whole global batch, of which the plan "
+                "gives each rank its piece. Fix: load the same batch on every rank (no DistributedSampler, the same "
+                "seed for shuffling), or pin the input to a split (pins={name: 'S(0)'}) and pass each rank's part"
             )
-        self._agreed.add(key)
 
     def _plan_on_rank0(
         self, captured: Captured, state_pins: Mapping[str, Placements] | None = None, **options
@@ -447,7 +458,8 @@ class ParallelModule(torch.nn.Module):
         with planning_on_rank0(self._timeout_s, n) if dist.get_rank() == 0 else contextlib.nullcontext():
             if dist.get_rank() == 0:
                 try:
-                    box = [("plan", self._planner(captured, state_pins, **options).to_json())]
+                    with torch.random.fork_rng(devices=_current_devices()):  # the ranks' generators stay alike
+                        box = [("plan", self._planner(captured, state_pins, **options).to_json())]
                 except Exception as exc:
                     box = [("error", exc)]
         if dist.get_rank() != 0 and self._timeout_s is not None:
@@ -588,13 +600,26 @@ _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
 _step_hook = None
 
 
+def _current_devices() -> list[int]:
+    """The CUDA device this process uses, if any: planning on rank 0 alone (op timing draws random
+    values) runs inside :func:`torch.random.fork_rng` over it and the CPU, so that every rank's
+    generators draw on alike afterwards (a DataLoader's shuffle, dropout)."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """Two float64 sums of ``x``'s values, plain and weighted by position (1 to 251, repeating),
-    with NaN read as 0: equal on two ranks holding equal values, and all but surely unequal
-    otherwise."""
-    values = torch.nan_to_num(x.detach().reshape(-1).to(torch.float64), nan=0.0)
-    weights = torch.arange(values.numel(), device=values.device, dtype=torch.float64).remainder_(251).add_(1)
-    return torch.stack([values.sum(), (values * weights).sum()])
+    """Two int64 sums of the bits of ``x``'s elements, plain and weighted by position (1 to 251,
+    repeating): exact whatever the order of the additions (they wrap around), equal on two ranks
+    holding equal values (NaNs and infinities too), and all but surely unequal otherwise."""
+    flat = x.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device).remainder_(251).add_(1)
+    return torch.stack([bits.sum(), (bits * weights).sum()])
 
 
 def _refuse_unsynced_steps(module: ParallelModule) -> None:
@@ -679,7 +704,49 @@ def _refuse_split_pins_of_parts(captured: Captured, pins: Mapping[str, Placement
         )
 
 
-def _modes(model: torch.nn.Module) -> tuple[bool, ...]:
-    """The training flag of every module: eval mode of some modules (frozen batch norm) changes
-    the graph as eval mode of the whole model does."""
-    return tuple(m.training for m in model.modules())
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
+    """What the captured graph bakes in beside the inputs' sizes: the training flag of every
+    module (eval mode of some modules, frozen batch norm, changes the graph as eval mode of the
+    whole model does), and every plain value (number, flag, string, a tuple of them) a module
+    holds, or an object a module holds does (a Hugging Face config), by name: the forward reads
+    them as constants (a temperature a schedule anneals, a drop rate), so a change captures the
+    model again, as ``torch.compile``'s guards recompile it."""
+    flags, values, seen = [], [], set()
+    for path, m in model.named_modules():
+        flags.append(m.training)
+        for name, v in vars(m).items():
+            if name == "training":
+                continue
+            if _plain(v):
+                values.append((f"{path}.{name}".lstrip("."), v))
+            elif _holds_values(v) and id(v) not in seen:
+                seen.add(id(v))
+                values.extend((f"{path}.{name}.{k}".lstrip("."), x) for k, x in vars(v).items() if _plain(x))
+    return tuple(flags), tuple(values)
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(x, _PLAIN) for x in value))
+
+
+def _holds_values(value) -> bool:
+    """Whether ``value`` is an object whose attributes a forward may read as settings (not a
+    module, tensor, class or function)."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+        and not callable(value)
+    )
+
+
+def changed_settings(before: tuple, after: tuple) -> str:
+    """The plain values (:func:`_modes`) that differ between two keys' modes, as ``name: old -> new``."""
+    old, new = dict(before[1][1]), dict(after[1][1])
+    return ", ".join(
+        f"{name}: {old.get(name)!r} -> {v!r}"
+        for name, v in new.items()
+        if old.get(name) is not v and old.get(name) != v
+    )

@@ -24,7 +24,13 @@ from autopar.passes.analysis.stages import assign_stages
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_group
-from autopar.runtime.module import ParallelModule, _model_names, _modes, _refuse_split_pins_of_parts
+from autopar.runtime.module import (
+    ParallelModule,
+    _model_names,
+    _modes,
+    _refuse_split_pins_of_parts,
+    changed_settings,
+)
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast
 from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release, whole_fake_state
@@ -152,7 +158,7 @@ class PipelinedModule(ParallelModule):
 
     def _use(self, key: tuple) -> None:
         """Run the stages lowered for whole batches of these shapes, in this mode, from now."""
-        self._runner = self._runners[key]
+        self._runner, self._key = self._runners[key], key
         self._captured = self._runner.captured
         self._layouts = self._runner.layouts
         self.collectives = self._runner.collectives
@@ -163,6 +169,7 @@ class PipelinedModule(ParallelModule):
         Where the model runs other ops there (eval mode without dropout), those are planned in
         the same stages, the parameters, buffers and inputs pinned where they are."""
         shapes, count = key[0], self._pipeline.microbatches
+        changed = changed_settings(self._key, key)
 
         def lowered() -> StageRunner:
             started = time.perf_counter()
@@ -172,11 +179,13 @@ class PipelinedModule(ParallelModule):
                 plan = self._plan_on_rank0(captured, self._stage_pins(captured), stages=plan.stages)
             check_fits(captured, plan)
             runner = self._stage_runner(captured, plan)
-            log.info(
-                "lowered %s for input shapes %s (%s mode) in %.1f s",
+            log.log(
+                logging.WARNING if changed else logging.INFO,
+                "lowered %s for input shapes %s (%s mode%s) in %.1f s",
                 "the stages' plan" if plan is self._plan else "a plan in the same stages",
                 ", ".join(map(str, shapes)),
                 "training" if self.module.training else "eval",
+                f"; the model's settings changed, {changed}" if changed else "",
                 time.perf_counter() - started,
             )
             return runner
@@ -248,7 +257,7 @@ class PipelinedModule(ParallelModule):
             return super().forward(*inputs)
         self._round.check()
         key = self._whole_key(inputs)
-        self._check_same_inputs(inputs, key)
+        self._check_same_inputs(inputs)
         if key not in self._runners:
             _batch_shapes(inputs, self._pipeline.microbatches)
             self._lower_for(key, inputs)

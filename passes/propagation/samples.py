@@ -57,6 +57,7 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
     batch = next(n.meta["val"].shape[0] for n, k in kinds.items() if k.kind == "input")
     placed: dict[fx.Node, tuple[Placement, ...]] = {}
     uniform: dict[fx.Node, frozenset[int]] = {}
+    means: set[fx.Node] = set()
     for node in captured.graph.graph.nodes:
         if node in backward or node.op == "output":
             continue
@@ -73,13 +74,18 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
             if all(p == R for p in operands):
                 placed[node] = (R,) * count
                 uniform[node] = _uniform_dims(node, uniform)
-                continue
-            if rule_for(node.target) is None:
+            elif rule_for(node.target) is None:
                 return node, "has no sharding rule to show it (add one in passes/rules/)"
-            outs = _local_row(node, operands, batch, uniform)
-            if outs is None:
-                return node, "reads several samples of the batch together, or the rules cannot show that it does not"
-            placed[node] = tuple(R if p is None else p for p in outs)
+            else:
+                outs = _local_row(node, operands, batch, uniform)
+                if outs is None:
+                    return (
+                        node,
+                        "reads several samples of the batch together, or the rules cannot show that it does not",
+                    )
+                placed[node] = tuple(R if p is None else p for p in outs)
+                if placed[node][0] == P and _is_mean(node, placed, means):
+                    means.add(node)
         if node.name == divisor:
             if placed[node][0] != P:
                 return node, "divides the loss by something other than a sum over the batch's samples"
@@ -91,7 +97,37 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
     )
     if placed[loss][0] != P:
         return loss, "is a loss that is no sum over the batch's samples"
+    if divisor is None and loss not in means:
+        return loss, "is a loss that is no mean over the batch's samples (nor a count-weighted one)"
     return None
+
+
+_SUMS = (aten.sum.default, aten.sum.dim_IntList, torch.ops.prims.sum.default)
+_DIVISIONS = (aten.div.Tensor, aten.div.Scalar, torch.ops.prims.div.default)
+_LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default, aten._to_copy.default)
+"""Ops that keep a mean over the batch one when every partial sum they read is."""
+
+
+def _is_mean(node: fx.Node, placed: dict, means: set[fx.Node]) -> bool:
+    """Whether the partial sum ``node`` is a mean over the batch's samples, which the
+    micro-batches' means average to: a sum of every element of a tensor split along the batch
+    divided by their number, or such means scaled by constants and added up. A plain sum over the
+    batch averaged so would be the batch's over the micro-batch count."""
+    summed = [a for a in tensor_args(node) if placed[a][0] == P]
+    if node.target in (*_DIVISIONS, aten.mul.Tensor, aten.mul.Scalar):
+        scalar = node.args[1]
+        if node.target in (aten.mul.Tensor, aten.mul.Scalar) and len(summed) == 1:
+            return summed[0] in means
+        if len(summed) != 1 or summed[0] is not node.args[0] or not isinstance(scalar, (int, float)):
+            return False
+        source = node.args[0]
+        if source in means:
+            return True
+        total = source.target in _SUMS and placed[source.args[0]][0] == Shard(0)
+        reduced = source.args[0].meta["val"]
+        whole_sum = total and source.meta["val"].ndim == 0
+        return whole_sum and node.target in _DIVISIONS and scalar == reduced.numel()
+    return node.target in _LINEAR and bool(summed) and all(a in means for a in summed)
 
 
 def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> frozenset[int]:
@@ -125,8 +161,8 @@ def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> froz
     if target == aten.unsqueeze.default:
         dim = node.args[1] % value.ndim
         return ones | {d + (d >= dim) for d in of(args[0])}
-    if target in (aten.cumsum.default, aten.cat.default):
-        dim = node.args[1] % value.ndim
+    if target in (aten.cumsum.default, aten.cat.default) and value.ndim:
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.ndim
         return ones | (set.intersection(*(of(a) for a in args)) - {dim})
     if target == aten.embedding.default:  # each row of indices picks a row of the whole table
         return ones | of(args[1])
@@ -170,8 +206,8 @@ def _local_row(
                 continue
             if have != R or not isinstance(need, Shard):
                 break
-            if arg.meta["val"].shape[need.dim] != batch or need.dim not in uniform.get(arg, ()):
-                break
+            if batch < 2 or arg.meta["val"].shape[need.dim] != batch or need.dim not in uniform.get(arg, ()):
+                break  # one sample a micro-batch: a dim of the batch's size is one of size 1
             sliced += 1
         else:
             if sliced and any(p == P for p in outs):

@@ -70,3 +70,43 @@ def test_ranks_passing_different_batches_are_refused(pipeline):
     assert runs[0]["same"] == runs[1]["same"]
     for r in runs:
         assert "different values of input 'idx', 'targets'" in r["own"] and "DistributedSampler" in r["own"], r["own"]
+
+
+class _Tempered(torch.nn.Module):
+    """Two layers whose output a temperature divides, which the training loop anneals."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.temperature = 1.0
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return (x / self.temperature).pow(2).mean()
+
+
+def annealed(pipeline) -> dict:
+    """The temperature lowered after the first call: one device's loss at every call, and the
+    model captured again only when it changes."""
+    torch.manual_seed(0)
+    model, x = _Tempered(), torch.randn(8, 8)
+    reference = _Tempered()
+    reference.load_state_dict(model.state_dict())
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), (x,), hardware=SYNTHETIC, pipeline=pipeline)
+    out = {"losses": [], "ref": []}
+    for temperature in (1.0, 0.5, 0.5, 0.25):
+        pmodel.module.temperature = reference.temperature = temperature
+        with torch.no_grad():
+            out["losses"].append(float(pmodel(x)))
+            out["ref"].append(float(reference(x)))
+    out["programs"] = len(pmodel._runners if pipeline is not None else pmodel._lowered)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", [None, Pipeline(axis="dp", microbatches=2)], ids=["data-parallel", "stages"])
+def test_a_setting_the_forward_reads_captures_the_model_again_when_it_changes(pipeline):
+    for r in run_ranks(2, annealed, pipeline):
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
+        assert r["programs"] == 3, "one program per temperature"

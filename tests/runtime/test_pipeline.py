@@ -387,7 +387,8 @@ def test_bad_pipelines_name_the_fix():
 class _Towers(torch.nn.Module):
     """Two layers, then a loss of the kind micro-batches change: CLIP's contrastive loss (each
     sample's embedding against every other's), the batch's statistics, samples weighted by their
-    place in the batch, or every sample added into each."""
+    place in the batch, every sample added into each, a mean of sums over the batch, or a sum
+    over a constant the micro-batches would add up."""
 
     def __init__(self, loss: str):
         super().__init__()
@@ -405,21 +406,27 @@ class _Towers(torch.nn.Module):
             return (x.sum(1) * torch.arange(x.shape[0])).mean()
         if self.loss == "summed over the batch":
             return (torch.ones(x.shape[0], x.shape[0]) @ x).mean()
+        if self.loss == "a sum over the batch averaged":  # the micro-batches' average is the batch's over M
+            return (x**2).sum(0).mean()
+        if self.loss == "over a constant":  # a divisor the micro-batches would add up
+            return (x**2).sum() / torch.full((), 1000.0)
         return (x**2).mean()
 
 
 @pytest.mark.parametrize(
-    ("loss", "op"),
+    ("loss", "refusal"),
     [
-        ("contrastive", "mm"),
-        ("batch statistics", "sub"),
-        ("weighted by position", "mul"),
-        ("summed over the batch", "mm"),
+        ("contrastive", "mm .*several samples of the batch"),
+        ("batch statistics", "sub .*several samples of the batch"),
+        ("weighted by position", "mul .*several samples of the batch"),
+        ("summed over the batch", "mm .*several samples of the batch"),
+        ("a sum over the batch averaged", "div .*no mean over the batch's samples"),
+        ("over a constant", "full .*divides the loss by something other than a sum"),
     ],
 )
-def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, op):
+def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, refusal):
     mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
-    with pytest.raises(autopar.InputError, match=rf"{op}\b.*several samples of the batch.*microbatches=1"):
+    with pytest.raises(autopar.InputError, match=rf"{refusal}.*microbatches=1"):
         autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=2))
     whole = autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=1))
     assert whole.stages.microbatches == 1
