@@ -42,7 +42,22 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, backend: str) -> 
 def run_ranks(world: int, fn, *args, timeout_s: float = 600.0, backend: str = "gloo") -> list:
     """``fn(*args)`` on ``world`` ranks; returns the per-rank results in rank order and raises
     with the first failing rank's traceback, as soon as a rank dies without one (a crash in
-    native code), or when ``timeout_s`` passes without every answer."""
+    native code), or when ``timeout_s`` passes without every answer. Started again on another
+    port when the one picked was taken before rank 0 could listen on it (another test's ranks
+    starting beside these), before ``fn`` ran anywhere."""
+    for _ in range(PORT_ATTEMPTS):
+        results, errors = _run_once(world, fn, args, timeout_s, backend)
+        if not any("EADDRINUSE" in e for e in errors):
+            break
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+PORT_ATTEMPTS = 3
+
+
+def _run_once(world: int, fn, args: tuple, timeout_s: float, backend: str) -> tuple[dict, list[str]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -76,6 +91,4 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600.0, backend: str = "g
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return results, errors
