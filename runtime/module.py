@@ -109,6 +109,10 @@ class ParallelModule(torch.nn.Module):
         self._unsynced = Unsynced()
         self._calls = 0
         """Calls so far, the same count on every rank."""
+        self._ignored: set[str] = set()
+        """Settings (:func:`_modes`) found not to change the graph when they changed."""
+        self._settings_captures = 0
+        """Captures made because settings alone changed."""
         if example_inputs is not None:
             self._build(tuple(example_inputs))
 
@@ -300,12 +304,15 @@ class ParallelModule(torch.nn.Module):
     def _lower(self, captured: Captured, plan: ShardingPlan, key: tuple | None = None) -> None:
         """Make and cache the per-rank program of ``plan`` for ``captured`` under ``key`` (by
         default its inputs' sizes and the model's modes now), and run it from now."""
-        key = key or (
-            tuple(
-                tuple(n.meta["val"].shape) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"
-            ),
-            _modes(self.module),
-        )
+        if key is None:
+            key = (
+                tuple(
+                    tuple(n.meta["val"].shape)
+                    for n, k in zip(captured.placeholders, captured.inputs)
+                    if k.kind == "input"
+                ),
+                self._modes_now(),
+            )
         self._lowered[key] = lower(
             captured, plan, self._mesh, self._coordinate, self._groups, self._backend, self._timeout_s
         )
@@ -334,11 +341,16 @@ class ParallelModule(torch.nn.Module):
             with mode:
                 fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key[0], inputs))
             captured = capture(self.module, fakes, self._param_dtype)
+        if self._same_program(captured, key):
+            unchanged = (key[0], self._modes_now())
+            self._lowered[unchanged] = self._lowered[self._key]
+            self._run_for(unchanged)
+            return
+        changed = self._count_settings_capture(key)
         plan = self._plan
         if not runs_planned_ops(captured, plan):
             plan = self._plan_on_rank0(captured, self._state_pins(captured))
         check_fits(captured, plan)
-        changed = changed_settings(self._key, key)
         self._lower(captured, plan, key)
         log.log(
             logging.WARNING if changed else logging.INFO,
@@ -349,6 +361,49 @@ class ParallelModule(torch.nn.Module):
             f"; the model's settings changed, {changed}" if changed else "",
             time.perf_counter() - started,
         )
+
+    def _modes_now(self) -> tuple:
+        """The model's modes and settings now (:func:`_modes`), less the settings found not to
+        change its graph."""
+        flags, values = _modes(self.module)
+        return flags, tuple(v for v in values if v[0] not in self._ignored)
+
+    def _running_graph_hash(self) -> str:
+        """The fingerprint of the graph the running program was lowered from."""
+        return self._captured.graph_hash
+
+    def _only_settings_changed(self, key: tuple) -> bool:
+        return key[0] == self._key[0] and key[1][0] == self._key[1][0]
+
+    def _same_program(self, captured: Captured, key: tuple) -> bool:
+        """Whether only settings changed from the running program's ``key`` and ``captured``
+        computes what its graph does (the same fingerprint, and no tensor constants, whose values
+        the fingerprint leaves out): those settings are then ignored from now on (a counter the
+        forward keeps)."""
+        if not self._only_settings_changed(key) or captured.graph_hash != self._running_graph_hash():
+            return False
+        if any(n.op == "get_attr" for n in captured.graph.graph.nodes):
+            return False
+        before, after = dict(self._key[1][1]), dict(key[1][1])
+        self._ignored.update(n for n in before.keys() | after.keys() if n not in before or n not in after)
+        self._ignored.update(n for n, value in after.items() if n in before and before[n] != value)
+        return True
+
+    def _count_settings_capture(self, key: tuple) -> str:
+        """The settings that changed from the running program's ``key`` (``""`` if none), refused
+        once they have made ``SETTINGS_CAPTURES`` captures: each change is a new constant of the
+        graph, captured and lowered again."""
+        changed = _changed_settings(self._key, key)
+        if changed and self._only_settings_changed(key):
+            self._settings_captures += 1
+            if self._settings_captures > SETTINGS_CAPTURES:
+                raise InputError(
+                    f"the model's settings changed again ({changed}), {self._settings_captures} times: each change "
+                    "is a constant of the captured graph, captured and lowered again. Fix: hold a value that changes "
+                    "while training in a tensor the forward reads (self.register_buffer('temperature', "
+                    "torch.tensor(1.0)), then update it in place), or compile again"
+                )
+        return changed
 
     def _state_pins(self, captured: Captured) -> dict[str, Placements]:
         """Pins that keep the parameters and buffers where they are, for planning the ops a
@@ -397,7 +452,7 @@ class ParallelModule(torch.nn.Module):
             key.append(tuple(shape))
         if any(self.passes_own_part(name) for _, name in planned):
             self._check_same_whole(key)
-        return tuple(key), _modes(self.module)
+        return tuple(key), self._modes_now()
 
     def _check_same_whole(self, key: list[tuple[int, ...]]) -> None:
         """Refuse parts of per-rank inputs that do not make the same whole on every rank (a
@@ -458,7 +513,9 @@ class ParallelModule(torch.nn.Module):
         with planning_on_rank0(self._timeout_s, n) if dist.get_rank() == 0 else contextlib.nullcontext():
             if dist.get_rank() == 0:
                 try:
-                    with torch.random.fork_rng(devices=_current_devices()):  # the ranks' generators stay alike
+                    # planning on rank 0 alone draws random values (op timing): every rank's generators must stay
+                    # alike for what draws after it (a DataLoader's shuffle, dropout)
+                    with torch.random.fork_rng(devices=[self._device.index] if self._device.type == "cuda" else []):
                         box = [("plan", self._planner(captured, state_pins, **options).to_json())]
                 except Exception as exc:
                     box = [("error", exc)]
@@ -600,13 +657,6 @@ _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
 _step_hook = None
 
 
-def _current_devices() -> list[int]:
-    """The CUDA device this process uses, if any: planning on rank 0 alone (op timing draws random
-    values) runs inside :func:`torch.random.fork_rng` over it and the CPU, so that every rank's
-    generators draw on alike afterwards (a DataLoader's shuffle, dropout)."""
-    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-
-
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -614,7 +664,7 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of the bits of ``x``'s elements, plain and weighted by position (1 to 251,
     repeating): exact whatever the order of the additions (they wrap around), equal on two ranks
     holding equal values (NaNs and infinities too), and all but surely unequal otherwise."""
-    flat = x.detach().reshape(-1)
+    flat = x.detach().resolve_conj().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
@@ -704,7 +754,12 @@ def _refuse_split_pins_of_parts(captured: Captured, pins: Mapping[str, Placement
         )
 
 
+SETTINGS_CAPTURES = 8
+"""Captures a model's settings alone may cause before a change is refused (a value annealed every
+step would capture every step)."""
 _PLAIN = (bool, int, float, str, type(None))
+_MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))
+"""What every module holds (its training flag, hook tables): not settings of the model."""
 
 
 def _modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
@@ -718,7 +773,7 @@ def _modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, o
     for path, m in model.named_modules():
         flags.append(m.training)
         for name, v in vars(m).items():
-            if name == "training":
+            if name in _MODULE_ATTRIBUTES:
                 continue
             if _plain(v):
                 values.append((f"{path}.{name}".lstrip("."), v))
@@ -729,6 +784,7 @@ def _modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, o
 
 
 def _plain(value) -> bool:
+    """Whether ``value`` is a number, flag, string or ``None``, or a tuple of them."""
     return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(x, _PLAIN) for x in value))
 
 
@@ -742,7 +798,7 @@ def _holds_values(value) -> bool:
     )
 
 
-def changed_settings(before: tuple, after: tuple) -> str:
+def _changed_settings(before: tuple, after: tuple) -> str:
     """The plain values (:func:`_modes`) that differ between two keys' modes, as ``name: old -> new``."""
     old, new = dict(before[1][1]), dict(after[1][1])
     return ", ".join(

@@ -111,6 +111,8 @@ class StageRunner:
         """The plan its programs run: the module's, or one of other ops in the same stages."""
         self.device = device
         self.position, self.peers, self.timeout_s = position, list(peers), timeout_s
+        self.graph_hash = captured.graph_hash
+        """The fingerprint of the graph of one micro-batch whose stages these are."""
         self.divisor = check_stageable(captured)
         given = frozenset({self.divisor[1]} if self.divisor else ())
         check_samples_apart(captured, self.stages.microbatches, self.divisor)

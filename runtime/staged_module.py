@@ -27,9 +27,7 @@ from autopar.runtime.launch import device_mesh, device_type_of, ensure_process_g
 from autopar.runtime.module import (
     ParallelModule,
     _model_names,
-    _modes,
     _refuse_split_pins_of_parts,
-    changed_settings,
 )
 from autopar.runtime.pipeline import StageRunner
 from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast
@@ -105,7 +103,7 @@ class PipelinedModule(ParallelModule):
         check_plan(plan, captured, inner, self._pins)
         _check_stages(plan, self._pipeline, self._whole_mesh)
         self._plan = plan
-        self._runners = {(whole_shapes, _modes(self.module)): _on_every_stage(lambda: self._stage_runner(captured))}
+        self._runners = {(whole_shapes, self._modes_now()): _on_every_stage(lambda: self._stage_runner(captured))}
         """This rank's stages lowered for each size of the whole batch and mode of the model."""
         self._use(next(iter(self._runners)))
         self._inputs = [
@@ -156,6 +154,9 @@ class PipelinedModule(ParallelModule):
         in the same stages keeps (each rank's pieces stay where they are)."""
         return {**self._state_pins(captured), **self._plan.inputs}
 
+    def _running_graph_hash(self) -> str:
+        return self._runner.graph_hash if self._in_stages else super()._running_graph_hash()
+
     def _use(self, key: tuple) -> None:
         """Run the stages lowered for whole batches of these shapes, in this mode, from now."""
         self._runner, self._key = self._runners[key], key
@@ -169,11 +170,13 @@ class PipelinedModule(ParallelModule):
         Where the model runs other ops there (eval mode without dropout), those are planned in
         the same stages, the parameters, buffers and inputs pinned where they are."""
         shapes, count = key[0], self._pipeline.microbatches
-        changed = changed_settings(self._key, key)
 
         def lowered() -> StageRunner:
             started = time.perf_counter()
             captured = self._capture(inputs, tuple((s[0] // count, *s[1:]) for s in shapes))
+            if self._same_program(captured, key):
+                return self._runner
+            changed = self._count_settings_capture(key)
             plan = self._plan
             if not runs_planned_ops(captured, plan):
                 plan = self._plan_on_rank0(captured, self._stage_pins(captured), stages=plan.stages)
@@ -190,7 +193,7 @@ class PipelinedModule(ParallelModule):
             )
             return runner
 
-        self._runners[key] = _on_every_stage(lowered)
+        self._runners[key] = self._runners[key[0], self._modes_now()] = _on_every_stage(lowered)
 
     @property
     def _searched(self) -> bool:

@@ -2,18 +2,11 @@
 
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn, args, queue, backend: str) -> None:
@@ -30,7 +23,8 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, backend: str) -> 
             import torch
 
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         queue.put((rank, "ok", fn(*args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -42,25 +36,20 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, backend: str) -> 
 def run_ranks(world: int, fn, *args, timeout_s: float = 600.0, backend: str = "gloo") -> list:
     """``fn(*args)`` on ``world`` ranks; returns the per-rank results in rank order and raises
     with the first failing rank's traceback, as soon as a rank dies without one (a crash in
-    native code), or when ``timeout_s`` passes without every answer. Started again on another
-    port when the one picked was taken before rank 0 could listen on it (another test's ranks
-    starting beside these), before ``fn`` ran anywhere."""
-    for _ in range(PORT_ATTEMPTS):
-        results, errors = _run_once(world, fn, args, timeout_s, backend)
-        if not any("EADDRINUSE" in e for e in errors):
-            break
+    native code), or when ``timeout_s`` passes without every answer. The ranks meet at a store
+    this process holds on a port the system picks, as torchrun's agent does, so that ranks of
+    tests running beside these never take its port."""
+    results, errors = _run_once(world, fn, args, timeout_s, backend)
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
 
 
-PORT_ATTEMPTS = 3
-
-
 def _run_once(world: int, fn, args: tuple, timeout_s: float, backend: str) -> tuple[dict, list[str]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, backend)) for r in range(world)]
     for p in procs:
         p.start()

@@ -15,7 +15,8 @@ the walk, and micro-batches are refused. The backward of a forward so computed i
 A whole value may be read split along a dim only where it holds the same values at every index
 of that dim (:func:`_uniform_dims`): a mask, position ids or a class token expanded along the
 batch, which the micro-batch's graph makes at its own size with the same values; not ``arange``
-over the batch, whose slices differ from what the micro-batch makes. The count a mean
+over the batch, whose slices differ from what the micro-batch makes. A random draw (a dropout
+mask drawn whole) counts as such a value: each micro-batch draws its own. The count a mean
 cross-entropy divides by, which the runtime sums over the micro-batches and gives every one
 whole (:func:`~autopar.passes.analysis.stages.loss_divisor`), must be such a sum.
 """
@@ -84,7 +85,7 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
                         "reads several samples of the batch together, or the rules cannot show that it does not",
                     )
                 placed[node] = tuple(R if p is None else p for p in outs)
-                if placed[node][0] == P and _is_mean(node, placed, means):
+                if placed[node][0] == P and _is_mean(node, placed, means, batch):
                     means.add(node)
         if node.name == divisor:
             if placed[node][0] != P:
@@ -104,30 +105,34 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
 
 _SUMS = (aten.sum.default, aten.sum.dim_IntList, torch.ops.prims.sum.default)
 _DIVISIONS = (aten.div.Tensor, aten.div.Scalar, torch.ops.prims.div.default)
-_LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default, aten._to_copy.default)
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+_LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default)
 """Ops that keep a mean over the batch one when every partial sum they read is."""
 
 
-def _is_mean(node: fx.Node, placed: dict, means: set[fx.Node]) -> bool:
+def _is_mean(node: fx.Node, placed: dict, means: set[fx.Node], batch: int) -> bool:
     """Whether the partial sum ``node`` is a mean over the batch's samples, which the
     micro-batches' means average to: a sum of every element of a tensor split along the batch
-    divided by their number, or such means scaled by constants and added up. A plain sum over the
-    batch averaged so would be the batch's over the micro-batch count."""
+    divided by their number, or such means cast, added up, and scaled by numbers that are no
+    multiple of the micro-batch's size ``batch`` (``loss * x.shape[0]`` would scale a micro-batch's
+    mean by its own size, not the batch's). A plain sum over the batch averaged so would be the
+    batch's over the micro-batch count."""
     summed = [a for a in tensor_args(node) if placed[a][0] == P]
-    if node.target in (*_DIVISIONS, aten.mul.Tensor, aten.mul.Scalar):
-        scalar = node.args[1]
-        if node.target in (aten.mul.Tensor, aten.mul.Scalar) and len(summed) == 1:
-            return summed[0] in means
-        if len(summed) != 1 or summed[0] is not node.args[0] or not isinstance(scalar, (int, float)):
-            return False
-        source = node.args[0]
-        if source in means:
-            return True
-        total = source.target in _SUMS and placed[source.args[0]][0] == Shard(0)
-        reduced = source.args[0].meta["val"]
-        whole_sum = total and source.meta["val"].ndim == 0
-        return whole_sum and node.target in _DIVISIONS and scalar == reduced.numel()
-    return node.target in _LINEAR and bool(summed) and all(a in means for a in summed)
+    if len(summed) != 1 or summed[0] is not node.args[0]:
+        return node.target in _LINEAR and bool(summed) and all(a in means for a in summed)
+    source, scalar = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if node.target in _CASTS or node.target in _LINEAR:
+        return source in means
+    if node.target not in (*_DIVISIONS, aten.mul.Tensor, aten.mul.Scalar) or not isinstance(scalar, (int, float)):
+        return False
+    if source in means:
+        return batch < 2 or scalar % batch != 0
+    while source.target in _CASTS:  # a sum cast before its division (a mean in bfloat16)
+        source = source.args[0]
+    if node.target not in _DIVISIONS or source.target not in _SUMS or source.meta["val"].ndim != 0:
+        return False
+    reduced = source.args[0]
+    return isinstance(placed[reduced][0], Shard) and scalar == reduced.meta["val"].numel()
 
 
 def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> frozenset[int]:
@@ -151,7 +156,7 @@ def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> froz
             | {d + lead for d, n in enumerate(shape) if n == 1}
         )
 
-    if target in _FILLS:
+    if target in _FILLS or _drawn(target):  # a draw: a micro-batch's own stands for its slice (its own masks)
         return frozenset(range(value.ndim))
     if target == aten.expand.default:
         lead = value.ndim - args[0].meta["val"].ndim
@@ -179,12 +184,16 @@ def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> froz
     return ones
 
 
+def _drawn(op) -> bool:
+    """Whether ``op`` draws random values (a dropout mask drawn whole)."""
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
 def _elementwise(op) -> bool:
     """Whether ``op`` computes each output element from the operands' elements at its position,
     with no random draw."""
     rule = rule_for(op)
-    seeded = isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
-    return rule is not None and rule.__module__.endswith(".pointwise") and not seeded
+    return rule is not None and rule.__module__.endswith(".pointwise") and not _drawn(op)
 
 
 def _local_row(

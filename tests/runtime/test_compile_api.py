@@ -73,34 +73,49 @@ def test_ranks_passing_different_batches_are_refused(pipeline):
 
 
 class _Tempered(torch.nn.Module):
-    """Two layers whose output a temperature divides, which the training loop anneals."""
+    """Two layers whose output a temperature divides, which the training loop anneals, and a
+    count of the calls of the forward, which the compiled program does not read."""
 
     def __init__(self):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
         self.temperature = 1.0
+        self.calls = 0
 
     def forward(self, x):
+        self.calls += 1
         for layer in self.layers:
             x = layer(x)
         return (x / self.temperature).pow(2).mean()
 
 
 def annealed(pipeline) -> dict:
-    """The temperature lowered after the first call: one device's loss at every call, and the
-    model captured again only when it changes."""
+    """The temperature lowered after the first call: one device's loss at every call, the model
+    captured again only when it changes (the count of calls, once found not to change the graph,
+    is ignored), and refused once it has changed more than ``SETTINGS_CAPTURES`` times."""
+    from autopar.runtime.module import SETTINGS_CAPTURES
+
     torch.manual_seed(0)
     model, x = _Tempered(), torch.randn(8, 8)
     reference = _Tempered()
     reference.load_state_dict(model.state_dict())
     pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), (x,), hardware=SYNTHETIC, pipeline=pipeline)
     out = {"losses": [], "ref": []}
-    for temperature in (1.0, 0.5, 0.5, 0.25):
+    for temperature in (1.0, 0.5, 0.5, 0.5, 0.25):
         pmodel.module.temperature = reference.temperature = temperature
         with torch.no_grad():
             out["losses"].append(float(pmodel(x)))
             out["ref"].append(float(reference(x)))
-    out["programs"] = len(pmodel._runners if pipeline is not None else pmodel._lowered)
+    programs = pmodel._runners if pipeline is not None else pmodel._lowered
+    out["programs"] = len({id(p) for p in programs.values()})
+    out["refused"] = "no error"
+    try:
+        for step in range(SETTINGS_CAPTURES):
+            pmodel.module.temperature = 1.0 / (step + 5)
+            with torch.no_grad():
+                pmodel(x)
+    except autopar.InputError as exc:
+        out["refused"] = str(exc)
     return out
 
 
@@ -110,3 +125,4 @@ def test_a_setting_the_forward_reads_captures_the_model_again_when_it_changes(pi
     for r in run_ranks(2, annealed, pipeline):
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
         assert r["programs"] == 3, "one program per temperature"
+        assert "temperature" in r["refused"] and "register_buffer" in r["refused"], r["refused"]
