@@ -13,6 +13,7 @@ import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, InputKind, capture
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
+from autopar.runtime.calls import SETTINGS_CAPTURES, changed_settings, fingerprint, modes, setting_changes
 from autopar.runtime.handoff import next_planning, planning_on_rank0, wait_for_rank0_to_plan
 from autopar.runtime.launch import device_mesh, device_type_of
 from autopar.runtime.offload import HostOptimizer
@@ -110,7 +111,7 @@ class ParallelModule(torch.nn.Module):
         self._calls = 0
         """Calls so far, the same count on every rank."""
         self._ignored: set[str] = set()
-        """Settings (:func:`_modes`) found not to change the graph when they changed."""
+        """Settings (:func:`~autopar.runtime.calls.modes`) found not to change the graph when they changed."""
         self._settings_captures = 0
         """Captures made because settings alone changed."""
         if example_inputs is not None:
@@ -363,9 +364,9 @@ class ParallelModule(torch.nn.Module):
         )
 
     def _modes_now(self) -> tuple:
-        """The model's modes and settings now (:func:`_modes`), less the settings found not to
+        """The model's modes and settings now (:func:`~autopar.runtime.calls.modes`), less the settings found not to
         change its graph."""
-        flags, values = _modes(self.module)
+        flags, values = modes(self.module)
         return flags, tuple(v for v in values if v[0] not in self._ignored)
 
     def _running_graph_hash(self) -> str:
@@ -373,6 +374,7 @@ class ParallelModule(torch.nn.Module):
         return self._captured.graph_hash
 
     def _only_settings_changed(self, key: tuple) -> bool:
+        """Whether ``key`` has the running program's sizes and training flags."""
         return key[0] == self._key[0] and key[1][0] == self._key[1][0]
 
     def _same_program(self, captured: Captured, key: tuple) -> bool:
@@ -384,16 +386,14 @@ class ParallelModule(torch.nn.Module):
             return False
         if any(n.op == "get_attr" for n in captured.graph.graph.nodes):
             return False
-        before, after = dict(self._key[1][1]), dict(key[1][1])
-        self._ignored.update(n for n in before.keys() | after.keys() if n not in before or n not in after)
-        self._ignored.update(n for n, value in after.items() if n in before and before[n] != value)
+        self._ignored.update(name for name, _, _ in setting_changes(self._key, key))
         return True
 
     def _count_settings_capture(self, key: tuple) -> str:
         """The settings that changed from the running program's ``key`` (``""`` if none), refused
         once they have made ``SETTINGS_CAPTURES`` captures: each change is a new constant of the
         graph, captured and lowered again."""
-        changed = _changed_settings(self._key, key)
+        changed = changed_settings(self._key, key)
         if changed and self._only_settings_changed(key):
             self._settings_captures += 1
             if self._settings_captures > SETTINGS_CAPTURES:
@@ -480,9 +480,9 @@ class ParallelModule(torch.nn.Module):
         whole = [(x, name) for x, (_, name) in zip(inputs, self._inputs) if not self.passes_own_part(name)]
         if self._calls & (self._calls - 1) or not whole or dist.get_world_size(self._world) == 1:
             return
-        parts = [torch.tensor([n for x, _ in whole for n in x.shape], dtype=torch.int64)]
-        parts += [_fingerprint(x).cpu() for x, _ in whole]
-        checked = torch.cat(parts).to(self._device)
+        parts = [torch.tensor([n for x, _ in whole for n in x.shape], dtype=torch.int64, device=self._device)]
+        parts += [fingerprint(x).to(self._device) for x, _ in whole]
+        checked = torch.cat(parts)
         bounds = torch.cat([checked, -checked])
         with named_timeouts(self._timeout_s, "check that the ranks' inputs agree"):
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._world)
@@ -657,21 +657,6 @@ _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
 _step_hook = None
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of the bits of ``x``'s elements, plain and weighted by position (1 to 251,
-    repeating): exact whatever the order of the additions (they wrap around), equal on two ranks
-    holding equal values (NaNs and infinities too), and all but surely unequal otherwise."""
-    flat = x.detach().resolve_conj().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    bits = flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
-    weights = torch.arange(bits.numel(), device=bits.device).remainder_(251).add_(1)
-    return torch.stack([bits.sum(), (bits * weights).sum()])
-
-
 def _refuse_unsynced_steps(module: ParallelModule) -> None:
     """Make every optimizer refuse to step ``module``'s parameters while it holds gradients of
     micro-batches under ``no_sync`` that no backward has synchronised yet: their ``.grad`` would
@@ -752,57 +737,3 @@ def _refuse_split_pins_of_parts(captured: Captured, pins: Mapping[str, Placement
             "part of it, and the first call's part does not say how large the whole batch is. Fix: pass "
             "example_inputs=(the global batch) to autopar.compile"
         )
-
-
-SETTINGS_CAPTURES = 8
-"""Captures a model's settings alone may cause before a change is refused (a value annealed every
-step would capture every step)."""
-_PLAIN = (bool, int, float, str, type(None))
-_MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))
-"""What every module holds (its training flag, hook tables): not settings of the model."""
-
-
-def _modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
-    """What the captured graph bakes in beside the inputs' sizes: the training flag of every
-    module (eval mode of some modules, frozen batch norm, changes the graph as eval mode of the
-    whole model does), and every plain value (number, flag, string, a tuple of them) a module
-    holds, or an object a module holds does (a Hugging Face config), by name: the forward reads
-    them as constants (a temperature a schedule anneals, a drop rate), so a change captures the
-    model again, as ``torch.compile``'s guards recompile it."""
-    flags, values, seen = [], [], set()
-    for path, m in model.named_modules():
-        flags.append(m.training)
-        for name, v in vars(m).items():
-            if name in _MODULE_ATTRIBUTES:
-                continue
-            if _plain(v):
-                values.append((f"{path}.{name}".lstrip("."), v))
-            elif _holds_values(v) and id(v) not in seen:
-                seen.add(id(v))
-                values.extend((f"{path}.{name}.{k}".lstrip("."), x) for k, x in vars(v).items() if _plain(x))
-    return tuple(flags), tuple(values)
-
-
-def _plain(value) -> bool:
-    """Whether ``value`` is a number, flag, string or ``None``, or a tuple of them."""
-    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(x, _PLAIN) for x in value))
-
-
-def _holds_values(value) -> bool:
-    """Whether ``value`` is an object whose attributes a forward may read as settings (not a
-    module, tensor, class or function)."""
-    return (
-        hasattr(value, "__dict__")
-        and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
-        and not callable(value)
-    )
-
-
-def _changed_settings(before: tuple, after: tuple) -> str:
-    """The plain values (:func:`_modes`) that differ between two keys' modes, as ``name: old -> new``."""
-    old, new = dict(before[1][1]), dict(after[1][1])
-    return ", ".join(
-        f"{name}: {old.get(name)!r} -> {v!r}"
-        for name, v in new.items()
-        if old.get(name) is not v and old.get(name) != v
-    )

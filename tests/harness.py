@@ -39,13 +39,6 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600.0, backend: str = "g
     native code), or when ``timeout_s`` passes without every answer. The ranks meet at a store
     this process holds on a port the system picks, as torchrun's agent does, so that ranks of
     tests running beside these never take its port."""
-    results, errors = _run_once(world, fn, args, timeout_s, backend)
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
-
-
-def _run_once(world: int, fn, args: tuple, timeout_s: float, backend: str) -> tuple[dict, list[str]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
@@ -80,4 +73,6 @@ def _run_once(world: int, fn, args: tuple, timeout_s: float, backend: str) -> tu
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
-    return results, errors
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]

@@ -233,6 +233,12 @@ def stage_graph(
     return Captured(part, tuple(inputs), tuple(kinds), None, captured.graph_hash, 0.0, ())
 
 
+DIVISIONS = (torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar, torch.ops.prims.div.default)
+"""The ops a captured graph divides by (a mean's count, a loss's divisor)."""
+CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+"""The ops a captured graph changes a value's dtype with."""
+
+
 def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
     """How the loss of a batch is the micro-batches': ``None`` where it is a mean over a fixed
     number of values (the mean of the micro-batches' losses), else a graph computing its divisor
@@ -250,7 +256,7 @@ def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
             f"it returns {len(results)} results. Fix: return the loss alone, or compile without pipeline="
         )
     aten = torch.ops.aten
-    divides = loss.target in (aten.div.Tensor, aten.div.Scalar, torch.ops.prims.div.default)
+    divides = loss.target in DIVISIONS
     if loss.target in (aten.mean.default, aten.mean.dim) or (divides and isinstance(loss.args[1], (int, float))):
         return None  # a mean over a fixed count (mse_loss decomposes to a sum over its numel)
     divisor = loss.args[1] if divides else None
@@ -275,8 +281,7 @@ def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
 def _before_cast(node: fx.Node) -> fx.Node:
     """The value ``node`` casts (a count cast to the loss's dtype), or ``node`` itself: the
     micro-batches' parts add up before the one cast, as one device casts the batch's."""
-    casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-    return node.args[0] if node.target in casts and isinstance(node.args[0], fx.Node) else node
+    return node.args[0] if node.target in CASTS and isinstance(node.args[0], fx.Node) else node
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

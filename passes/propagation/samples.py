@@ -25,6 +25,7 @@ import operator
 
 import torch
 from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
+from autopar.passes.analysis.stages import CASTS, DIVISIONS
 from autopar.passes.rules import SplitOp, rule_for, split_op, tensor_args
 from torch import fx
 
@@ -104,8 +105,6 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
 
 
 _SUMS = (aten.sum.default, aten.sum.dim_IntList, torch.ops.prims.sum.default)
-_DIVISIONS = (aten.div.Tensor, aten.div.Scalar, torch.ops.prims.div.default)
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 _LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default)
 """Ops that keep a mean over the batch one when every partial sum they read is."""
 
@@ -121,15 +120,15 @@ def _is_mean(node: fx.Node, placed: dict, means: set[fx.Node], batch: int) -> bo
     if len(summed) != 1 or summed[0] is not node.args[0]:
         return node.target in _LINEAR and bool(summed) and all(a in means for a in summed)
     source, scalar = node.args[0], node.args[1] if len(node.args) > 1 else None
-    if node.target in _CASTS or node.target in _LINEAR:
+    if node.target in CASTS or node.target in _LINEAR:
         return source in means
-    if node.target not in (*_DIVISIONS, aten.mul.Tensor, aten.mul.Scalar) or not isinstance(scalar, (int, float)):
+    if node.target not in (*DIVISIONS, aten.mul.Tensor, aten.mul.Scalar) or not isinstance(scalar, (int, float)):
         return False
     if source in means:
         return batch < 2 or scalar % batch != 0
-    while source.target in _CASTS:  # a sum cast before its division (a mean in bfloat16)
+    while source.target in CASTS:  # a sum cast before its division (a mean in bfloat16)
         source = source.args[0]
-    if node.target not in _DIVISIONS or source.target not in _SUMS or source.meta["val"].ndim != 0:
+    if node.target not in DIVISIONS or source.target not in _SUMS or source.meta["val"].ndim != 0:
         return False
     reduced = source.args[0]
     return isinstance(placed[reduced][0], Shard) and scalar == reduced.meta["val"].numel()

@@ -93,7 +93,7 @@ def annealed(pipeline) -> dict:
     """The temperature lowered after the first call: one device's loss at every call, the model
     captured again only when it changes (the count of calls, once found not to change the graph,
     is ignored), and refused once it has changed more than ``SETTINGS_CAPTURES`` times."""
-    from autopar.runtime.module import SETTINGS_CAPTURES
+    from autopar.runtime.calls import SETTINGS_CAPTURES
 
     torch.manual_seed(0)
     model, x = _Tempered(), torch.randn(8, 8)

@@ -1,0 +1,81 @@
+"""What a call of a compiled module brings beside its parameters: fingerprints of its inputs,
+which the ranks compare, and the model's settings, which the captured graph bakes in and the
+program cached for a call is keyed by."""
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of the bits of ``x``'s elements, plain and weighted by position (1 to 251,
+    repeating): exact whatever the order of the additions (they wrap around), equal on two ranks
+    holding equal values (NaNs and infinities too), and all but surely unequal otherwise."""
+    flat = x.detach().resolve_conj().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device).remainder_(251).add_(1)
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+SETTINGS_CAPTURES = 8
+"""Captures a model's settings alone may cause before a change is refused (a value annealed every
+step would capture every step)."""
+_PLAIN = (bool, int, float, str, type(None))
+_MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))
+"""What every module holds (its training flag, hook tables): not settings of the model."""
+
+
+def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
+    """What the captured graph bakes in beside the inputs' sizes: the training flag of every
+    module (eval mode of some modules, frozen batch norm, changes the graph as eval mode of the
+    whole model does), and every plain value (number, flag, string, a tuple of them) a module
+    holds, or an object a module holds does (a Hugging Face config), by name: the forward reads
+    them as constants (a temperature a schedule anneals, a drop rate), so a change captures the
+    model again, as ``torch.compile``'s guards recompile it."""
+    flags, values, seen = [], [], set()
+    for path, m in model.named_modules():
+        flags.append(m.training)
+        for name, v in vars(m).items():
+            if name in _MODULE_ATTRIBUTES:
+                continue
+            if _plain(v):
+                values.append((f"{path}.{name}".lstrip("."), v))
+            elif _holds_values(v) and id(v) not in seen:
+                seen.add(id(v))
+                values.extend((f"{path}.{name}.{k}".lstrip("."), x) for k, x in vars(v).items() if _plain(x))
+    return tuple(flags), tuple(values)
+
+
+def _plain(value) -> bool:
+    """Whether ``value`` is a number, flag, string or ``None``, or a tuple of them."""
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(x, _PLAIN) for x in value))
+
+
+def _holds_values(value) -> bool:
+    """Whether ``value`` is an object whose attributes a forward may read as settings (not a
+    module, tensor, class or function)."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+        and not callable(value)
+    )
+
+
+def setting_changes(before: tuple, after: tuple) -> list[tuple[str, object, object]]:
+    """The plain values (:func:`modes`) that differ between two keys' modes, set, changed or
+    gone, as ``(name, old, new)`` (``None`` where there is none)."""
+    old, new = dict(before[1][1]), dict(after[1][1])
+    return [
+        (name, old.get(name), new.get(name))
+        for name in old.keys() | new.keys()
+        if (name in old) != (name in new) or (old[name] is not new[name] and old[name] != new[name])
+    ]
+
+
+def changed_settings(before: tuple, after: tuple) -> str:
+    """:func:`setting_changes` as ``name: old -> new``."""
+    return ", ".join(
+        f"{name}: {was!r} -> {now!r}" for name, was, now in sorted(setting_changes(before, after), key=lambda c: c[0])
+    )
