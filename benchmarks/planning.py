@@ -232,6 +232,7 @@ def relower_worker(models: list[str], out: str) -> None:
     """On each rank (under torchrun): compile each example for its batch, then time the first
     call with half that batch (capture on fake tensors, the plan checked to fit, lowering, one
     step) less a second call with it (the step alone)."""
+    import torch
     import torch.distributed as dist
     from autopar.examples import make_example
 
@@ -240,6 +241,7 @@ def relower_worker(models: list[str], out: str) -> None:
     dist.init_process_group("gloo")
     rows = []
     for name in models:
+        torch.manual_seed(0)  # every rank passes the same batch
         model, inputs = make_example(name)
         dist.barrier()
         started = time.perf_counter()
