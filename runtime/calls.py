@@ -3,6 +3,7 @@ which the ranks compare, and the model's settings, which the captured graph bake
 program cached for a call is keyed by."""
 
 import torch
+from torch.nn.modules import module as nn_module
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -27,16 +28,28 @@ _MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))
 """What every module holds (its training flag, hook tables): not settings of the model."""
 
 
+HOOKS = " hooks"
+"""The end of the name under which :func:`modes` lists a module's hooks."""
+
+
 def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
     """What the captured graph bakes in beside the inputs' sizes: the training flag of every
     module (eval mode of some modules, frozen batch norm, changes the graph as eval mode of the
     whole model does), and every plain value (number, flag, string, a tuple of them) a module
     holds, or an object a module holds does (a Hugging Face config), by name: the forward reads
     them as constants (a temperature a schedule anneals, a drop rate), so a change captures the
-    model again, as ``torch.compile``'s guards recompile it."""
+    model again, as ``torch.compile``'s guards recompile it. So does a change of the hooks of a
+    module (``"<module> hooks"``) or of every module (``"global hooks"``): forward hooks are
+    traced into the graph, backward hooks are refused by the capture."""
     flags, values, seen = [], [], set()
+    hooks = _hooks(vars(nn_module), "_global_")
+    if hooks:
+        values.append(("global" + HOOKS, hooks))
     for path, m in model.named_modules():
         flags.append(m.training)
+        hooks = _hooks(vars(m), "_")
+        if hooks:
+            values.append(((path or type(model).__name__) + HOOKS, hooks))
         for name, v in vars(m).items():
             if name in _MODULE_ATTRIBUTES:
                 continue
@@ -46,6 +59,15 @@ def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, ob
                 seen.add(id(v))
                 values.extend((f"{path}.{name}.{k}".lstrip("."), x) for k, x in vars(v).items() if _plain(x))
     return tuple(flags), tuple(values)
+
+
+def _hooks(table: dict, prefix: str) -> tuple[int, ...]:
+    """The ids of the forward and backward hooks (pre and post) in ``table``'s hook dicts."""
+    return tuple(
+        key
+        for kind in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+        for key in table[prefix + kind]
+    )
 
 
 def _plain(value) -> bool:
@@ -78,4 +100,16 @@ def changed_settings(before: tuple, after: tuple) -> str:
     """:func:`setting_changes` as ``name: old -> new``."""
     return ", ".join(
         f"{name}: {was!r} -> {now!r}" for name, was, now in sorted(setting_changes(before, after), key=lambda c: c[0])
+    )
+
+
+def settings_apart(everyone: list[tuple[tuple[str, object], ...]]) -> str:
+    """The plain values (:func:`modes`) that differ between ranks, given every rank's, as
+    ``name: value on rank 0, value on rank 1, ...``."""
+    tables = [dict(values) for values in everyone]
+    names = sorted({name for table in tables for name in table})
+    return "; ".join(
+        f"{name}: {', '.join(repr(t.get(name)) for t in tables)}"
+        for name in names
+        if any(t.get(name) != tables[0].get(name) for t in tables)
     )

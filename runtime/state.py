@@ -120,6 +120,17 @@ def distribute(whole: torch.Tensor, piece: torch.Tensor, device_mesh: DeviceMesh
     return _on_its_device(piece, device_mesh, placements, whole.shape, torch.empty(whole.shape, device="meta").stride())
 
 
+def with_hooks_of(old: torch.Tensor, new: torch.nn.Parameter) -> torch.nn.Parameter:
+    """``new`` holding the gradient hooks the user registered on ``old`` (``register_hook``,
+    ``register_post_accumulate_grad_hook``): the same tables, so that their handles still
+    remove them. They are called with ``new``'s gradients, DTensors laid out as it is."""
+    if old._backward_hooks:
+        new._backward_hooks = old._backward_hooks
+    if old._post_accumulate_grad_hooks:
+        new._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
+    return new
+
+
 def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> None:
     """Put ``pieces[id(t)]`` wherever ``module`` (or a submodule, tied weights included) holds
     parameter or buffer ``t``; parameters become parameters again, keeping ``requires_grad``.
@@ -133,7 +144,9 @@ def distribute_state(module: torch.nn.Module, pieces: Mapping[int, DTensor]) -> 
                     continue
                 if id(old) not in replaced:
                     new = pieces[id(old)]
-                    replaced[id(old)] = torch.nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
+                    if is_param:
+                        new = with_hooks_of(old, torch.nn.Parameter(new, requires_grad=old.requires_grad))
+                    replaced[id(old)] = new
                 table[name] = replaced[id(old)]
     _repoint_optimizers(replaced)
     if not _handler_registered:
@@ -266,7 +279,7 @@ def materialise(
             if id(t) not in whole:
                 made = torch.empty(t.shape, dtype=t.dtype, device=device)
                 whole[id(t)] = (
-                    torch.nn.Parameter(made, requires_grad=t.requires_grad)
+                    with_hooks_of(t, torch.nn.Parameter(made, requires_grad=t.requires_grad))
                     if isinstance(t, torch.nn.Parameter)
                     else made
                 )

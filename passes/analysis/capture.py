@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from autopar.passes.analysis.hooks import refuse_backward_hooks, refusing_custom_backwards, warn_of_forward_hooks
 from torch import fx
 from torch._decomp import get_decompositions
 from torch._functorch._aot_autograd.descriptors import (
@@ -191,10 +192,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
     names = _input_names(model, len(example_inputs))
     started = time.perf_counter()
     model, example_inputs = _off_meta(model, tuple(example_inputs))
+    refuse_backward_hooks(model)
+    warn_of_forward_hooks(model)
     hook = model.register_forward_hook(_check_outputs)
     traced = model if param_dtype is None else _ComputeIn(model, param_dtype)
     try:
-        exported = torch.export.export(traced, tuple(example_inputs), strict=False)
+        with refusing_custom_backwards(model):
+            exported = torch.export.export(traced, tuple(example_inputs), strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # torch.export raises many unrelated exception types

@@ -154,3 +154,58 @@ def test_batch_norm_keeps_its_parameters_dtype_under_a_compute_dtype():
     norms = [n for n in captured.graph.graph.nodes if "batch_norm_legit" in str(n.target)]
     assert norms and all(n.args[1].meta["val"].dtype == torch.float32 for n in norms)
     assert all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in norms)
+
+
+class _HalvedGradient(torch.autograd.Function):
+    """The identity, whose backward halves the gradient: a backward the forward's ops do not make."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class _Hooked(nn.Module):
+    """A linear layer whose output's gradient the forward changes, by ``how``."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.layer, self.how = nn.Linear(4, 4), how
+
+    def forward(self, x):
+        h = self.layer(x)
+        if self.how == "function":
+            h = _HalvedGradient.apply(h)
+        elif self.how == "tensor hook":
+            h.register_hook(lambda g: g * 0.5)
+        return h.sum()
+
+
+@pytest.mark.parametrize(
+    "how, named",
+    [
+        ("function", "torch.autograd.Function tests.passes.test_capture._HalvedGradient"),
+        ("tensor hook", "gradient hooks on tensors it makes"),
+        ("module hook", "backward hooks are registered on layer"),
+    ],
+)
+def test_gradients_changed_outside_the_forwards_ops_are_refused_by_name(how, named):
+    model = _Hooked(how)
+    if how == "module hook":
+        model.layer.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+    apply, register_hook = torch.autograd.Function.__dict__["apply"], torch.Tensor.register_hook
+    with pytest.raises(autopar.CaptureError) as info:
+        capture(model, (torch.randn(2, 4),))
+    assert named in str(info.value) and "register_autograd" in str(info.value)
+    assert torch.autograd.Function.__dict__["apply"] is apply and torch.Tensor.register_hook is register_hook
+
+
+def test_forward_hooks_are_traced_in_and_said_not_to_be_called_at_each_step(caplog):
+    model = _Hooked("none")
+    model.layer.register_forward_hook(lambda m, args, out: out * 2.0)
+    captured = capture(model, (torch.randn(2, 4),))
+    assert any(n.target == torch.ops.aten.mul.Tensor for n in captured.graph.graph.nodes)
+    assert "forward hooks of layer run while the model is captured" in caplog.text

@@ -126,3 +126,44 @@ def test_a_setting_the_forward_reads_captures_the_model_again_when_it_changes(pi
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
         assert r["programs"] == 3, "one program per temperature"
         assert "temperature" in r["refused"] and "register_buffer" in r["refused"], r["refused"]
+
+
+def hooks_and_settings_of_one_rank() -> dict:
+    """A temperature set on rank 1 alone after the first call, whose graph then differs from rank
+    0's: refused at the next checked call, on both ranks. Then, with the temperature set back, a
+    gradient hook on a parameter registered before compiling and a forward hook registered after:
+    one device's loss and gradients."""
+    torch.manual_seed(0)
+    model, x = _Tempered(), torch.randn(8, 8)
+    reference = _Tempered()
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):
+        m.layers[0].weight.register_hook(lambda g: g * 0.5)
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), (x,), hardware=SYNTHETIC)
+    pmodel(x)
+    if dist.get_rank() == 1:
+        pmodel.module.temperature = 0.5
+    out = {"refused": "no error"}
+    try:
+        for _ in range(3):  # calls 2 to 4: call 4 compares the graphs run at call 3
+            pmodel(x)
+    except autopar.InputError as exc:
+        out["refused"] = str(exc)
+    pmodel.module.temperature = 1.0
+    for m in (pmodel.module, reference):
+        m.layers[1].register_forward_hook(lambda m, args, out: out * 2.0)
+    pmodel.zero_grad()
+    loss, ref = pmodel(x), reference(x)
+    loss.backward()
+    ref.backward()
+    grad = pmodel.module.layers[0].weight.grad.full_tensor()
+    out.update(loss=float(loss), ref=float(ref), grad=float((grad - reference.layers[0].weight.grad).abs().max()))
+    return out
+
+
+@pytest.mark.slow
+def test_a_setting_changed_on_one_rank_is_refused_and_hooks_are_kept():
+    for r in run_ranks(2, hooks_and_settings_of_one_rank):
+        assert "programs of different graphs" in r["refused"] and "temperature: 1.0, 0.5" in r["refused"], r["refused"]
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
+        assert r["grad"] < 1e-6

@@ -1,0 +1,114 @@
+"""What the capture cannot keep of a model's own backward, refused by name instead of dropped.
+
+``torch.export`` records the forward's aten ops, and AOT autograd derives the backward from
+their derivatives. Anything that changes a gradient from outside those ops would be lost without
+a word, training on other gradients than one device's:
+
+- a module's backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
+  the old ``register_backward_hook``, and their global forms);
+- a gradient hook that the forward puts on a tensor it makes (``h.register_hook(fn)``);
+- the ``backward`` of a ``torch.autograd.Function`` the forward applies: its forward's ops are
+  traced and differentiated, its own backward never runs (a custom op's backward registered
+  with ``torch.library.register_autograd`` is kept: the op stays in the graph).
+
+The first are found on the modules before tracing; the others are watched for while the forward
+is traced. Gradient hooks on parameters (registered outside the forward) are kept: they fire on
+the parameters' DTensor gradients (:func:`autopar.runtime.state.distribute_state` carries them
+to the parameters it makes). Forward hooks are traced into the graph: what they return is
+computed at every step, but they are not called then.
+"""
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from autopar.core.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+_FIX = (
+    "Fix: write the gradient as an op torch.export keeps, a torch.library.custom_op with its backward registered "
+    "by register_autograd, or change the gradients after backward() (parameters' .grad, or p.register_hook on a "
+    "parameter, which autopar keeps)"
+)
+
+_KEPT = "torch._library."
+"""Where torch makes the Functions of custom ops' registered backwards (``register_autograd``):
+the op stays in the graph, and AOT autograd differentiates it by that backward."""
+
+
+def _hooked(model: torch.nn.Module, kind: str) -> list[str]:
+    """The modules of ``model`` with ``kind`` hooks (``"forward"`` or ``"backward"``, pre and
+    post), by qualified name, and ``"(global)"`` for hooks registered on every module."""
+    found = [
+        path or type(model).__name__
+        for path, m in model.named_modules()
+        if getattr(m, f"_{kind}_hooks") or getattr(m, f"_{kind}_pre_hooks")
+    ]
+    if getattr(nn_module, f"_global_{kind}_hooks") or getattr(nn_module, f"_global_{kind}_pre_hooks"):
+        found.append("(global)")
+    return found
+
+
+def refuse_backward_hooks(model: torch.nn.Module) -> None:
+    """Refuse a model with module backward hooks, naming the modules."""
+    hooked = _hooked(model, "backward")
+    if hooked:
+        raise CaptureError(
+            f"backward hooks are registered on {', '.join(hooked)}: the captured graph differentiates the forward's "
+            f"ops and would never call them, training on other gradients than one device's. {_FIX}"
+        )
+
+
+def warn_of_forward_hooks(model: torch.nn.Module) -> None:
+    """Say which modules' forward hooks the trace runs once, on fake tensors, and the steps
+    never call (an activation logger records nothing), though what they return is computed."""
+    hooked = _hooked(model, "forward")
+    if hooked:
+        log.warning(
+            "forward hooks of %s run while the model is captured, on fake tensors: what they return is computed at "
+            "every step, but they are not called then",
+            ", ".join(hooked),
+        )
+
+
+@contextlib.contextmanager
+def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
+    """Trace inside: afterwards, refuse the ``torch.autograd.Function``s the forward applied and
+    the gradient hooks it registered on its tensors, by name (once the trace has ended, so that a
+    forward that catches errors cannot hide them)."""
+    functions: dict[str, None] = {}
+    hooks: list[str] = []
+    original = torch.autograd.Function.__dict__["apply"]
+    apply = original.__func__
+    register_hook = torch.Tensor.register_hook
+
+    def watched_apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith(_KEPT):
+            functions[f"{cls.__module__}.{cls.__qualname__}"] = None
+        return apply(cls, *args, **kwargs)
+
+    def watched_register_hook(self, hook):
+        hooks.append(getattr(hook, "__qualname__", type(hook).__name__))
+        return register_hook(self, hook)
+
+    torch.autograd.Function.apply = classmethod(watched_apply)
+    torch.Tensor.register_hook = watched_register_hook
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+        torch.Tensor.register_hook = register_hook
+    if functions:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward applies torch.autograd.Function {', '.join(functions)}: the captured "
+            "graph differentiates the ops of its forward, and its own backward would never run. " + _FIX
+        )
+    if hooks:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward registers gradient hooks on tensors it makes ({', '.join(hooks)}): the "
+            "captured graph differentiates the forward's ops and would never call them. " + _FIX
+        )
