@@ -39,6 +39,9 @@ _KEPT = "torch._library."
 """Where torch makes the Functions of custom ops' registered backwards (``register_autograd``):
 the op stays in the graph, and AOT autograd differentiates it by that backward."""
 
+_REENTRANT = "torch.utils.checkpoint.CheckpointFunction"
+"""``torch.utils.checkpoint``'s Function under ``use_reentrant=True``."""
+
 
 def _hooked(model: torch.nn.Module, kind: str) -> list[str]:
     """The modules of ``model`` with ``kind`` hooks (``"forward"`` or ``"backward"``, pre and
@@ -102,6 +105,13 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
     finally:
         torch.autograd.Function.apply = original
         torch.Tensor.register_hook = register_hook
+    if _REENTRANT in functions:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward checkpoints activations with use_reentrant=True, whose "
+            "torch.autograd.Function the capture cannot differentiate. Fix: checkpoint with use_reentrant=False "
+            "(Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), "
+            "or leave recomputation to autopar's plan (memory_budget=)"
+        )
     if functions:
         raise CaptureError(
             f"{type(model).__name__}'s forward applies torch.autograd.Function {', '.join(functions)}: the captured "

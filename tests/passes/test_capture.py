@@ -209,3 +209,20 @@ def test_forward_hooks_are_traced_in_and_said_not_to_be_called_at_each_step(capl
     captured = capture(model, (torch.randn(2, 4),))
     assert any(n.target == torch.ops.aten.mul.Tensor for n in captured.graph.graph.nodes)
     assert "forward hooks of layer run while the model is captured" in caplog.text
+
+
+@pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
+)
+def test_hugging_face_gradient_checkpointing_is_captured_unless_reentrant():
+    from autopar.examples.hf import zoo
+
+    make = zoo()["llama"]
+    for reentrant in (False, True):
+        model, inputs = make()
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if not reentrant:
+            assert len(capture(model, inputs).graded) == sum(1 for _ in model.parameters())
+            continue
+        with pytest.raises(autopar.CaptureError, match="use_reentrant=True.*Fix: checkpoint with use_reentrant=False"):
+            capture(model, inputs)
