@@ -321,11 +321,20 @@ def refuse_autocast() -> None:
 
 
 def check_tensors(inputs: tuple) -> None:
-    """Refuse inputs other than tensors: the program takes tensors only."""
+    """Refuse inputs other than tensors, and, with gradients on, inputs that require a gradient:
+    the program takes tensors only, and makes the parameters' gradients only."""
     bad = [f"argument {i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
     if bad:
         raise InputError(
             f"the compiled model takes tensors: {'; '.join(bad)}. Fix: pass each input as a tensor "
             "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
             "or module attributes before autopar.compile"
+        )
+    wanted = [str(i) for i, x in enumerate(inputs) if x.requires_grad]
+    if wanted and torch.is_grad_enabled():
+        raise InputError(
+            f"argument{'s' if len(wanted) > 1 else ''} {', '.join(wanted)} of the compiled model require"
+            f"{'' if len(wanted) > 1 else 's'} a gradient, which its program does not make: that gradient, and those "
+            "of whatever made the input, would stay None where one device's hold them. Fix: pass "
+            "x.detach(), or compile the modules that make the input with the model (an embedding outside it)"
         )

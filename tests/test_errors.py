@@ -85,6 +85,14 @@ def test_non_tensor_inputs_are_refused_before_tracing():
         autopar.plan(MLP(16, 32), Mesh((2,)), (torch.randn(8, 16), 3))
 
 
+def test_an_input_that_requires_a_gradient_is_refused(fake_world):
+    fake_world(2)
+    pmodel = autopar.compile(MLP(16, 32), Mesh((2,)), hardware=FLOP_EQ_BYTE)  # planned at its first call
+    x, y = _inputs()
+    with pytest.raises(autopar.InputError, match=r"argument 0 of the compiled model requires a gradient.*x.detach\(\)"):
+        pmodel(x.requires_grad_(), y)
+
+
 def test_plan_for_another_model_is_refused(fake_world):
     fake_world(2)
     plan = autopar.plan(MLP(16, 32), Mesh((2,)), _inputs(), hardware=FLOP_EQ_BYTE)
