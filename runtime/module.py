@@ -49,6 +49,7 @@ from autopar.runtime.state import (
     whole_fake_state,
     whole_of,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_unflatten
 
@@ -610,9 +611,18 @@ class ParallelModule(torch.nn.Module):
                 if k.kind in ("param", "buffer"):
                     owner, _, attr = k.name.rpartition(".")
                     module = self.module.get_submodule(owner)
-                    slots.append((module._parameters if k.kind == "param" else module._buffers, attr))
+                    slots.append((module._parameters if k.kind == "param" else module._buffers, attr, k.name))
             self._state_slots = (self._captured, slots)
-        return [table[attr] for table, attr in self._state_slots[1]]
+        state = [table[attr] for table, attr, _ in self._state_slots[1]]
+        replaced = [name for x, (_, _, name) in zip(state, self._state_slots[1]) if not isinstance(x, DTensor)]
+        if replaced:
+            raise InputError(
+                f"{', '.join(replaced)} {'were' if len(replaced) > 1 else 'was'} replaced after compiling by a tensor "
+                "that is not the plan's DTensor. Fix: copy the new values into the compiled module's own "
+                "(pmodel.load_state_dict(whole_state_dict), or with torch.no_grad(): p.copy_(distribute_tensor(new, "
+                "p.device_mesh, p.placements))), or compile the changed model again"
+            )
+        return state
 
     def _local_inputs(self, inputs: tuple) -> list[torch.Tensor]:
         return [

@@ -132,7 +132,7 @@ def hooks_and_settings_of_one_rank() -> dict:
     """A temperature set on rank 1 alone after the first call, whose graph then differs from rank
     0's: refused at the next checked call, on both ranks. Then, with the temperature set back, a
     gradient hook on a parameter registered before compiling and a forward hook registered after:
-    one device's loss and gradients."""
+    one device's loss and gradients. Last, a parameter replaced by a plain one: refused."""
     torch.manual_seed(0)
     model, x = _Tempered(), torch.randn(8, 8)
     reference = _Tempered()
@@ -158,12 +158,19 @@ def hooks_and_settings_of_one_rank() -> dict:
     ref.backward()
     grad = pmodel.module.layers[0].weight.grad.full_tensor()
     out.update(loss=float(loss), ref=float(ref), grad=float((grad - reference.layers[0].weight.grad).abs().max()))
+    pmodel.module.layers[1].weight = torch.nn.Parameter(torch.zeros(8, 8))
+    try:
+        pmodel(x)
+        out["replaced"] = "no error"
+    except autopar.InputError as exc:
+        out["replaced"] = str(exc)
     return out
 
 
 @pytest.mark.slow
-def test_a_setting_changed_on_one_rank_is_refused_and_hooks_are_kept():
+def test_a_setting_changed_on_one_rank_or_a_replaced_parameter_is_refused_and_hooks_are_kept():
     for r in run_ranks(2, hooks_and_settings_of_one_rank):
         assert "programs of different graphs" in r["refused"] and "temperature: 1.0, 0.5" in r["refused"], r["refused"]
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
         assert r["grad"] < 1e-6
+        assert "layers.1.weight was replaced after compiling" in r["replaced"], r["replaced"]
