@@ -35,18 +35,21 @@ HOOKS = " hooks"
 def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
     """What the captured graph bakes in beside the inputs' sizes: the training flag of every
     module (eval mode of some modules, frozen batch norm, changes the graph as eval mode of the
-    whole model does), and every plain value (number, flag, string, a tuple of them) a module
-    holds, or an object a module holds does (a Hugging Face config), by name: the forward reads
-    them as constants (a temperature a schedule anneals, a drop rate), so a change captures the
-    model again, as ``torch.compile``'s guards recompile it. So does a change of the hooks of a
-    module (``"<module> hooks"``) or of every module (``"global hooks"``): forward hooks are
-    traced into the graph, backward hooks are refused by the capture."""
+    whole model does) and whether each of its parameters requires a gradient (one unfrozen after
+    compiling needs a graph that makes its gradient), and every plain value (number, flag,
+    string, a tuple of them) a module holds, or an object a module holds does (a Hugging Face
+    config), by name: the forward reads them as constants (a temperature a schedule anneals, a
+    drop rate), so a change captures the model again, as ``torch.compile``'s guards recompile
+    it. So does a change of the hooks of a module (``"<module> hooks"``) or of every module
+    (``"global hooks"``): forward hooks are traced into the graph, backward hooks are refused by
+    the capture."""
     flags, values, seen = [], [], set()
     hooks = _hooks(vars(nn_module), "_global_")
     if hooks:
         values.append(("global" + HOOKS, hooks))
     for path, m in model.named_modules():
         flags.append(m.training)
+        flags.extend(p.requires_grad for p in m._parameters.values() if p is not None)
         hooks = _hooks(vars(m), "_")
         if hooks:
             values.append(((path or type(model).__name__) + HOOKS, hooks))
