@@ -3,6 +3,7 @@ which the ranks compare, and the model's settings, which the captured graph bake
 program cached for a call is keyed by."""
 
 import torch
+from autopar.passes.analysis.hooks import is_torchs
 from torch.nn.modules import module as nn_module
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -64,13 +65,30 @@ def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, ob
     return tuple(flags), tuple(values)
 
 
-def _hooks(table: dict, prefix: str) -> tuple[int, ...]:
-    """The ids of the forward and backward hooks (pre and post) in ``table``'s hook dicts."""
+def _hooks(table: dict, prefix: str) -> tuple[str, ...]:
+    """The forward and backward hooks (pre and post) in ``table``'s hook dicts, but torch's own
+    instrumentation, each as what it computes (:func:`_hook`)."""
     return tuple(
-        key
+        _hook(hook)
         for kind in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
-        for key in table[prefix + kind]
+        for hook in table[prefix + kind].values()
+        if not is_torchs(hook)
     )
+
+
+def _hook(hook) -> str:
+    """A hook as its function's name and place and the plain values it closes over, reads from its
+    module's globals or holds: equal for a hook registered again each step, unequal for one that
+    would compute otherwise."""
+    function = getattr(hook, "__func__", hook)
+    code = getattr(function, "__code__", None)
+    where = f"{code.co_filename.rpartition('/')[2]}:{code.co_firstlineno}" if code else type(hook).__qualname__
+    cells = [c.cell_contents for c in getattr(function, "__closure__", None) or ()]
+    read = [function.__globals__[n] for n in code.co_names if n in function.__globals__] if code else []
+    held = list(vars(hook).values()) if not code and hasattr(hook, "__dict__") else []
+    plain = tuple(v for v in cells + read + held if _plain(v))
+    name = getattr(function, "__qualname__", type(hook).__qualname__)
+    return f"{name} at {where}" + (f" with {plain}" if plain else "")
 
 
 def _plain(value) -> bool:

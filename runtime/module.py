@@ -205,6 +205,13 @@ class ParallelModule(torch.nn.Module):
         inside, and the last one's outside; ``pmodel.zero_grad()`` drops sums of an abandoned
         round."""
         _refuse_unsynced_steps(self)
+        hooked = [name for name, p in self.named_parameters() if p._backward_hooks or p._post_accumulate_grad_hooks]
+        if hooked:
+            raise InputError(
+                f"parameters {', '.join(hooked)} carry gradient hooks, which under no_sync() would be called once, on "
+                "the sum of the micro-batches' gradients, where one device calls them at each backward. Fix: "
+                "accumulate without no_sync() (each backward then reduces its gradients), or remove the hooks"
+            )
         previous, self._sync = self._sync, False
         try:
             yield
@@ -484,7 +491,8 @@ class ParallelModule(torch.nn.Module):
         each rank's piece out of it, so ranks loading their own data (DDP's
         ``DistributedSampler``) would train on pieces of different batches, or lower programs of
         other sizes; a setting changed on some ranks only (a module's attribute) changes their
-        graph alone. One all-reduce of the running graph's fingerprint, the sizes and two
+        graph alone (found at the next checked call, which compares the graphs the call before
+        ran: up to twice as many calls later). One all-reduce of that graph's fingerprint, the sizes and two
         integer sums of each input's bits, the second weighted by position, and a wait for the
         device: made at the calls numbered by powers of two (1, 2, 4, ...), which every rank
         counts alike, so that a loader's first batch is checked and a long run pays next to

@@ -6,7 +6,7 @@ a word, training on other gradients than one device's:
 
 - a module's backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
   the old ``register_backward_hook``, and their global forms);
-- a gradient hook that the forward puts on a tensor it makes (``h.register_hook(fn)``);
+- a gradient hook that the forward puts on a tensor (``h.register_hook(fn)``);
 - the ``backward`` of a ``torch.autograd.Function`` the forward applies: its forward's ops are
   traced and differentiated, its own backward never runs (a custom op's backward registered
   with ``torch.library.register_autograd`` is kept: the op stays in the graph).
@@ -14,12 +14,14 @@ a word, training on other gradients than one device's:
 The first are found on the modules before tracing; the others are watched for while the forward
 is traced. Gradient hooks on parameters (registered outside the forward) are kept: they fire on
 the parameters' DTensor gradients (:func:`autopar.runtime.state.distribute_state` carries them
-to the parameters it makes). Forward hooks are traced into the graph: what they return is
-computed at every step, but they are not called then.
+to the parameters it makes), and are refused under ``no_sync()``, which would call them once for
+the micro-batches' sum. Forward hooks are traced into the graph: what they return is computed at
+every step, but they are not called then. Torch's own instrumentation (``MemTracker``) is let be.
 """
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -43,15 +45,24 @@ _REENTRANT = "torch.utils.checkpoint.CheckpointFunction"
 """``torch.utils.checkpoint``'s Function under ``use_reentrant=True``."""
 
 
+def is_torchs(hook) -> bool:
+    """Whether ``hook`` is torch's own instrumentation (``MemTracker``, ``FlopCounterMode``), which
+    measures a step and changes no value."""
+    return (getattr(hook, "__module__", None) or "").startswith("torch.")
+
+
 def _hooked(model: torch.nn.Module, kind: str) -> list[str]:
     """The modules of ``model`` with ``kind`` hooks (``"forward"`` or ``"backward"``, pre and
-    post), by qualified name, and ``"(global)"`` for hooks registered on every module."""
-    found = [
-        path or type(model).__name__
-        for path, m in model.named_modules()
-        if getattr(m, f"_{kind}_hooks") or getattr(m, f"_{kind}_pre_hooks")
-    ]
-    if getattr(nn_module, f"_global_{kind}_hooks") or getattr(nn_module, f"_global_{kind}_pre_hooks"):
+    post) other than torch's own, by qualified name, and ``"(global)"`` for hooks registered on
+    every module."""
+
+    def hooked(table, prefix: str) -> bool:
+        return any(
+            not is_torchs(h) for name in ("_hooks", "_pre_hooks") for h in table[f"{prefix}{kind}{name}"].values()
+        )
+
+    found = [path or type(model).__name__ for path, m in model.named_modules() if hooked(vars(m), "_")]
+    if hooked(vars(nn_module), "_global_"):
         found.append("(global)")
     return found
 
@@ -78,33 +89,48 @@ def warn_of_forward_hooks(model: torch.nn.Module) -> None:
         )
 
 
+_WATCHING = threading.Lock()
+"""One capture watches at a time: the watchers replace process-wide methods."""
+
+
 @contextlib.contextmanager
 def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
-    """Trace inside: afterwards, refuse the ``torch.autograd.Function``s the forward applied and
-    the gradient hooks it registered on its tensors, by name (once the trace has ended, so that a
-    forward that catches errors cannot hide them)."""
+    """Trace inside: afterwards, refuse the ``torch.autograd.Function``s the forward applied (each
+    application makes a backward context, however ``apply`` was reached) and the gradient hooks
+    it registered on tensors, by name (once the trace has ended, so that a forward that catches
+    errors cannot hide them). Only this thread's calls count."""
     functions: dict[str, None] = {}
-    hooks: list[str] = []
-    original = torch.autograd.Function.__dict__["apply"]
-    apply = original.__func__
+    hooks: dict[str, None] = {}
+    contexts = torch.autograd.function.BackwardCFunction
+    own_init = contexts.__dict__.get("__init__")
     register_hook = torch.Tensor.register_hook
+    owner = threading.get_ident()
 
-    def watched_apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith(_KEPT):
+    def watched_init(self, *args, **kwargs):
+        cls = self._forward_cls
+        if threading.get_ident() == owner and not cls.__module__.startswith(_KEPT):
             functions[f"{cls.__module__}.{cls.__qualname__}"] = None
-        return apply(cls, *args, **kwargs)
+        if own_init is None:
+            super(contexts, self).__init__(*args, **kwargs)
+        else:
+            own_init(self, *args, **kwargs)
 
     def watched_register_hook(self, hook):
-        hooks.append(getattr(hook, "__qualname__", type(hook).__name__))
+        if threading.get_ident() == owner and not is_torchs(hook):
+            hooks[getattr(hook, "__qualname__", type(hook).__name__)] = None
         return register_hook(self, hook)
 
-    torch.autograd.Function.apply = classmethod(watched_apply)
-    torch.Tensor.register_hook = watched_register_hook
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
-        torch.Tensor.register_hook = register_hook
+    with _WATCHING:
+        contexts.__init__ = watched_init
+        torch.Tensor.register_hook = watched_register_hook
+        try:
+            yield
+        finally:
+            if own_init is None:
+                del contexts.__init__
+            else:
+                contexts.__init__ = own_init
+            torch.Tensor.register_hook = register_hook
     if _REENTRANT in functions:
         raise CaptureError(
             f"{type(model).__name__}'s forward checkpoints activations with use_reentrant=True, whose "
@@ -119,6 +145,6 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
         )
     if hooks:
         raise CaptureError(
-            f"{type(model).__name__}'s forward registers gradient hooks on tensors it makes ({', '.join(hooks)}): the "
+            f"{type(model).__name__}'s forward registers gradient hooks on tensors ({', '.join(hooks)}): the "
             "captured graph differentiates the forward's ops and would never call them. " + _FIX
         )

@@ -132,8 +132,8 @@ def changes_after_compiling() -> dict:
     """A temperature set on rank 1 alone after the first call, whose graph then differs from rank
     0's: refused at the next checked call, on both ranks. Then, with the temperature set back, a
     gradient hook on a parameter registered before compiling, a forward hook registered after and
-    a layer frozen when compiling unfrozen: one device's loss and gradients. Last, a parameter
-    replaced by a plain one: refused."""
+    a layer frozen when compiling unfrozen: one device's loss and gradients. Last, no_sync() with
+    that gradient hook, and a parameter replaced by a plain one: refused."""
     torch.manual_seed(0)
     model, x = _Tempered(), torch.randn(8, 8)
     reference = _Tempered()
@@ -164,6 +164,12 @@ def changes_after_compiling() -> dict:
         float((p.grad.full_tensor() - q.grad).abs().max())
         for p, q in zip(pmodel.module.parameters(), reference.parameters())
     ]
+    try:
+        with pmodel.no_sync():
+            pmodel(x).backward()
+        out["no_sync"] = "no error"
+    except autopar.InputError as exc:
+        out["no_sync"] = str(exc)
     pmodel.module.layers[1].weight = torch.nn.Parameter(torch.zeros(8, 8))
     try:
         pmodel(x)
@@ -180,3 +186,4 @@ def test_hooks_and_frozen_layers_are_followed_and_a_setting_of_one_rank_or_a_rep
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
         assert len(r["grads"]) == 4 and max(r["grads"]) < 1e-6, r["grads"]
         assert "layers.1.weight was replaced after compiling" in r["replaced"], r["replaced"]
+        assert "layers.0.weight carry gradient hooks" in r["no_sync"], r["no_sync"]
