@@ -2,6 +2,8 @@
 which the ranks compare, and the model's settings, which the captured graph bakes in and the
 program cached for a call is keyed by."""
 
+import functools
+
 import torch
 from autopar.passes.analysis.hooks import is_torchs
 from torch.nn.modules import module as nn_module
@@ -33,11 +35,13 @@ HOOKS = " hooks"
 """The end of the name under which :func:`modes` lists a module's hooks."""
 
 
-def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
+def modes(
+    model: torch.nn.Module, requires_grad: bool = True
+) -> tuple[tuple[bool, ...], tuple[tuple[str, object], ...]]:
     """What the captured graph bakes in beside the inputs' sizes: the training flag of every
     module (eval mode of some modules, frozen batch norm, changes the graph as eval mode of the
-    whole model does) and whether each of its parameters requires a gradient (one unfrozen after
-    compiling needs a graph that makes its gradient), and every plain value (number, flag,
+    whole model does) and, with ``requires_grad``, whether each of its parameters requires a
+    gradient (one unfrozen after compiling needs a graph that makes its gradient), and every plain value (number, flag,
     string, a tuple of them) a module holds, or an object a module holds does (a Hugging Face
     config), by name: the forward reads them as constants (a temperature a schedule anneals, a
     drop rate), so a change captures the model again, as ``torch.compile``'s guards recompile
@@ -50,7 +54,8 @@ def modes(model: torch.nn.Module) -> tuple[tuple[bool, ...], tuple[tuple[str, ob
         values.append(("global" + HOOKS, hooks))
     for path, m in model.named_modules():
         flags.append(m.training)
-        flags.extend(p.requires_grad for p in m._parameters.values() if p is not None)
+        if requires_grad:
+            flags.extend(p.requires_grad for p in m._parameters.values() if p is not None)
         hooks = _hooks(vars(m), "_")
         if hooks:
             values.append(((path or type(model).__name__) + HOOKS, hooks))
@@ -77,18 +82,36 @@ def _hooks(table: dict, prefix: str) -> tuple[str, ...]:
 
 
 def _hook(hook) -> str:
-    """A hook as its function's name and place and the plain values it closes over, reads from its
-    module's globals or holds: equal for a hook registered again each step, unequal for one that
-    would compute otherwise."""
+    """A hook as what it computes: its function's name and place and the values it closes over,
+    reads from its module's globals, takes by default, is bound to or holds (a partial's
+    arguments, an object's attributes), plain values as they are and others by type. Equal for a
+    hook registered again each step, unequal for one that would compute otherwise."""
+    bound = getattr(hook, "__self__", None)
     function = getattr(hook, "__func__", hook)
+    if isinstance(function, functools.partial):
+        held = [*function.args, *function.keywords.values()]
+        function = function.func
+    else:
+        held = list(vars(bound).values()) if hasattr(bound, "__dict__") else []
     code = getattr(function, "__code__", None)
-    where = f"{code.co_filename.rpartition('/')[2]}:{code.co_firstlineno}" if code else type(hook).__qualname__
-    cells = [c.cell_contents for c in getattr(function, "__closure__", None) or ()]
-    read = [function.__globals__[n] for n in code.co_names if n in function.__globals__] if code else []
-    held = list(vars(hook).values()) if not code and hasattr(hook, "__dict__") else []
-    plain = tuple(v for v in cells + read + held if _plain(v))
+    if code is None:  # a callable object
+        where, held = type(hook).__qualname__, held + (list(vars(hook).values()) if hasattr(hook, "__dict__") else [])
+    else:
+        where = f"{code.co_filename.rpartition('/')[2]}:{code.co_firstlineno}"
+        held += [_cell(c) for c in getattr(function, "__closure__", None) or ()]
+        held += [function.__globals__[n] for n in code.co_names if n in function.__globals__]
+        held += [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
+    values = tuple(v if _plain(v) else type(v).__qualname__ for v in held if not callable(v) or _plain(v))
     name = getattr(function, "__qualname__", type(hook).__qualname__)
-    return f"{name} at {where}" + (f" with {plain}" if plain else "")
+    return f"{name} at {where}" + (f" with {values}" if values else "")
+
+
+def _cell(cell) -> object:
+    """A closure cell's value (``None`` for one never assigned)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def _plain(value) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from autopar.passes.analysis.capture import Captured, InputKind, capture
+from autopar.passes.analysis.hooks import has_gradient_hooks
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
 from autopar.runtime.calls import (
@@ -36,6 +37,7 @@ from autopar.runtime.program import (
     lower,
     named_timeouts,
     refuse_autocast,
+    refuse_input_gradients,
 )
 from autopar.runtime.state import (
     ParameterCounts,
@@ -169,6 +171,8 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *inputs):
         refuse_autocast()
+        check_tensors(inputs)
+        refuse_input_gradients(inputs)
         if not self._built:
             self._build(inputs, first_call=True)
             self._check_same_inputs(inputs)
@@ -205,7 +209,7 @@ class ParallelModule(torch.nn.Module):
         inside, and the last one's outside; ``pmodel.zero_grad()`` drops sums of an abandoned
         round."""
         _refuse_unsynced_steps(self)
-        hooked = [name for name, p in self.named_parameters() if p._backward_hooks or p._post_accumulate_grad_hooks]
+        hooked = [name for name, p in self.module.named_parameters() if has_gradient_hooks(p)]
         if hooked:
             raise InputError(
                 f"parameters {', '.join(hooked)} carry gradient hooks, which under no_sync() would be called once, on "
@@ -379,10 +383,10 @@ class ParallelModule(torch.nn.Module):
             time.perf_counter() - started,
         )
 
-    def _modes_now(self) -> tuple:
+    def _modes_now(self, requires_grad: bool = True) -> tuple:
         """The model's modes and settings now (:func:`~autopar.runtime.calls.modes`), less the settings found not to
         change its graph."""
-        flags, values = modes(self.module)
+        flags, values = modes(self.module, requires_grad)
         return flags, tuple(v for v in values if v[0] not in self._ignored)
 
     def _running_graph_hash(self) -> str:
@@ -402,8 +406,15 @@ class ParallelModule(torch.nn.Module):
             return False
         if any(n.op == "get_attr" for n in captured.graph.graph.nodes):
             return False
+        changes = [name for name, _, _ in setting_changes(self._key, key)]
         # a hook that changes nothing now may be joined by one that does: hooks are never ignored
-        self._ignored.update(name for name, _, _ in setting_changes(self._key, key) if not name.endswith(HOOKS))
+        self._ignored.update(name for name in changes if not name.endswith(HOOKS))
+        if any(name.endswith(HOOKS) for name in changes):
+            log.warning(
+                "%s changed, so the model was captured again: its graph did not change. A hook whose values change "
+                "each step (one reading a step count) captures each step; register hooks that compute alike",
+                ", ".join(name for name in changes if name.endswith(HOOKS)),
+            )
         return True
 
     def _count_settings_capture(self, key: tuple) -> str:
@@ -523,8 +534,10 @@ class ParallelModule(torch.nn.Module):
         if not bool(agree[0]):
             everyone: list = [None] * dist.get_world_size(self._world)
             with named_timeouts(self._timeout_s, "check that the ranks' settings agree"):
-                dist.all_gather_object(everyone, modes(self.module)[1], group=self._world)
-            apart = settings_apart(everyone)
+                dist.all_gather_object(everyone, self._modes_now(), group=self._world)
+            apart = settings_apart([values for _, values in everyone])
+            if not apart and any(flags != everyone[0][0] for flags, _ in everyone):
+                apart = "the modules' training modes or the parameters' requires_grad"
             raise InputError(
                 "the ranks run programs of different graphs, "
                 + (
@@ -621,12 +634,12 @@ class ParallelModule(torch.nn.Module):
                     module = self.module.get_submodule(owner)
                     slots.append((module._parameters if k.kind == "param" else module._buffers, attr, k.name))
             self._state_slots = (self._captured, slots)
-        state = [table[attr] for table, attr, _ in self._state_slots[1]]
+        state = [table.get(attr) for table, attr, _ in self._state_slots[1]]
         replaced = [name for x, (_, _, name) in zip(state, self._state_slots[1]) if not isinstance(x, DTensor)]
         if replaced:
             raise InputError(
-                f"{', '.join(replaced)} {'were' if len(replaced) > 1 else 'was'} replaced after compiling by a tensor "
-                "that is not the plan's DTensor. Fix: copy the new values into the compiled module's own "
+                f"{', '.join(replaced)} {'were' if len(replaced) > 1 else 'was'} replaced or removed after compiling "
+                "(the plan's DTensor is gone). Fix: copy the new values into the compiled module's own "
                 "(pmodel.load_state_dict(whole_state_dict), or with torch.no_grad(): p.copy_(distribute_tensor(new, "
                 "p.device_mesh, p.placements))), or compile the changed model again"
             )

@@ -321,8 +321,7 @@ def refuse_autocast() -> None:
 
 
 def check_tensors(inputs: tuple) -> None:
-    """Refuse inputs other than tensors, and, with gradients on, inputs that require a gradient:
-    the program takes tensors only, and makes the parameters' gradients only."""
+    """Refuse inputs other than tensors: the program takes tensors only."""
     bad = [f"argument {i} is a {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
     if bad:
         raise InputError(
@@ -330,6 +329,11 @@ def check_tensors(inputs: tuple) -> None:
             "(torch.tensor(...) or torch.stack(...)), and bind other arguments with functools.partial "
             "or module attributes before autopar.compile"
         )
+
+
+def refuse_input_gradients(inputs: tuple) -> None:
+    """Refuse, with gradients on, a call's inputs that require a gradient: the program makes the
+    parameters' gradients only."""
     wanted = [str(i) for i, x in enumerate(inputs) if x.requires_grad]
     if wanted and torch.is_grad_enabled():
         raise InputError(

@@ -30,7 +30,7 @@ from autopar.runtime.module import (
     _refuse_split_pins_of_parts,
 )
 from autopar.runtime.pipeline import StageRunner
-from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast
+from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast, refuse_input_gradients
 from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release, whole_fake_state
 from torch.distributed.tensor import DTensor
 
@@ -64,6 +64,8 @@ class PipelinedModule(ParallelModule):
         self._elsewhere: list[tuple[dict, str, torch.Tensor]] = []
         """The tables, names and whole-shape meta stand-ins of the tensors only other ranks'
         stages hold (:meth:`_drop_other_stages`)."""
+        self._frozen: set[str] | None = None
+        """The parameters that required no gradient when the stages were lowered."""
         super().__init__(model, mesh, **options)
 
     # building ----------------------------------------------------------------------------
@@ -248,12 +250,30 @@ class PipelinedModule(ParallelModule):
 
     # running -----------------------------------------------------------------------------
 
+    def _modes_now(self, requires_grad: bool = True) -> tuple:
+        """Under stages, less the parameters' ``requires_grad`` flags, which ranks holding other
+        stages cannot see: a change after compiling is refused instead."""
+        if self._plan is None or self._plan.stages is None:
+            return super()._modes_now(requires_grad)
+        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+        if self._frozen is None:
+            self._frozen = frozen
+        elif frozen != (was := self._frozen & {name for name, _ in self.module.named_parameters()}):
+            raise InputError(
+                f"parameters {', '.join(sorted(frozen ^ was))} were frozen or unfrozen after compiling into pipeline "
+                "stages, whose ranks hold other stages' parameters and cannot follow. Fix: set requires_grad "
+                "before autopar.compile, or compile again"
+            )
+        return super()._modes_now(requires_grad=False)
+
     @property
     def _in_stages(self) -> bool:
         return self._built and self._plan.stages is not None
 
     def forward(self, *inputs):
         refuse_autocast()
+        check_tensors(inputs)
+        refuse_input_gradients(inputs)
         if not self._built:
             self._build(inputs, first_call=True)
         if not self._in_stages:

@@ -37,18 +37,37 @@ _FIX = (
     "parameter, which autopar keeps)"
 )
 
-_KEPT = "torch._library."
-"""Where torch makes the Functions of custom ops' registered backwards (``register_autograd``):
-the op stays in the graph, and AOT autograd differentiates it by that backward."""
+_KEPT = ("torch._library.", "torch.nn.modules._functions.BackwardHookFunction")
+"""Functions whose backward the capture keeps or need not: those torch makes for custom ops'
+registered backwards (``register_autograd``: the op stays in the graph, and AOT autograd
+differentiates it by that backward), and the identity through which a module calls backward
+hooks, which are refused before tracing unless they are torch's instrumentation."""
 
 _REENTRANT = "torch.utils.checkpoint.CheckpointFunction"
 """``torch.utils.checkpoint``'s Function under ``use_reentrant=True``."""
 
 
+_INSTRUMENTS = (
+    "torch.distributed._tools.",
+    "torch.utils.module_tracker",
+    "torch.utils.flop_counter",
+    "torch.distributed.tensor.debug",
+)
+"""Where torch's instrumentation lives (``MemTracker``, ``FlopCounterMode``, ``CommDebugMode``),
+whose hooks measure a step and change no value; torch's other hooks (pruning, weight norm) do."""
+
+
 def is_torchs(hook) -> bool:
-    """Whether ``hook`` is torch's own instrumentation (``MemTracker``, ``FlopCounterMode``), which
-    measures a step and changes no value."""
-    return (getattr(hook, "__module__", None) or "").startswith("torch.")
+    """Whether ``hook`` is torch's own instrumentation (:data:`_INSTRUMENTS`)."""
+    function = getattr(hook, "__func__", hook)
+    return (getattr(function, "__module__", None) or "").startswith(_INSTRUMENTS)
+
+
+def has_gradient_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` carries gradient hooks (``register_hook``, post-accumulate ones) other
+    than torch's instrumentation."""
+    tables = (tensor._backward_hooks, tensor._post_accumulate_grad_hooks)
+    return any(not is_torchs(h) for table in tables if table for h in table.values())
 
 
 def _hooked(model: torch.nn.Module, kind: str) -> list[str]:
@@ -91,6 +110,8 @@ def warn_of_forward_hooks(model: torch.nn.Module) -> None:
 
 _WATCHING = threading.Lock()
 """One capture watches at a time: the watchers replace process-wide methods."""
+_watching = threading.local()
+"""``active`` in the thread whose capture watches."""
 
 
 @contextlib.contextmanager
@@ -108,7 +129,7 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
 
     def watched_init(self, *args, **kwargs):
         cls = self._forward_cls
-        if threading.get_ident() == owner and not cls.__module__.startswith(_KEPT):
+        if threading.get_ident() == owner and not f"{cls.__module__}.{cls.__qualname__}".startswith(_KEPT):
             functions[f"{cls.__module__}.{cls.__qualname__}"] = None
         if own_init is None:
             super(contexts, self).__init__(*args, **kwargs)
@@ -120,7 +141,11 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
             hooks[getattr(hook, "__qualname__", type(hook).__name__)] = None
         return register_hook(self, hook)
 
+    if getattr(_watching, "active", False):  # a capture inside a capture (a compiled module in a model being captured)
+        yield
+        return
     with _WATCHING:
+        _watching.active = True
         contexts.__init__ = watched_init
         torch.Tensor.register_hook = watched_register_hook
         try:
@@ -131,6 +156,7 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
             else:
                 contexts.__init__ = own_init
             torch.Tensor.register_hook = register_hook
+            _watching.active = False
     if _REENTRANT in functions:
         raise CaptureError(
             f"{type(model).__name__}'s forward checkpoints activations with use_reentrant=True, whose "

@@ -185,5 +185,5 @@ def test_hooks_and_frozen_layers_are_followed_and_a_setting_of_one_rank_or_a_rep
         assert "programs of different graphs" in r["refused"] and "temperature: 1.0, 0.5" in r["refused"], r["refused"]
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
         assert len(r["grads"]) == 4 and max(r["grads"]) < 1e-6, r["grads"]
-        assert "layers.1.weight was replaced after compiling" in r["replaced"], r["replaced"]
+        assert "layers.1.weight was replaced or removed after compiling" in r["replaced"], r["replaced"]
         assert "layers.0.weight carry gradient hooks" in r["no_sync"], r["no_sync"]
