@@ -3,6 +3,8 @@ which the ranks compare, and the model's settings, which the captured graph bake
 program cached for a call is keyed by."""
 
 import functools
+import inspect
+import types
 
 import torch
 from autopar.passes.analysis.hooks import is_torchs
@@ -86,7 +88,9 @@ def _hook(hook) -> str:
     reads from its module's globals, takes by default, is bound to or holds (a partial's
     arguments, an object's attributes), plain values as they are and others by type. Equal for a
     hook registered again each step, unequal for one that would compute otherwise."""
+    hook = inspect.unwrap(hook)
     bound = getattr(hook, "__self__", None)
+    bound = None if isinstance(bound, types.ModuleType) else bound  # a builtin's module (print)
     function = getattr(hook, "__func__", hook)
     if isinstance(function, functools.partial):
         held = [*function.args, *function.keywords.values()]

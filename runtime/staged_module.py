@@ -261,8 +261,8 @@ class PipelinedModule(ParallelModule):
         elif frozen != (was := self._frozen & {name for name, _ in self.module.named_parameters()}):
             raise InputError(
                 f"parameters {', '.join(sorted(frozen ^ was))} were frozen or unfrozen after compiling into pipeline "
-                "stages, whose ranks hold other stages' parameters and cannot follow. Fix: set requires_grad "
-                "before autopar.compile, or compile again"
+                "stages, whose ranks hold other stages' parameters and cannot follow (ranks of other stages wait for "
+                "this one until the timeout=). Fix: set requires_grad before autopar.compile, or compile again"
             )
         return super()._modes_now(requires_grad=False)
 

@@ -190,6 +190,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
             "with functools.partial or module attributes before calling autopar"
         )
     names = _input_names(model, len(example_inputs))
+    example_inputs = tuple(x.detach() for x in example_inputs)  # they give shapes: no gradient of theirs
     started = time.perf_counter()
     model, example_inputs = _off_meta(model, tuple(example_inputs))
     refuse_backward_hooks(model)
@@ -199,6 +200,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
     try:
         with refusing_custom_backwards(model):
             exported = torch.export.export(traced, tuple(example_inputs), strict=False)
+        refuse_backward_hooks(model)  # one the forward registered
     except CaptureError:
         raise
     except Exception as exc:  # torch.export raises many unrelated exception types

@@ -58,9 +58,19 @@ whose hooks measure a step and change no value; torch's other hooks (pruning, we
 
 
 def is_torchs(hook) -> bool:
-    """Whether ``hook`` is torch's own instrumentation (:data:`_INSTRUMENTS`)."""
+    """Whether ``hook`` is torch's own instrumentation (:data:`_INSTRUMENTS`), or the wrapper by
+    which ``torch.autograd.graph.register_multi_grad_hook`` registers one."""
     function = getattr(hook, "__func__", hook)
-    return (getattr(function, "__module__", None) or "").startswith(_INSTRUMENTS)
+    module = getattr(function, "__module__", None) or ""
+    if module == "torch.autograd.graph":
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                if callable(cell.cell_contents) and is_torchs(cell.cell_contents):
+                    return True
+            except ValueError:  # a cell never assigned
+                continue
+        return False
+    return module.startswith(_INSTRUMENTS)
 
 
 def has_gradient_hooks(tensor: torch.Tensor) -> bool:

@@ -187,6 +187,9 @@ class _Hooked(nn.Module):
             h = _halved_gradient(h)
         elif self.how == "tensor hook":
             h.register_hook(lambda g: g * 0.5)
+        elif self.how == "module hook in the forward" and not self.layer._backward_hooks:
+            self.layer.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+            h = self.layer(x)
         return h.sum()
 
 
@@ -197,6 +200,7 @@ class _Hooked(nn.Module):
         ("saved function", "torch.autograd.Function tests.passes.test_capture._HalvedGradient"),
         ("tensor hook", "registers gradient hooks on tensors (_Hooked.forward.<locals>.<lambda>)"),
         ("module hook", "backward hooks are registered on layer"),
+        ("module hook in the forward", "backward hooks are registered on layer"),
     ],
 )
 def test_gradients_changed_outside_the_forwards_ops_are_refused_by_name(how, named):
@@ -234,3 +238,12 @@ def test_hugging_face_gradient_checkpointing_is_captured_unless_reentrant():
             continue
         with pytest.raises(autopar.CaptureError, match="use_reentrant=True.*Fix: checkpoint with use_reentrant=False"):
             capture(model, inputs)
+
+
+def test_a_capture_under_torchs_flop_counter_keeps_its_hooks_out_and_inputs_give_shapes_only():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = _Hooked("none"), torch.randn(2, 4)
+    with FlopCounterMode(display=False):
+        counted = capture(model, (x,))
+    assert counted.graph_hash == capture(model, (x.requires_grad_(),)).graph_hash
