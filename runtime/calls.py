@@ -1,14 +1,19 @@
-"""What a call of a compiled module brings beside its parameters: fingerprints of its inputs,
-which the ranks compare, and the model's settings, which the captured graph bakes in and the
-program cached for a call is keyed by."""
+"""What a call of a compiled module brings beside its parameters: its inputs, which the ranks
+compare by fingerprints with the graphs they run, and the model's settings, which the captured
+graph bakes in and the program cached for a call is keyed by."""
 
 import functools
 import inspect
 import types
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from autopar.passes.analysis.hooks import is_torchs
+from autopar.runtime.program import named_timeouts
 from torch.nn.modules import module as nn_module
+
+from autopar.core.errors import InputError
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -151,7 +156,63 @@ def changed_settings(before: tuple, after: tuple) -> str:
     )
 
 
-def settings_apart(everyone: list[tuple[tuple[str, object], ...]]) -> str:
+def check_ranks_agree(
+    whole: list[tuple[torch.Tensor, str]],
+    graph_hash: str,
+    modes_now: Callable[[], tuple],
+    device: torch.device,
+    group,
+    timeout_s: float | None,
+) -> None:
+    """Refuse whole inputs (``(tensor, name)``) that differ between the ranks of ``group``, in
+    sizes or values, and ranks whose running programs' graphs (``graph_hash``) differ: every rank
+    passes the global batch and the program cuts each rank's piece out of it, so ranks loading
+    their own data (DDP's ``DistributedSampler``) would train on pieces of different batches, or
+    lower programs of other sizes; a setting changed on some ranks only (a module's attribute)
+    changes their graph alone, and ``modes_now`` then names it. One all-reduce of the graph's
+    fingerprint, the sizes and two integer sums of each input's bits (:func:`fingerprint`), and a
+    wait for the device."""
+    parts = [
+        torch.tensor(
+            [int(graph_hash[:15], 16), *(n for x, _ in whole for n in x.shape)], dtype=torch.int64, device=device
+        )
+    ]
+    parts += [fingerprint(x).to(device) for x, _ in whole]
+    checked = torch.cat(parts)
+    bounds = torch.cat([checked, -checked])
+    with named_timeouts(timeout_s, "check that the ranks' inputs agree"):
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    agree = torch.eq(bounds[: len(checked)], -bounds[len(checked) :]).cpu()
+    sizes = len(parts[0])
+    shapes_differ = not bool(agree[1:sizes].all())
+    values_agree = agree[sizes:].view(-1, 2).all(dim=1).tolist()
+    differ = [name for (_, name), same in zip(whole, values_agree) if shapes_differ or not same]
+    if differ:
+        raise InputError(
+            f"the ranks passed different {'sizes' if shapes_differ else 'values'} of input "
+            f"{', '.join(repr(n) for n in differ)}: every rank passes the whole global batch, of which the plan "
+            "gives each rank its piece. Fix: load the same batch on every rank (no DistributedSampler, the same "
+            "seed for shuffling), or pin the input to a split (pins={name: 'S(0)'}) and pass each rank's part"
+        )
+    if not bool(agree[0]):
+        everyone: list = [None] * dist.get_world_size(group)
+        with named_timeouts(timeout_s, "check that the ranks' settings agree"):
+            dist.all_gather_object(everyone, modes_now(), group=group)
+        apart = _settings_apart([values for _, values in everyone])
+        if not apart and any(flags != everyone[0][0] for flags, _ in everyone):
+            apart = "the modules' training modes or the parameters' requires_grad"
+        raise InputError(
+            "the ranks run programs of different graphs, "
+            + (
+                f"as the model's settings differ between them ({apart})"
+                if apart
+                else "though their models' settings agree: the models differ (their code or their structure)"
+            )
+            + ". Fix: give every rank the same model and set its attributes and hooks alike on every rank"
+        )
+
+
+def _settings_apart(everyone: list[tuple[tuple[str, object], ...]]) -> str:
     """The plain values (:func:`modes`) that differ between ranks, given every rank's, as
     ``name: value on rank 0, value on rank 1, ...``."""
     tables = [dict(values) for values in everyone]

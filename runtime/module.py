@@ -18,10 +18,9 @@ from autopar.runtime.calls import (
     HOOKS,
     SETTINGS_CAPTURES,
     changed_settings,
-    fingerprint,
+    check_ranks_agree,
     modes,
     setting_changes,
-    settings_apart,
 )
 from autopar.runtime.handoff import next_planning, planning_on_rank0, wait_for_rank0_to_plan
 from autopar.runtime.launch import device_mesh, device_type_of
@@ -497,56 +496,19 @@ class ParallelModule(torch.nn.Module):
             )
 
     def _check_same_inputs(self, inputs: tuple) -> None:
-        """Refuse whole inputs that differ between ranks, in sizes or values, and ranks that run
-        programs of different graphs: every rank passes the global batch and the program cuts
-        each rank's piece out of it, so ranks loading their own data (DDP's
-        ``DistributedSampler``) would train on pieces of different batches, or lower programs of
-        other sizes; a setting changed on some ranks only (a module's attribute) changes their
-        graph alone (found at the next checked call, which compares the graphs the call before
-        ran: up to twice as many calls later). One all-reduce of that graph's fingerprint, the sizes and two
-        integer sums of each input's bits, the second weighted by position, and a wait for the
-        device: made at the calls numbered by powers of two (1, 2, 4, ...), which every rank
-        counts alike, so that a loader's first batch is checked and a long run pays next to
-        nothing."""
+        """Refuse ranks whose whole inputs, or the graphs of whose running programs, differ
+        (:func:`~autopar.runtime.calls.check_ranks_agree`), at the calls numbered by powers of two
+        (1, 2, 4, ...), which every rank counts alike, so that a loader's first batch is checked
+        and a long run pays next to nothing. A setting changed on some ranks only is found at the
+        next checked call, which compares the graphs the call before ran: up to twice as many
+        calls later."""
         self._calls += 1
         if self._calls & (self._calls - 1) or dist.get_world_size(self._world) == 1:
             return
         whole = [(x, name) for x, (_, name) in zip(inputs, self._inputs) if not self.passes_own_part(name)]
-        graph = int(self._running_graph_hash()[:15], 16)
-        parts = [torch.tensor([graph, *(n for x, _ in whole for n in x.shape)], dtype=torch.int64, device=self._device)]
-        parts += [fingerprint(x).to(self._device) for x, _ in whole]
-        checked = torch.cat(parts)
-        bounds = torch.cat([checked, -checked])
-        with named_timeouts(self._timeout_s, "check that the ranks' inputs agree"):
-            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._world)
-        agree = torch.eq(bounds[: len(checked)], -bounds[len(checked) :]).cpu()
-        sizes = len(parts[0])
-        shapes_differ = not bool(agree[1:sizes].all())
-        values_agree = agree[sizes:].view(-1, 2).all(dim=1).tolist()
-        differ = [name for (_, name), same in zip(whole, values_agree) if shapes_differ or not same]
-        if differ:
-            raise InputError(
-                f"the ranks passed different {'sizes' if shapes_differ else 'values'} of input "
-                f"{', '.join(repr(n) for n in differ)}: every rank passes the whole global batch, of which the plan "
-                "gives each rank its piece. Fix: load the same batch on every rank (no DistributedSampler, the same "
-                "seed for shuffling), or pin the input to a split (pins={name: 'S(0)'}) and pass each rank's part"
-            )
-        if not bool(agree[0]):
-            everyone: list = [None] * dist.get_world_size(self._world)
-            with named_timeouts(self._timeout_s, "check that the ranks' settings agree"):
-                dist.all_gather_object(everyone, self._modes_now(), group=self._world)
-            apart = settings_apart([values for _, values in everyone])
-            if not apart and any(flags != everyone[0][0] for flags, _ in everyone):
-                apart = "the modules' training modes or the parameters' requires_grad"
-            raise InputError(
-                "the ranks run programs of different graphs, "
-                + (
-                    f"as the model's settings differ between them ({apart})"
-                    if apart
-                    else "though their models' settings agree: the models differ (their code or their structure)"
-                )
-                + ". Fix: give every rank the same model and set its attributes and hooks alike on every rank"
-            )
+        check_ranks_agree(
+            whole, self._running_graph_hash(), self._modes_now, self._device, self._world, self._timeout_s
+        )
 
     def _plan_on_rank0(
         self, captured: Captured, state_pins: Mapping[str, Placements] | None = None, **options
