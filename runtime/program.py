@@ -117,6 +117,7 @@ class Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *tangents):
+        refuse_second_order()
         program = ctx.program
         tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
         args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
@@ -341,4 +342,15 @@ def refuse_input_gradients(inputs: tuple) -> None:
             f"{'' if len(wanted) > 1 else 's'} a gradient, which its program does not make: that gradient, and those "
             "of whatever made the input, would stay None where one device's hold them. Fix: pass "
             "x.detach(), or compile the modules that make the input with the model (an embedding outside it)"
+        )
+
+
+def refuse_second_order() -> None:
+    """Refuse a backward that builds a graph of itself (``create_graph=True``): the program's
+    backward runs outside autograd, so gradients of the gradients would silently be missing."""
+    if torch.is_grad_enabled():
+        raise InputError(
+            "the compiled model's gradients were asked for with create_graph=True (a gradient penalty, a Hessian "
+            "product), but its program's backward is not differentiable: second-order terms would be missing. Fix: "
+            "compute them with the model uncompiled, or train without them"
         )

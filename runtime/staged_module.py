@@ -30,7 +30,14 @@ from autopar.runtime.module import (
     _refuse_split_pins_of_parts,
 )
 from autopar.runtime.pipeline import StageRunner
-from autopar.runtime.program import Unsynced, check_plan, check_tensors, refuse_autocast, refuse_input_gradients
+from autopar.runtime.program import (
+    Unsynced,
+    check_plan,
+    check_tensors,
+    refuse_autocast,
+    refuse_input_gradients,
+    refuse_second_order,
+)
 from autopar.runtime.state import ParameterCounts, gradient_as, local_of, piece_of, release, whole_fake_state
 from torch.distributed.tensor import DTensor
 
@@ -481,6 +488,7 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, tangent):
+        refuse_second_order()
         if not ctx.synced:
             ctx.module._round.tangents.append(tangent.detach().clone())
             return (None, None, None, None, *[None] * len(ctx.grads))

@@ -133,7 +133,8 @@ def changes_after_compiling() -> dict:
     0's: refused at the next checked call, on both ranks. Then, with the temperature set back, a
     gradient hook on a parameter registered before compiling, a forward hook registered after and
     a layer frozen when compiling unfrozen: one device's loss and gradients. Last, no_sync() with
-    that gradient hook, and a parameter replaced by a plain one: refused."""
+    that gradient hook, gradients that build a graph (a gradient penalty) and a parameter replaced
+    by a plain one: refused."""
     torch.manual_seed(0)
     model, x = _Tempered(), torch.randn(8, 8)
     reference = _Tempered()
@@ -170,6 +171,11 @@ def changes_after_compiling() -> dict:
         out["no_sync"] = "no error"
     except autopar.InputError as exc:
         out["no_sync"] = str(exc)
+    try:
+        torch.autograd.grad(pmodel(x), list(pmodel.parameters()), create_graph=True)
+        out["second order"] = "no error"
+    except autopar.InputError as exc:
+        out["second order"] = str(exc)
     pmodel.module.layers[1].weight = torch.nn.Parameter(torch.zeros(8, 8))
     try:
         pmodel(x)
@@ -187,3 +193,4 @@ def test_hooks_and_frozen_layers_are_followed_and_a_setting_of_one_rank_or_a_rep
         assert len(r["grads"]) == 4 and max(r["grads"]) < 1e-6, r["grads"]
         assert "layers.1.weight was replaced or removed after compiling" in r["replaced"], r["replaced"]
         assert "layers.0.weight carry gradient hooks" in r["no_sync"], r["no_sync"]
+        assert "create_graph=True" in r["second order"], r["second order"]
