@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from autopar.passes.analysis.hooks import is_torchs
 from autopar.runtime.program import named_timeouts
+from autopar.runtime.release import release
 from torch.nn.modules import module as nn_module
 
 from autopar.core.errors import InputError
@@ -183,6 +184,7 @@ def check_ranks_agree(
     with named_timeouts(timeout_s, "check that the ranks' inputs agree"):
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     agree = torch.eq(bounds[: len(checked)], -bounds[len(checked) :]).cpu()
+    release(bounds)  # here, not on gloo's thread, which may hold it past the wait
     sizes = len(parts[0])
     shapes_differ = not bool(agree[1:sizes].all())
     values_agree = agree[sizes:].view(-1, 2).all(dim=1).tolist()

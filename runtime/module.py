@@ -292,7 +292,8 @@ class ParallelModule(torch.nn.Module):
         )
         check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
-            captured = capture(self.module, inputs, self._param_dtype)
+            # the inputs give shapes: one requiring a gradient would make a graph that computes it
+            captured = capture(self.module, tuple(x.detach() for x in inputs), self._param_dtype)
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
@@ -488,7 +489,9 @@ class ParallelModule(torch.nn.Module):
         bounds = torch.cat([sizes, -sizes])  # one all-reduce of the largest sizes and of the smallest
         with named_timeouts(self._timeout_s, "check of the inputs' sizes"):
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._world)
-        if not torch.equal(bounds[: len(sizes)], -bounds[len(sizes) :]):
+        agree = torch.equal(bounds[: len(sizes)], -bounds[len(sizes) :])
+        release(bounds)  # here, not on gloo's thread, which may hold it past the wait
+        if not agree:
             raise InputError(
                 f"the ranks passed parts of per-rank inputs of different sizes (this rank's make the whole shapes "
                 f"{', '.join(map(str, key))}). Fix: give every rank parts of the same size, e.g. "

@@ -104,7 +104,7 @@ class PipelinedModule(ParallelModule):
             )
         keep_freed_memory()
         whole_shapes = _batch_shapes(inputs, self._pipeline.microbatches)
-        captured = self._capture(first_microbatch(inputs, self._pipeline.microbatches))
+        captured = self._capture(first_microbatch(tuple(x.detach() for x in inputs), self._pipeline.microbatches))
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
         inner = self._lay_out(device_type)

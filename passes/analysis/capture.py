@@ -190,7 +190,6 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
             "with functools.partial or module attributes before calling autopar"
         )
     names = _input_names(model, len(example_inputs))
-    example_inputs = tuple(x.detach() for x in example_inputs)  # they give shapes: no gradient of theirs
     started = time.perf_counter()
     model, example_inputs = _off_meta(model, tuple(example_inputs))
     refuse_backward_hooks(model)

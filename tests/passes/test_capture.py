@@ -240,10 +240,10 @@ def test_hugging_face_gradient_checkpointing_is_captured_unless_reentrant():
             capture(model, inputs)
 
 
-def test_a_capture_under_torchs_flop_counter_keeps_its_hooks_out_and_inputs_give_shapes_only():
+def test_a_capture_under_torchs_flop_counter_keeps_its_hooks_out():
     from torch.utils.flop_counter import FlopCounterMode
 
     model, x = _Hooked("none"), torch.randn(2, 4)
     with FlopCounterMode(display=False):
         counted = capture(model, (x,))
-    assert counted.graph_hash == capture(model, (x.requires_grad_(),)).graph_hash
+    assert counted.graph_hash == capture(model, (x,)).graph_hash
