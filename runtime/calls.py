@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from autopar.passes.analysis.hooks import is_torchs
+from autopar.passes.analysis.hooks import module_hooks
 from autopar.runtime.program import named_timeouts
 from autopar.runtime.release import release
 from torch.nn.modules import module as nn_module
@@ -79,14 +79,9 @@ def modes(
 
 
 def _hooks(table: dict, prefix: str) -> tuple[str, ...]:
-    """The forward and backward hooks (pre and post) in ``table``'s hook dicts, but torch's own
-    instrumentation, each as what it computes (:func:`_hook`)."""
-    return tuple(
-        _hook(hook)
-        for kind in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
-        for hook in table[prefix + kind].values()
-        if not is_torchs(hook)
-    )
+    """The forward and backward hooks (pre and post, :func:`module_hooks`) in a module's attribute
+    ``table``, each as what it computes (:func:`_hook`)."""
+    return tuple(_hook(hook) for kind in ("forward", "backward") for hook in module_hooks(table, prefix, kind))
 
 
 def _hook(hook) -> str:

@@ -407,13 +407,14 @@ class ParallelModule(torch.nn.Module):
         if any(n.op == "get_attr" for n in captured.graph.graph.nodes):
             return False
         changes = [name for name, _, _ in setting_changes(self._key, key)]
+        hooks = [name for name in changes if name.endswith(HOOKS)]
         # a hook that changes nothing now may be joined by one that does: hooks are never ignored
-        self._ignored.update(name for name in changes if not name.endswith(HOOKS))
-        if any(name.endswith(HOOKS) for name in changes):
+        self._ignored.update(name for name in changes if name not in hooks)
+        if hooks:
             log.warning(
                 "%s changed, so the model was captured again: its graph did not change. A hook whose values change "
                 "each step (one reading a step count) captures each step; register hooks that compute alike",
-                ", ".join(name for name in changes if name.endswith(HOOKS)),
+                ", ".join(hooks),
             )
         return True
 
@@ -456,8 +457,7 @@ class ParallelModule(torch.nn.Module):
         """Each input's whole shape (an input whose split was pinned is passed as this rank's
         part; every rank's part must make the same whole), once the inputs are checked against
         the planned ones, and the training flags of the modules (eval mode captures another
-        graph where dropout or batch norm differ)."""
-        check_tensors(inputs)
+        graph where dropout or batch norm differ). The forward has checked they are tensors."""
         planned = self._inputs
         if len(inputs) != len(planned):
             raise TypeError(

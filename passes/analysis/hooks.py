@@ -80,18 +80,18 @@ def has_gradient_hooks(tensor: torch.Tensor) -> bool:
     return any(not is_torchs(h) for table in tables if table for h in table.values())
 
 
+def module_hooks(table: dict, prefix: str, kind: str) -> list:
+    """The ``kind`` hooks (``"forward"`` or ``"backward"``, pre and post) in a module's attribute
+    ``table`` (``vars(module)``; the global ones with ``prefix="_global_"``), but torch's
+    instrumentation."""
+    return [h for name in ("_pre_hooks", "_hooks") for h in table[f"{prefix}{kind}{name}"].values() if not is_torchs(h)]
+
+
 def _hooked(model: torch.nn.Module, kind: str) -> list[str]:
-    """The modules of ``model`` with ``kind`` hooks (``"forward"`` or ``"backward"``, pre and
-    post) other than torch's own, by qualified name, and ``"(global)"`` for hooks registered on
-    every module."""
-
-    def hooked(table, prefix: str) -> bool:
-        return any(
-            not is_torchs(h) for name in ("_hooks", "_pre_hooks") for h in table[f"{prefix}{kind}{name}"].values()
-        )
-
-    found = [path or type(model).__name__ for path, m in model.named_modules() if hooked(vars(m), "_")]
-    if hooked(vars(nn_module), "_global_"):
+    """The modules of ``model`` with :func:`module_hooks` of ``kind``, by qualified name, and
+    ``"(global)"`` for hooks registered on every module."""
+    found = [path or type(model).__name__ for path, m in model.named_modules() if module_hooks(vars(m), "_", kind)]
+    if module_hooks(vars(nn_module), "_global_", kind):
         found.append("(global)")
     return found
 
