@@ -63,19 +63,21 @@ def _embedding_backward_split(node: fx.Node, args: list, kwargs: dict, split: Sp
     return aten.embedding_dense_backward.default(grad, local, split.size, padding, scale_grad_by_freq)
 
 
-@register(aten.gather.default, aten.scatter.value, aten.scatter.src)
+@register(aten.gather.default, aten.scatter.value, aten.scatter.src, aten.scatter_add.default)
 def gather_rule(node: fx.Node) -> list[Row]:
-    """``gather(x, dim, index)`` / ``scatter(x, dim, index, value)``: split a dim other than
-    ``dim`` on the input, the index (and a source tensor) and the output together."""
+    """``gather(x, dim, index)`` / ``scatter(x, dim, index, value)`` / ``scatter(x, dim, index,
+    src)`` / ``scatter_add(x, dim, index, src)``: split a dim other than ``dim`` on the input,
+    the index (and a source tensor, where it is as long there) and the output together."""
     x = val(node.args[0])
     index = val(node.args[2])
     dim = _gathered_dim(node)
-    num_in = 3 if node.target is aten.scatter.src else 2
+    with_source = node.target in (aten.scatter.src, aten.scatter_add.default)
+    num_in = 3 if with_source else 2
     rows: list[Row] = [((R,), (R,) * num_in)]
     for d in range(x.ndim):
-        if d != dim and x.shape[d] == index.shape[d]:
+        if d != dim and x.shape[d] == index.shape[d] and (not with_source or val(node.args[3]).shape[d] == x.shape[d]):
             rows.append(((S(d),), (S(d),) * num_in))
-    if node.target is aten.scatter.src:
+    if with_source:
         rows.append(((P,), (P, R, P)))  # partial input and source, one index: the result is a partial sum
     elif node.target is aten.gather.default:
         if x.is_floating_point():

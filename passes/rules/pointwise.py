@@ -15,6 +15,17 @@ Linear = Literal["all", "one"]
 """Which tensor arguments of an op may carry a partial sum: every one together (sums add up), or
 exactly one of them."""
 
+_ACTIVATION_BACKWARDS = (
+    aten.softplus_backward.default,
+    aten.elu_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.mish_backward.default,
+)
+"""Gradients of activations, ``grad · f'(x)`` elementwise (linear in ``grad``), that torch
+does not tag pointwise."""
+
 # op -> which tensor arguments may carry a partial sum (the others must be replicated):
 # a :data:`Linear`, or an index set of arguments that must be partial together.
 _LINEAR: dict[object, Linear | set[int]] = {
@@ -29,6 +40,7 @@ _LINEAR: dict[object, Linear | set[int]] = {
     aten.threshold_backward.default: {0},
     aten.hardtanh_backward.default: {0},
     aten.gelu_backward.default: {0},
+    **dict.fromkeys(_ACTIVATION_BACKWARDS, {0}),
     aten.where.self: {1, 2},
     aten.detach.default: "all",
     aten.clone.default: "all",
@@ -93,7 +105,14 @@ def tensor_positions(node: fx.Node) -> list[int]:
 
 
 # elementwise ops that torch does not tag pointwise, ReLU6's backward (MobileNetV2's activation) among them
-register(*_IDENTITY, prims.div.default, aten.floor_divide.default, aten.hardtanh_backward.default)(pointwise_rule)
+register(
+    *_IDENTITY,
+    *_ACTIVATION_BACKWARDS,
+    aten.hardswish.default,
+    prims.div.default,
+    aten.floor_divide.default,
+    aten.hardtanh_backward.default,
+)(pointwise_rule)
 
 
 @register(aten.bernoulli.p)

@@ -72,6 +72,19 @@ def reshape_rule(node: fx.Node) -> list[Row]:
     return rows
 
 
+@register(aten.repeat.default)
+def repeat_rule(node: fx.Node) -> list[Row]:
+    """``repeat(x, repeats)``: ``x`` tiled ``repeats[d]`` times along each dim (new dims first).
+    A dim repeated once splits with the output's; a tiled dim stays whole."""
+    x, repeats = val(node.args[0]), list(node.args[1])
+    lead = len(repeats) - x.ndim
+    rows: list[Row] = [((R,), (R,))]
+    if x.is_floating_point():
+        rows.append(((P,), (P,)))  # tiling partial sums tiles their sum
+    rows += [((S(lead + d),), (S(d),)) for d in range(x.ndim) if repeats[lead + d] == 1 and x.shape[d] > 1]
+    return rows
+
+
 @register(aten.t.default, aten.transpose.int, aten.permute.default)
 def permute_rule(node: fx.Node) -> list[Row]:
     x = val(node.args[0])

@@ -63,6 +63,16 @@ EVERY_ROW_CHECKED = {
     aten.fill.Tensor,
     aten.slice_scatter.default,
     aten.select_scatter.default,
+    aten.repeat.default,
+    aten.scatter_add.default,
+    aten.baddbmm.default,
+    aten.softplus_backward.default,
+    aten.elu_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.hardswish.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.mish_backward.default,
     # ops with rows that split the dim they reduce or index (SplitOp)
     aten.embedding.default,
     aten.embedding_dense_backward.default,
@@ -140,6 +150,26 @@ class _ShiftNet(nn.Module):
         shifted[:, 2:] = labels[:, :-2].clone()
         shifted[:, 0] = self.start
         return F.mse_loss(self.emb(shifted).sum(1), target)
+
+
+class _ActivationNet(nn.Module):
+    """Activations whose gradients torch does not tag pointwise (Mamba's softplus among them), a
+    repeat that tiles one dim and keeps the others and a scatter_add along one dim (DeBERTa's
+    relative attention), and a batched matmul added to a broadcast bias (BLOOM's ALiBi)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.randn(1, 1, 4))
+
+    def forward(self, x, index, target):
+        h = self.lin(x)
+        acts = [F.softplus, F.elu, F.leaky_relu, F.hardswish, F.hardsigmoid, F.mish, F.softshrink, F.hardshrink]
+        h = sum(act(h) for act in acts)
+        tiled = h.repeat(1, 2, 1)[:, :4]
+        added = torch.zeros_like(h).scatter_add(2, index, tiled)
+        scores = torch.baddbmm(self.bias, added, h.transpose(1, 2), beta=0.5, alpha=2.0)
+        return F.mse_loss((scores @ added).sum(1), target)
 
 
 class _IndexPadNet(nn.Module):
@@ -232,6 +262,7 @@ def _validated_on_examples() -> tuple[set, int]:
         (_IndexPadNet(), (torch.randn(4, 6, 4), torch.randint(0, 4, (2, 2)), torch.randn(4, 6))),
         (_UnbindNet(), (torch.randn(4, 6, 8), torch.randn(4, 8))),
         (_ShiftNet(), (torch.randint(0, 16, (4, 8)), torch.randn(4, 8))),
+        (_ActivationNet(), (torch.randn(4, 4, 8), torch.randint(0, 8, (4, 4, 8)), torch.randn(4, 8))),
     ]
     ops, rows = _validate(cases, EVERY_ROW_CHECKED, gen)
     # Mixtral's mixture of experts runs a grouped matmul op of its own; MobileNetV2 has depthwise
