@@ -22,6 +22,7 @@ from autopar.core.pipeline import Pipeline
 from autopar.core.plan import Collective, ShardingPlan
 from autopar.core.precision import MixedPrecision
 from autopar.cost_model.hardware import A100, CPU, H100, Fitted, HardwareProfile, Link, SyntheticProfile
+from autopar.passes.analysis.hooks import differentiate_forward
 from autopar.planner import plan
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "UnsupportedOpError",
     "annotated_graph",
     "compile",
+    "differentiate_forward",
     "plan",
 ]
 __version__ = "0.1.0"

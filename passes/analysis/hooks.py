@@ -9,7 +9,8 @@ a word, training on other gradients than one device's:
 - a gradient hook that the forward puts on a tensor (``h.register_hook(fn)``);
 - the ``backward`` of a ``torch.autograd.Function`` the forward applies: its forward's ops are
   traced and differentiated, its own backward never runs (a custom op's backward registered
-  with ``torch.library.register_autograd`` is kept: the op stays in the graph).
+  with ``torch.library.register_autograd`` is kept: the op stays in the graph; one declared with
+  :func:`differentiate_forward` is differentiated as its forward's ops).
 
 The first are found on the modules before tracing; the others are watched for while the forward
 is traced. Gradient hooks on parameters (registered outside the forward) are kept: they fire on
@@ -43,6 +44,9 @@ registered backwards (``register_autograd``: the op stays in the graph, and AOT 
 differentiates it by that backward), and the identity through which a module calls backward
 hooks, which are refused before tracing unless they are torch's instrumentation."""
 
+_DIFFERENTIATED: set[type] = set()
+"""Functions declared by :func:`differentiate_forward`."""
+
 _REENTRANT = "torch.utils.checkpoint.CheckpointFunction"
 """``torch.utils.checkpoint``'s Function under ``use_reentrant=True``."""
 
@@ -55,6 +59,19 @@ _INSTRUMENTS = (
 )
 """Where torch's instrumentation lives (``MemTracker``, ``FlopCounterMode``, ``CommDebugMode``),
 whose hooks measure a step and change no value; torch's other hooks (pruning, weight norm) do."""
+
+
+def differentiate_forward(function: type) -> type:
+    """Declare that ``function``'s backward computes the derivative of its forward, so that the
+    capture may differentiate the forward's ops instead of refusing the Function (transformers'
+    BLOOM applies such a Function, ``GeLUFunction``, in training). Returns ``function``, so that
+    it also serves as a class decorator. The capture cannot check the claim: a Function whose
+    backward differs (a clipped or scaled gradient) would train on other gradients than one
+    device's."""
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise TypeError(f"differentiate_forward takes a torch.autograd.Function subclass, got {function!r}")
+    _DIFFERENTIATED.add(function)
+    return function
 
 
 def is_torchs(hook) -> bool:
@@ -139,7 +156,8 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
 
     def watched_init(self, *args, **kwargs):
         cls = self._forward_cls
-        if threading.get_ident() == owner and not f"{cls.__module__}.{cls.__qualname__}".startswith(_KEPT):
+        own = threading.get_ident() == owner and cls not in _DIFFERENTIATED
+        if own and not f"{cls.__module__}.{cls.__qualname__}".startswith(_KEPT):
             functions[f"{cls.__module__}.{cls.__qualname__}"] = None
         if own_init is None:
             super(contexts, self).__init__(*args, **kwargs)
@@ -177,7 +195,9 @@ def refusing_custom_backwards(model: torch.nn.Module) -> Iterator[None]:
     if functions:
         raise CaptureError(
             f"{type(model).__name__}'s forward applies torch.autograd.Function {', '.join(functions)}: the captured "
-            "graph differentiates the ops of its forward, and its own backward would never run. " + _FIX
+            "graph differentiates the ops of its forward, and its own backward would never run. " + _FIX + ". If "
+            "its backward is the derivative of its forward (transformers' BLOOM GeLUFunction's is), declare it with "
+            "autopar.differentiate_forward(TheFunction)"
         )
     if hooks:
         raise CaptureError(

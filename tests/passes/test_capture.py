@@ -215,6 +215,49 @@ def test_gradients_changed_outside_the_forwards_ops_are_refused_by_name(how, nam
     assert contexts.__dict__.get("__init__") is init and torch.Tensor.register_hook is register_hook
 
 
+class _Cubed(torch.autograd.Function):
+    """``x³``, whose backward is the derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+class _CubedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Cubed.apply(self.layer(x)).sum()
+
+
+def test_a_function_declared_the_derivative_of_its_forward_is_differentiated(monkeypatch):
+    from autopar.passes.analysis import hooks
+
+    monkeypatch.setattr(hooks, "_DIFFERENTIATED", set())
+    model, x = _CubedLayer(), torch.randn(2, 4)
+    with pytest.raises(autopar.CaptureError, match="autopar.differentiate_forward"):
+        capture(model, (x,))
+    assert autopar.differentiate_forward(_Cubed) is _Cubed
+    captured = capture(model, (x,))
+    outputs, gradients = torch.fx.Interpreter(captured.graph).run(*joint_args(model, captured, (x,)))
+    model(x).backward()
+    results = zip(captured.outputs, [*outputs, *gradients])
+    grads = {kind.name: value for kind, value in results if kind is not None and kind.kind == "grad"}
+    assert grads.keys() == {"layer.weight", "layer.bias"}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad)
+    with pytest.raises(TypeError, match="torch.autograd.Function subclass"):
+        autopar.differentiate_forward(lambda x: x)
+
+
 def test_forward_hooks_are_traced_in_and_said_not_to_be_called_at_each_step(caplog):
     model = _Hooked("none")
     model.layer.register_forward_hook(lambda m, args, out: out * 2.0)
