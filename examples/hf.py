@@ -193,6 +193,18 @@ def _efficientnet(sizes: _Sizes):
     return build
 
 
+def _bloom(sizes: _Sizes, **fields):
+    """A builder of BLOOM, whose GeLU in training is a ``torch.autograd.Function`` with its
+    derivative as its backward: declared so (:func:`autopar.differentiate_forward`)."""
+    import transformers as tf
+    from transformers.models.bloom.modeling_bloom import GeLUFunction
+
+    import autopar
+
+    autopar.differentiate_forward(GeLUFunction)
+    return _text(sizes, tf.BloomConfig, tf.BloomForCausalLM, **fields)
+
+
 def _clip(sizes: _Sizes):
     import torch
     import transformers as tf
@@ -216,8 +228,10 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
     """Widely used Hugging Face architectures, each built small from its configuration:
     name → a function returning ``(model, example inputs)``. Causal and masked language models,
     encoder-decoders, a vision transformer, convolutional image classifiers (ResNet, ConvNeXt,
-    RegNet, MobileNetV2, EfficientNet), a CLIP-style dual encoder and mixture-of-experts models;
-    every one trains (dropout and drop path off, so that runs compare exactly).
+    RegNet, MobileNetV2, EfficientNet), a CLIP-style dual encoder, ALBERT (one layer's weights
+    shared by every layer), DeBERTa-v2 (relative attention), BLOOM (ALiBi), multi-query
+    attention (GPTBigCode), a state-space model (Mamba) and mixture-of-experts models; every
+    one trains (dropout and drop path off, so that runs compare exactly).
 
     The image classifiers see 32x32 images, with channels set by ``dim`` and two stages of
     ``num_layers`` blocks: ``dim`` and ``2 * dim`` channels (ResNet, ConvNeXt, RegNet, whose
@@ -312,6 +326,31 @@ def zoo(*, batch: int = 8, seq: int = 16, dim: int = 64, num_layers: int = 2) ->
         ),
         "efficientnet": _efficientnet(sizes),
         "clip": lambda: _clip(sizes),
+        "albert": _text(sizes, tf.AlbertConfig, tf.AlbertForMaskedLM, embedding_size=dim // 2, **bert_dropout),
+        "deberta_v2": _text(
+            sizes,
+            tf.DebertaV2Config,
+            tf.DebertaV2ForMaskedLM,
+            relative_attention=True,
+            position_buckets=seq // 2,
+            pos_att_type=["p2c", "c2p"],
+            attn_implementation="eager",
+            **bert_dropout,
+        ),
+        "bloom": _bloom(sizes, attn_implementation="eager", **no_dropout),
+        "gpt_bigcode": _text(
+            sizes, tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM, multi_query=True, attn_pdrop=0.0, **gpt2
+        ),
+        "mamba": _text(
+            sizes,
+            tf.MambaConfig,
+            tf.MambaForCausalLM,
+            state_size=dim // 4,
+            expand=2,
+            conv_kernel=4,
+            use_mambapy=False,
+            attn_implementation="eager",
+        ),
         "mixtral": _text(sizes, tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, **experts),
         "qwen2_moe": _text(
             sizes,

@@ -23,10 +23,11 @@ HUGGING_FACE = [  # models written by others: GPT-2 and LLaMA from transformers,
     dict(model_name="hf-llama", mesh_shape=(4,), axis_names=("dp",), optimizer_name="adamw"),
     # more architectures of the zoo: graph constants and index_put (Falcon), an encoder-decoder
     # shifting its labels (T5), experts with transformers' grouped matmul (Mixtral), a vision
-    # transformer, a masked language model
+    # transformer, a masked language model, relative attention's repeat and scatter_add
+    # (DeBERTa-v2), ALiBi's baddbmm and a GeLU declared differentiable (BLOOM), a state-space model
     *(
         dict(model_name=f"zoo-{name}", mesh_shape=(2, 2), axis_names=("dp", "tp"), optimizer_name="adamw-eps1e-6")
-        for name in ("falcon", "t5", "mixtral", "vit", "bert")
+        for name in ("falcon", "t5", "mixtral", "vit", "bert", "deberta_v2", "bloom", "mamba")
     ),
 ]
 
