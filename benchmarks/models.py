@@ -1,6 +1,6 @@
 """Planning models written by others: each Hugging Face architecture of
 :func:`autopar.examples.hf.zoo` (language models, a vision transformer, convolutional image
-classifiers, a CLIP-style dual encoder, mixtures of experts; built from small configurations:
+classifiers, a CLIP-style dual encoder, a state-space model, mixtures of experts; built from small configurations:
 2 layers or stages of 2 blocks, hidden 64, batch 8 x sequence 16 or 32x32 images), captured once
 and planned for 2x2 and 8x8 H100 meshes.
 
