@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 from autopar.passes.propagation.redistribute import local_shape
-from autopar.passes.rules import ReduceOp, Split, arg_layout, shape_arg, split_op
+from autopar.passes.rules import ReduceOp, Split, arg_layout, batch_arg, shape_arg, split_op
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -223,7 +223,7 @@ def _local_op(node: fx.Node, args: list):
 def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Strategy, mesh: Mesh):
     """``node``'s ``(args, kwargs)`` on one rank: tensor arguments replaced by ``local_args``
     (in :func:`~autopar.passes.rules.tensor_args` order), an output-shape argument by the
-    local output shape."""
+    local output shape, a batch-size argument by its tensor's local batch."""
     flat, spec = tree_flatten((node.args, node.kwargs))
     it = iter(local_args)
     flat = [next(it) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a for a in flat]
@@ -233,6 +233,10 @@ def local_call_args(node: fx.Node, local_args: list[torch.Tensor], strategy: Str
         )
     args, kwargs = tree_unflatten(flat, spec)
     args = list(args)
+    batch = batch_arg(node.target)
+    if batch is not None:
+        position, tensor = batch
+        args[position] = local_args[tensor].shape[0]
     found = shape_arg(node.target)
     if found is not None:
         position, index = found

@@ -36,6 +36,7 @@ name of the reduction)."""
 
 _RULES: dict[object, Rule] = {}
 _SHAPE_ARGS: dict[object, tuple[int, int]] = {}
+_BATCH_ARGS: dict[object, tuple[int, int]] = {}
 _SPLIT_OPS: dict[object, "SplitOp"] = {}
 _ARG_LAYOUTS: dict[object, Callable[[list], list]] = {}
 
@@ -138,6 +139,20 @@ def register_shape_arg(position: int, *ops, output: int = 0) -> None:
     rank it becomes that output's local shape."""
     for op in ops:
         _SHAPE_ARGS[op] = (position, output)
+
+
+def register_batch_arg(position: int, *ops, tensor: int = 0) -> None:
+    """Mark argument ``position`` of ``ops`` as the batch size of tensor argument ``tensor`` (its
+    dim 0, in :func:`tensor_args` order): on a rank it becomes that tensor's local dim 0 (group
+    norm takes its ``N`` so)."""
+    for op in ops:
+        _BATCH_ARGS[op] = (position, tensor)
+
+
+def batch_arg(op) -> tuple[int, int] | None:
+    """``(argument position, tensor argument index)`` of ``op``'s batch-size argument, if it has one."""
+    _load()
+    return _BATCH_ARGS.get(op)
 
 
 def shape_arg(op) -> tuple[int, int] | None:

@@ -1,4 +1,4 @@
-"""Normalisations: layer norm and (log-)softmax, forward and backward.
+"""Normalisations: layer norm, group norm and (log-)softmax, forward and backward.
 
 A (log-)softmax can split the dim it normalises (the vocabulary of a language model's logits):
 each rank takes the maximum and the sum of exponentials over its piece, all-reduces them over
@@ -6,7 +6,7 @@ the axes that split the dim, and normalises its piece; the backward all-reduces 
 """
 
 import torch
-from autopar.passes.rules import Row, Split, register, register_split, tensor_args, val
+from autopar.passes.rules import Row, Split, register, register_batch_arg, register_split, tensor_args, val
 from torch import fx
 
 from autopar.core.placement import P, R, S
@@ -43,6 +43,37 @@ def layer_norm_backward_rule(node: fx.Node) -> list[Row]:
         rows.append((out_row(S(d), P), (S(d),) * 4 + (R,) * num_affine))
     rows.append((out_row(P, P), (P,) + (R,) * (3 + num_affine)))  # linear in grad_out
     return rows
+
+
+register_batch_arg(3, aten.native_group_norm.default)  # N
+register_batch_arg(5, aten.native_group_norm_backward.default)  # N
+
+
+@register(aten.native_group_norm.default)
+def group_norm_rule(node: fx.Node) -> list[Row]:
+    """``(out, mean, rstd) = native_group_norm(x, weight, bias, N, C, HxW, group, eps)``, ``mean``
+    and ``rstd`` ``[N, group]``: the batch splits (each rank passes its piece's ``N``); the
+    affine weights stay whole."""
+    num_affine = len(tensor_args(node)) - 1
+    return [((R, R, R), (R,) * (1 + num_affine)), ((S(0), S(0), S(0)), (S(0),) + (R,) * num_affine)]
+
+
+@register(aten.native_group_norm_backward.default)
+def group_norm_backward_rule(node: fx.Node) -> list[Row]:
+    """``(grad_x, grad_weight, grad_bias) = native_group_norm_backward(grad_out, x, mean, rstd,
+    weight, N, C, HxW, group, output_mask)``: the batch splits, the weight gradients then partial
+    sums; linear in ``grad_out``."""
+    outs = val(node)
+    num_affine = len(tensor_args(node)) - 4
+
+    def out_row(grad_x, grad_affine):
+        return tuple(None if o is None else (grad_x if i == 0 else grad_affine) for i, o in enumerate(outs))
+
+    return [
+        (out_row(R, R), (R,) * (4 + num_affine)),
+        (out_row(S(0), P), (S(0),) * 4 + (R,) * num_affine),
+        (out_row(P, P), (P,) + (R,) * (3 + num_affine)),
+    ]
 
 
 @register(aten._log_softmax.default, aten._softmax.default)

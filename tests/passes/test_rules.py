@@ -66,6 +66,8 @@ EVERY_ROW_CHECKED = {
     aten.repeat.default,
     aten.scatter_add.default,
     aten.baddbmm.default,
+    aten.native_group_norm.default,
+    aten.native_group_norm_backward.default,
     aten.softplus_backward.default,
     aten.elu_backward.default,
     aten.leaky_relu_backward.default,
@@ -155,15 +157,17 @@ class _ShiftNet(nn.Module):
 class _ActivationNet(nn.Module):
     """Activations whose gradients torch does not tag pointwise (Mamba's softplus among them), a
     repeat that tiles one dim and keeps the others and a scatter_add along one dim (DeBERTa's
-    relative attention), and a batched matmul added to a broadcast bias (BLOOM's ALiBi)."""
+    relative attention), a batched matmul added to a broadcast bias (BLOOM's ALiBi) and a group
+    norm."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.bias = nn.Parameter(torch.randn(1, 1, 4))
+        self.norm = nn.GroupNorm(2, 4)
 
     def forward(self, x, index, target):
-        h = self.lin(x)
+        h = self.norm(self.lin(x))
         acts = [F.softplus, F.elu, F.leaky_relu, F.hardswish, F.hardsigmoid, F.mish, F.softshrink, F.hardshrink]
         h = sum(act(h) for act in acts)
         tiled = h.repeat(1, 2, 1)[:, :4]
