@@ -671,7 +671,10 @@ class ParallelModule(torch.nn.Module):
         raise TypeError(
             "a ParallelModule holds process groups and per-rank programs, which cannot be pickled or copied. "
             "Fix: save its plan (torch.save(pmodel.plan) or pmodel.plan.to_json()) and its state "
-            "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it"
+            "(torch.distributed.checkpoint, or pmodel.full_state_dict()), and compile the model again to restore it. "
+            "For an average of the weights (torch.optim.swa_utils.AveragedModel copies its model), keep DTensors: "
+            "ema = [p.detach().clone() for p in pmodel.parameters()], then after each step "
+            "torch._foreach_lerp_(ema, [p.detach() for p in pmodel.parameters()], 1 - decay)"
         )
 
 

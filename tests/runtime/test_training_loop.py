@@ -210,6 +210,7 @@ def test_parameters_are_dtensors_that_count_and_load_whole_values():
         assert r["loaded_max"] == 0.0 and not r["missing"] and not r["unexpected"]
         assert r["plan_pickles"]
         assert "cannot be pickled" in r["deepcopy"] and "torch.save(pmodel.plan)" in r["deepcopy"]
+        assert "_foreach_lerp_(ema" in r["deepcopy"]
         assert "has shape (1," in r["wrong_shape"] and "Fix:" in r["wrong_shape"]
 
 
