@@ -225,6 +225,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
             "training step to parallelize; return the loss from forward()"
         )
     inputs, outputs = _merge_tied(graph, inputs, outputs, _tied_names(model))
+    _strided_as_views(graph)
     lines = graph_lines(graph)
     captured = Captured(graph, inputs, outputs, out_spec, fingerprint(lines), time.perf_counter() - started, lines)
     log.debug("captured %s: %d nodes", type(model).__name__, len(graph.graph.nodes))
@@ -291,6 +292,42 @@ def _check_outputs(model: torch.nn.Module, args, output) -> None:
             "(Hugging Face: past_key_values) must have it turned off, with use_cache=False in its "
             "configuration"
         )
+
+
+def _strided_as_views(graph: fx.GraphModule) -> None:
+    """Make ``as_strided`` reads and ``as_strided_scatter`` writes of the whole of a contiguous
+    tensor, laid out contiguously, the views they are: ``view(x, size)``, and ``src`` viewed as
+    ``x``'s shape. AOT autograd replays views through them (the backward of
+    ``adaptive_avg_pool1d`` on a transposed tensor, Swin's pooler), and views have sharding
+    rules where raw strides have none."""
+
+    def whole(x: torch.Tensor, size, stride, offset=None) -> bool:
+        contiguous = torch.empty(size, device="meta").stride()
+        return (
+            x.is_contiguous()
+            and x.storage_offset() == 0
+            and (offset or 0) == 0
+            and math.prod(size) == x.numel()
+            and all(n == 1 or a == b for n, a, b in zip(size, stride, contiguous))  # a dim of 1 has any stride
+        )
+
+    for node in list(graph.graph.nodes):
+        if node.kwargs:
+            continue
+        if node.target is aten.as_strided.default and whole(node.args[0].meta["val"], *node.args[1:]):
+            view_of, shape = node.args[0], list(node.args[1])
+        elif node.target is aten.as_strided_scatter.default and whole(node.args[0].meta["val"], *node.args[2:]):
+            if not node.args[1].meta["val"].is_contiguous():
+                continue
+            view_of, shape = node.args[1], list(node.args[0].meta["val"].shape)
+        else:
+            continue
+        with graph.graph.inserting_before(node):
+            view = graph.graph.call_function(aten.view.default, (view_of, shape))
+        view.meta.update(node.meta)
+        node.replace_all_uses_with(view)
+        graph.graph.erase_node(node)
+    graph.recompile()
 
 
 def _tied_names(model: torch.nn.Module) -> dict[str, str]:

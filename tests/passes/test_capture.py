@@ -20,6 +20,7 @@ from tests.passes.rule_check import joint_args
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
+aten = torch.ops.aten
 BATCH = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
 
 
@@ -256,6 +257,31 @@ def test_a_function_declared_the_derivative_of_its_forward_is_differentiated(mon
         torch.testing.assert_close(grads[name], param.grad)
     with pytest.raises(TypeError, match="torch.autograd.Function subclass"):
         autopar.differentiate_forward(lambda x: x)
+
+
+class _PooledTokens(nn.Module):
+    """Tokens pooled over the sequence by ``AdaptiveAvgPool1d`` on their transpose, as Swin's
+    pooler pools: AOT autograd replays its views through ``as_strided``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.pool = nn.Linear(4, 6), nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x):
+        return self.pool(self.layer(x).transpose(1, 2)).flatten(1).square().sum()
+
+
+def test_as_strided_over_a_whole_contiguous_tensor_is_captured_as_a_view():
+    model, x = _PooledTokens(), torch.randn(2, 5, 4)
+    captured = capture(model, (x,))
+    targets = {n.target for n in captured.graph.graph.nodes}
+    assert aten.as_strided.default not in targets and aten.as_strided_scatter.default not in targets
+    outputs, gradients = torch.fx.Interpreter(captured.graph).run(*joint_args(model, captured, (x,)))
+    model(x).backward()
+    results = zip(captured.outputs, [*outputs, *gradients])
+    grads = {kind.name: value for kind, value in results if kind is not None and kind.kind == "grad"}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad)
 
 
 def test_forward_hooks_are_traced_in_and_said_not_to_be_called_at_each_step(caplog):
