@@ -3,7 +3,7 @@
 import functools
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ def default_backend(model: torch.nn.Module) -> str:
 def compile(
     model: torch.nn.Module | None = None,
     mesh: Mesh | None = None,
-    example_inputs: Sequence[torch.Tensor] | None = None,
+    example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None,
     *,
     hardware: "str | Profile" = "h100",
     pins: Pins | None = None,
@@ -53,8 +53,10 @@ def compile(
 
     Call it on every rank of a process group of ``mesh.size`` ranks (``autopar run -n N
     script.py`` starts one). Rank 0 plans and the plan is broadcast, unless ``plan`` is given.
-    Without ``example_inputs`` the inputs of the first call are used. The model's parameters are
-    replaced in place by their local pieces.
+    Without ``example_inputs`` the inputs of the first call are used; given as a dict, or when
+    the first call passes tensors by keyword (``pmodel(input_ids=ids, labels=ids)``), later calls
+    pass those by the same keywords. The model's parameters are replaced in place by their local
+    pieces.
 
     Used without a model it is a decorator for a module class or a module-returning function::
 

@@ -5,7 +5,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -609,7 +609,7 @@ def _layer_classes(captured: Captured, space, node_costs, memory, share_layers: 
 def plan(
     model: torch.nn.Module,
     mesh: Mesh,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     *,
     hardware: "str | Profile" = "h100",
     pins: Pins | None = None,
@@ -629,7 +629,8 @@ def plan(
         model: the single-device module; ``model(*example_inputs)`` returns the loss (or any
             tensors; gradients are taken of the first output's tangent as torch does).
         mesh: the logical mesh, e.g. ``Mesh((2, 2), ("dp", "tp"))``.
-        example_inputs: global-batch tensors with the shapes of training.
+        example_inputs: global-batch tensors with the shapes of training, in order, or a dict
+            of those passed by keyword (``{"input_ids": ids, "labels": ids}``: ``model(**example_inputs)``).
         hardware: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` or a profile object.
         pins: fixed placements by parameter qualified name or forward argument name, one
             placement per mesh axis (a string for 1-D meshes): ``{"fc1.weight": ("R", "S(0)")}``.
@@ -659,8 +660,14 @@ def plan(
             ``None`` (default) for no stages.
     """
     check_mesh(mesh)
+    keywords: tuple[str, ...] = ()
+    if isinstance(example_inputs, Mapping):
+        keywords, example_inputs = tuple(example_inputs), tuple(example_inputs.values())
     if not isinstance(example_inputs, (tuple, list)):
-        raise TypeError("example_inputs must be a tuple of tensors, e.g. (x, y)")
+        raise TypeError(
+            "example_inputs must be a tuple of tensors, e.g. (x, y), or a dict of those passed by keyword, "
+            "e.g. {'input_ids': ids, 'labels': ids}"
+        )
     config = PlanConfig.of(locals())
     from autopar.stage_search import check_pipeline, plan_auto, plan_stages  # they plan through this module
 
@@ -668,7 +675,7 @@ def plan(
     config.pins_for(pinned_mesh(pipeline, mesh))
 
     if pipeline is None:
-        return plan_with(capture(model, tuple(example_inputs), config.param_dtype), mesh, config)
+        return plan_with(capture(model, tuple(example_inputs), config.param_dtype, keywords), mesh, config)
     batch = shared_batch(example_inputs)
     if isinstance(pipeline, Pipeline) and pipeline.microbatches and (not batch or batch % pipeline.microbatches):
         raise ValueError(
@@ -677,7 +684,7 @@ def plan(
         )
 
     def capture_at(microbatches: int) -> Captured:
-        return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype)
+        return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype, keywords)
 
     if planning_chooses(pipeline):
         return plan_auto(capture_at, batch, mesh, config, given_parts(pipeline))

@@ -92,7 +92,7 @@ class ParallelModule(torch.nn.Module):
         model: torch.nn.Module,
         mesh: Mesh,
         *,
-        example_inputs: Sequence[torch.Tensor] | None,
+        example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None,
         plan: ShardingPlan | None,
         backend: str,
         planner,
@@ -124,7 +124,14 @@ class ParallelModule(torch.nn.Module):
         """Settings (:func:`~autopar.runtime.calls.modes`) found not to change the graph when they changed."""
         self._settings_captures = 0
         """Captures made because settings alone changed."""
+        self._keywords: tuple[str, ...] | None = None
+        """The names of the inputs passed by keyword, in the program's order after the positional
+        ones: those of ``example_inputs`` given as a dict, or of the first call."""
         if example_inputs is not None:
+            if isinstance(example_inputs, Mapping):
+                self._keywords, example_inputs = tuple(example_inputs), tuple(example_inputs.values())
+            else:
+                self._keywords = ()
             self._build(tuple(example_inputs))
 
     @property
@@ -168,7 +175,24 @@ class ParallelModule(torch.nn.Module):
         device (those living in host memory are stepped in place by any optimizer)."""
         return [name for name in self.plan.host_optimizer if name not in self.plan.host_params]
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **keywords):
+        return self._run(self._positional(inputs, keywords))
+
+    def _positional(self, inputs: tuple, keywords: dict) -> tuple:
+        """A call's tensors in the program's order: the positional ones, then those passed by
+        keyword, by the names the first call or ``example_inputs`` gave (any order)."""
+        if self._keywords is None:
+            self._keywords = tuple(keywords)
+        if keywords.keys() != set(self._keywords):
+            planned = f"keywords {', '.join(self._keywords)}" if self._keywords else "no keywords"
+            raise InputError(
+                f"the model was compiled for calls with {planned} after its positional inputs, but this call passes "
+                f"{', '.join(keywords) or 'none'} by keyword. Fix: pass the same inputs the same way as when compiled "
+                "(keywords in any order), or compile again for these"
+            )
+        return (*inputs, *(keywords[name] for name in self._keywords))
+
+    def _run(self, inputs: tuple):
         refuse_autocast()
         check_tensors(inputs)
         refuse_input_gradients(inputs)
@@ -293,7 +317,7 @@ class ParallelModule(torch.nn.Module):
         check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
             # the inputs give shapes: one requiring a gradient would make a graph that computes it
-            captured = capture(self.module, tuple(x.detach() for x in inputs), self._param_dtype)
+            captured = capture(self.module, tuple(x.detach() for x in inputs), self._param_dtype, self._keywords)
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
@@ -361,7 +385,7 @@ class ParallelModule(torch.nn.Module):
         with whole_fake_state(self.module) as mode:
             with mode:
                 fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key[0], inputs))
-            captured = capture(self.module, fakes, self._param_dtype)
+            captured = capture(self.module, fakes, self._param_dtype, self._keywords)
         if self._same_program(captured, key):
             unchanged = (key[0], self._modes_now())
             self._lowered[unchanged] = self._lowered[self._key]

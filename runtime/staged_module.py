@@ -137,7 +137,7 @@ class PipelinedModule(ParallelModule):
                 if shapes is not None:
                     with mode:
                         inputs = tuple(torch.empty(n, dtype=x.dtype, device=x.device) for n, x in zip(shapes, inputs))
-                return capture(self.module, inputs, self._param_dtype)
+                return capture(self.module, inputs, self._param_dtype, self._keywords)
         finally:
             for table, name, _ in self._elsewhere:
                 table[name] = None
@@ -277,14 +277,14 @@ class PipelinedModule(ParallelModule):
     def _in_stages(self) -> bool:
         return self._built and self._plan.stages is not None
 
-    def forward(self, *inputs):
+    def _run(self, inputs: tuple):
         refuse_autocast()
         check_tensors(inputs)
         refuse_input_gradients(inputs)
         if not self._built:
             self._build(inputs, first_call=True)
         if not self._in_stages:
-            return super().forward(*inputs)
+            return super()._run(inputs)
         self._round.check()
         key = self._whole_key(inputs)
         self._check_same_inputs(inputs)

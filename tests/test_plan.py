@@ -205,3 +205,13 @@ def test_a_plan_that_overflows_the_device_without_a_budget_says_which_budget_fit
     with caplog.at_level("WARNING", logger="autopar"):
         autopar.plan(MLP(16, 32), Mesh((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)), hardware=small)
     assert "memory_budget=" not in caplog.text
+
+
+def test_example_inputs_given_by_keyword_are_planned_under_their_names():
+    model = MLP(16, 32)
+    x, target = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = Mesh((2,), ("dp",))
+    plan = autopar.plan(model, mesh, {"target": target, "x": x}, hardware="cpu", pins={"x": "S(0)"})
+    assert list(plan.inputs) == ["target", "x"] and str(plan.inputs["x"][0]) == "S(0)"
+    positional = autopar.plan(model, mesh, (x, target), hardware="cpu", pins={"x": "S(0)"})
+    assert plan.predicted_step_s == positional.predicted_step_s

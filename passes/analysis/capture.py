@@ -173,12 +173,19 @@ class Captured:
 
 
 @torch.enable_grad()
-def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dtype | None = None) -> Captured:
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    param_dtype: torch.dtype | None = None,
+    keywords: tuple[str, ...] = (),
+) -> Captured:
     """Trace ``model(*example_inputs)`` into its joint training graph (with gradients on, also
-    when called under ``torch.no_grad()``, as a first call in evaluation is).
+    when called under ``torch.no_grad()``, as a first call in evaluation is). The last
+    ``len(keywords)`` inputs are passed by those keywords (``model(input_ids=..., labels=...)``,
+    as Hugging Face models are called), and the graph's inputs take their names.
 
     With ``param_dtype``, the forward computes with copies of the floating-point parameters
-    cast to it (:class:`_ComputeIn`): the graph reads the parameters in their own dtype, casts
+    cast to it (:class:`_Called`): the graph reads the parameters in their own dtype, casts
     them, and their gradients come back in their own dtype through the casts' backward, so that
     gradients are reduced in it."""
     if not isinstance(model, torch.nn.Module):
@@ -189,13 +196,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
             f"example inputs must be tensors; positions {bad} are not. Bind other arguments "
             "with functools.partial or module attributes before calling autopar"
         )
-    names = _input_names(model, len(example_inputs))
+    names = _input_names(model, len(example_inputs) - len(keywords)) + list(keywords)
     started = time.perf_counter()
     model, example_inputs = _off_meta(model, tuple(example_inputs))
     refuse_backward_hooks(model)
     warn_of_forward_hooks(model)
     hook = model.register_forward_hook(_check_outputs)
-    traced = model if param_dtype is None else _ComputeIn(model, param_dtype)
+    traced = model if param_dtype is None and not keywords else _Called(model, param_dtype, keywords)
     try:
         with refusing_custom_backwards(model):
             exported = torch.export.export(traced, tuple(example_inputs), strict=False)
@@ -232,15 +239,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dt
     return captured
 
 
-class _ComputeIn(torch.nn.Module):
-    """``model`` run on copies of its floating-point parameters, and on its floating-point
-    inputs, cast to ``dtype``. It holds the model's children, parameters and buffers under the
-    model's own names (so the graph's inputs keep them) and calls the model with the casts in
-    place of the parameters. Batch norm's weight and bias keep their dtype, as its running
-    statistics do: its kernel takes an input of lower precision, not parameters of another
-    dtype than its statistics (FSDP's policies leave batch norm out too)."""
+class _Called(torch.nn.Module):
+    """``model`` called with its last ``len(keywords)`` arguments by those keywords, and with a
+    ``dtype``, run on copies of its floating-point parameters, and on its floating-point inputs,
+    cast to it. It holds the model's children, parameters and buffers under the model's own
+    names (so the graph's inputs keep them) and calls the model with the casts in place of the
+    parameters. Batch norm's weight and bias keep their dtype, as its running statistics do:
+    its kernel takes an input of lower precision, not parameters of another dtype than its
+    statistics (FSDP's policies leave batch norm out too)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None, keywords: tuple[str, ...] = ()):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -249,7 +257,7 @@ class _ComputeIn(torch.nn.Module):
         for name, b in model._buffers.items():
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         object.__setattr__(self, "_model", model)  # not a child: its tensors are this module's own
-        self._dtype = dtype
+        self._dtype, self._keywords = dtype, keywords
         self._kept = {
             f"{path}.{name}" if path else name
             for path, module in model.named_modules()
@@ -258,12 +266,16 @@ class _ComputeIn(torch.nn.Module):
         }
 
     def forward(self, *args):
+        by_keyword = len(args) - len(self._keywords)
+        if self._dtype is None:
+            return self._model(*args[:by_keyword], **dict(zip(self._keywords, args[by_keyword:])))
         casts = {
             name: p.to(self._dtype) if p.is_floating_point() and name not in self._kept else p
             for name, p in self._model.named_parameters()
         }
         args = tuple(x.to(self._dtype) if x.is_floating_point() else x for x in args)
-        return torch.func.functional_call(self._model, casts, args)
+        keywords = dict(zip(self._keywords, args[by_keyword:]))
+        return torch.func.functional_call(self._model, casts, args[:by_keyword], keywords)
 
 
 def _check_outputs(model: torch.nn.Module, args, output) -> None:

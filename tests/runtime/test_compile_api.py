@@ -7,6 +7,7 @@ import torch.distributed as dist
 import autopar
 from autopar.core.pipeline import Pipeline
 from tests.cases import (
+    NEEDS_TRANSFORMERS,
     SYNTHETIC,
     decorated_and_lazy,
     dict_outputs,
@@ -194,3 +195,51 @@ def test_hooks_and_frozen_layers_are_followed_and_a_setting_of_one_rank_or_a_rep
         assert "layers.1.weight was replaced or removed after compiling" in r["replaced"], r["replaced"]
         assert "layers.0.weight carry gradient hooks" in r["no_sync"], r["no_sync"]
         assert "create_graph=True" in r["second order"], r["second order"]
+
+
+def called_by_keyword() -> dict:
+    """A Hugging Face model compiled as it is (no wrapper), called by keyword as its users call
+    it, with a padding mask, against one device; then called with other keywords."""
+    import copy
+
+    import transformers as tf
+
+    torch.manual_seed(0)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = tf.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=64, use_cache=False, **no_dropout)
+    model = tf.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids, mask = torch.randint(0, 64, (4, 8)), torch.ones(4, 8, dtype=torch.long)
+    mask[0, 6:] = 0
+    pmodel = autopar.compile(
+        model, autopar.Mesh((2,), ("dp",)), hardware=SYNTHETIC, pins={"transformer.h.0.mlp.c_fc.weight": "S(1)"}
+    )
+    out = pmodel(input_ids=ids, labels=ids, attention_mask=mask)
+    out.loss.backward()
+    expected = reference(input_ids=ids, labels=ids, attention_mask=mask)
+    expected.loss.backward()
+    r = {
+        "inputs": list(pmodel.plan.inputs),
+        "loss": float((out.loss - expected.loss).abs()),
+        "logits": float((out.logits - expected.logits).abs().max()),
+        "grads": max(
+            float((p.grad.full_tensor() - reference.get_parameter(name).grad).abs().max())
+            for name, p in pmodel.module.named_parameters()
+        ),
+        "reordered": float(pmodel(attention_mask=mask, labels=ids, input_ids=ids).loss - out.loss),
+    }
+    try:
+        pmodel(ids, labels=ids)
+        r["other keywords"] = "no error"
+    except autopar.InputError as exc:
+        r["other keywords"] = str(exc)
+    return r
+
+
+@pytest.mark.slow
+@NEEDS_TRANSFORMERS
+def test_a_hugging_face_model_called_by_keyword_matches_one_device_and_other_keywords_are_refused():
+    for r in run_ranks(2, called_by_keyword):
+        assert r["inputs"] == ["input_ids", "labels", "attention_mask"]
+        assert r["loss"] < 1e-6 and r["logits"] < 1e-5 and r["grads"] < 1e-6 and r["reordered"] == 0.0
+        assert "compiled for calls with keywords input_ids, labels, attention_mask" in r["other keywords"]
