@@ -22,7 +22,7 @@ from autopar.core.precision import MixedPrecision
 from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
 from autopar.cost_model.hardware import Profile
-from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, module_paths
+from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, keyword_order, module_paths
 from autopar.passes.analysis.liveness import ADAM_SLOTS, Liveness
 from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
@@ -630,7 +630,8 @@ def plan(
             tensors; gradients are taken of the first output's tangent as torch does).
         mesh: the logical mesh, e.g. ``Mesh((2, 2), ("dp", "tp"))``.
         example_inputs: global-batch tensors with the shapes of training, in order, or a dict
-            of those passed by keyword (``{"input_ids": ids, "labels": ids}``: ``model(**example_inputs)``).
+            of those passed by keyword (``{"input_ids": ids, "labels": ids}``: ``model(**example_inputs)``;
+            values other than tensors, such as ``return_loss=True``, are traced into the graph).
         hardware: ``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"`` or a profile object.
         pins: fixed placements by parameter qualified name or forward argument name, one
             placement per mesh axis (a string for 1-D meshes): ``{"fc1.weight": ("R", "S(0)")}``.
@@ -661,8 +662,12 @@ def plan(
     """
     check_mesh(mesh)
     keywords: tuple[str, ...] = ()
+    fixed: dict[str, object] = {}
     if isinstance(example_inputs, Mapping):
-        keywords, example_inputs = tuple(example_inputs), tuple(example_inputs.values())
+        fixed = {k: v for k, v in example_inputs.items() if not isinstance(v, torch.Tensor)}
+        example_inputs = {k: v for k, v in example_inputs.items() if isinstance(v, torch.Tensor)}
+        keywords = keyword_order(model, example_inputs)
+        example_inputs = tuple(example_inputs[name] for name in keywords)
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError(
             "example_inputs must be a tuple of tensors, e.g. (x, y), or a dict of those passed by keyword, "
@@ -675,7 +680,7 @@ def plan(
     config.pins_for(pinned_mesh(pipeline, mesh))
 
     if pipeline is None:
-        return plan_with(capture(model, tuple(example_inputs), config.param_dtype, keywords), mesh, config)
+        return plan_with(capture(model, tuple(example_inputs), config.param_dtype, keywords, fixed), mesh, config)
     batch = shared_batch(example_inputs)
     if isinstance(pipeline, Pipeline) and pipeline.microbatches and (not batch or batch % pipeline.microbatches):
         raise ValueError(
@@ -684,7 +689,7 @@ def plan(
         )
 
     def capture_at(microbatches: int) -> Captured:
-        return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype, keywords)
+        return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype, keywords, fixed)
 
     if planning_chooses(pipeline):
         return plan_auto(capture_at, batch, mesh, config, given_parts(pipeline))

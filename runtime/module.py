@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from autopar.passes.analysis.capture import Captured, InputKind, capture
+from autopar.passes.analysis.capture import Captured, InputKind, capture, keyword_order
 from autopar.passes.analysis.hooks import has_gradient_hooks
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
@@ -125,11 +125,13 @@ class ParallelModule(torch.nn.Module):
         self._settings_captures = 0
         """Captures made because settings alone changed."""
         self._keywords: tuple[str, ...] | None = None
-        """The names of the inputs passed by keyword, in the program's order after the positional
+        """The names of the tensors passed by keyword, in the program's order after the positional
         ones: those of ``example_inputs`` given as a dict, or of the first call."""
+        self._fixed: dict[str, object] = {}
+        """The other arguments passed by keyword (``return_loss=True``), traced into the graph."""
         if example_inputs is not None:
             if isinstance(example_inputs, Mapping):
-                self._keywords, example_inputs = tuple(example_inputs), tuple(example_inputs.values())
+                example_inputs = self._positional((), dict(example_inputs))
             else:
                 self._keywords = ()
             self._build(tuple(example_inputs))
@@ -176,21 +178,37 @@ class ParallelModule(torch.nn.Module):
         return [name for name in self.plan.host_optimizer if name not in self.plan.host_params]
 
     def forward(self, *inputs, **keywords):
-        return self._run(self._positional(inputs, keywords))
+        first = self._keywords is None
+        try:
+            return self._run(self._positional(inputs, keywords))
+        except BaseException:
+            if first and not self._built:  # a failed first call fixes no keywords
+                self._keywords, self._fixed = None, {}
+            raise
 
     def _positional(self, inputs: tuple, keywords: dict) -> tuple:
         """A call's tensors in the program's order: the positional ones, then those passed by
-        keyword, by the names the first call or ``example_inputs`` gave (any order)."""
-        if self._keywords is None:
-            self._keywords = tuple(keywords)
-        if keywords.keys() != set(self._keywords):
-            planned = f"keywords {', '.join(self._keywords)}" if self._keywords else "no keywords"
+        keyword, by the names the first call or ``example_inputs`` gave (any order). Its other
+        keyword arguments must be those of that call, which are traced into the graph."""
+        tensors = {k: v for k, v in keywords.items() if isinstance(v, torch.Tensor)}
+        fixed = {k: v for k, v in keywords.items() if not isinstance(v, torch.Tensor)}
+        other = [f"{k} is a {type(v).__name__}" for k, v in fixed.items() if not isinstance(v, _SETTINGS)]
+        if other:
             raise InputError(
-                f"the model was compiled for calls with {planned} after its positional inputs, but this call passes "
-                f"{', '.join(keywords) or 'none'} by keyword. Fix: pass the same inputs the same way as when compiled "
-                "(keywords in any order), or compile again for these"
+                f"the compiled model takes tensors, and settings (None, bool, int, float, str) by keyword: "
+                f"{'; '.join(other)}. Fix: pass each input as a tensor (torch.tensor(...))"
             )
-        return (*inputs, *(keywords[name] for name in self._keywords))
+        if self._keywords is None:
+            self._keywords, self._fixed = keyword_order(self.module, tensors), fixed
+        if tensors.keys() != set(self._keywords) or not _same_values(fixed, self._fixed):
+            planned = ", ".join([*self._keywords, *(f"{k}={v!r}" for k, v in self._fixed.items())]) or "none"
+            given = ", ".join([*tensors, *(f"{k}={v!r}" for k, v in fixed.items())]) or "none"
+            raise InputError(
+                f"the model was compiled for calls passing {planned} by keyword (after its positional inputs), but "
+                f"this call passes {given}. Fix: pass the same tensors and settings by keyword as when compiled "
+                "(in any order), or compile again for these"
+            )
+        return (*inputs, *(tensors[name] for name in self._keywords))
 
     def _run(self, inputs: tuple):
         refuse_autocast()
@@ -286,7 +304,7 @@ class ParallelModule(torch.nn.Module):
 
     def _write_back(self, results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copy the new values of updated buffers into the module's buffers; return the model's
-        outputs."""
+        outputs (those that view another made again from it, outside the program)."""
         outputs = []
         with torch.no_grad():
             for value, name in zip(results, self._program.updated_buffers):
@@ -294,7 +312,7 @@ class ParallelModule(torch.nn.Module):
                     outputs.append(value)
                 else:
                     local_of(self.module.get_buffer(name)).copy_(value)
-        return outputs
+        return self._program.outputs.again(outputs)
 
     # building ----------------------------------------------------------------------------
 
@@ -317,7 +335,9 @@ class ParallelModule(torch.nn.Module):
         check_tensors(inputs)
         with whole_fake_state(self.module, self._device) if on_meta else contextlib.nullcontext():
             # the inputs give shapes: one requiring a gradient would make a graph that computes it
-            captured = capture(self.module, tuple(x.detach() for x in inputs), self._param_dtype, self._keywords)
+            captured = capture(
+                self.module, tuple(x.detach() for x in inputs), self._param_dtype, self._keywords, self._fixed
+            )
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
         plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
@@ -385,7 +405,7 @@ class ParallelModule(torch.nn.Module):
         with whole_fake_state(self.module) as mode:
             with mode:
                 fakes = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for shape, x in zip(key[0], inputs))
-            captured = capture(self.module, fakes, self._param_dtype, self._keywords)
+            captured = capture(self.module, fakes, self._param_dtype, self._keywords, self._fixed)
         if self._same_program(captured, key):
             unchanged = (key[0], self._modes_now())
             self._lowered[unchanged] = self._lowered[self._key]
@@ -700,6 +720,17 @@ class ParallelModule(torch.nn.Module):
             "ema = [p.detach().clone() for p in pmodel.parameters()], then after each step "
             "torch._foreach_lerp_(ema, [p.detach() for p in pmodel.parameters()], 1 - decay)"
         )
+
+
+_SETTINGS = (type(None), bool, int, float, str)
+"""What a call may pass by keyword besides tensors: settings the capture traces into the graph."""
+
+
+def _same_values(given: dict, planned: dict) -> bool:
+    """Whether two calls' keyword settings are the same, in value and type (``1`` is not ``True``)."""
+    return given.keys() == planned.keys() and all(
+        type(value) is type(planned[name]) and value == planned[name] for name, value in given.items()
+    )
 
 
 _ACCUMULATING: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()

@@ -45,8 +45,11 @@ class Program:
         gradients: Gradients = "reduced",
         unsynced: "Unsynced | None" = None,
         unreduced_layouts: tuple = (),
+        outputs: "Outputs | None" = None,
     ):
         self.num_outputs = parts.num_outputs
+        model_outputs = [name is None for name in updated_buffers]
+        self.outputs = outputs or Outputs(model_outputs, {}, [False] * len(model_outputs))
         self.timeout_s = timeout_s
         self.gradients = gradients
         self.unsynced = unsynced
@@ -119,7 +122,8 @@ class Step(torch.autograd.Function):
     def backward(ctx, *tangents):
         refuse_second_order()
         program = ctx.program
-        tangents = [t for t, name in zip(tangents, program.updated_buffers) if name is None]
+        program.outputs.refuse_lost_gradients(tangents)
+        tangents = [t for t, taken in zip(tangents, program.outputs.tangents) if taken]
         args = [*ctx.saved_tensors, *(t.contiguous() for t in tangents)]
         if program.gradients == "accumulated":
             sums = program.unsynced.take()
@@ -148,6 +152,73 @@ class Step(torch.autograd.Function):
                 for has_grad, spec in zip(program.grad_slots, ctx.specs)
             ),
         )
+
+
+class Outputs(NamedTuple):
+    """What the backward takes of the forward's outputs (model outputs and buffers' new values).
+    AOT autograd takes no gradient for an output that views another (CLIP's ``logits_per_text``,
+    ``logits_per_image.t()``): the module makes it again from that output, outside the program,
+    so that autograd carries its gradient there (:meth:`again`)."""
+
+    tangents: list[bool]
+    """Per forward output: whether the backward takes its gradient."""
+    views: dict[int, tuple[int, list[torch.fx.Node]]]
+    """Per model output made again, by its index among the model's outputs: the output it views
+    and the view ops (of the captured graph, on whole tensors) that make it from that one."""
+    lost: list[bool]
+    """Per forward output: a model output whose gradient the backward cannot take."""
+
+    def again(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``outputs`` (the model's) with those that view another made again from it."""
+        for index, (base, ops) in self.views.items():
+            value = outputs[base]
+            for op in ops:
+                value = op.target(value, *op.args[1:], **op.kwargs)
+            outputs[index] = value
+        return outputs
+
+    def refuse_lost_gradients(self, tangents: Sequence[torch.Tensor | None]) -> None:
+        """Raise where a gradient reached an output whose gradient the backward cannot take."""
+        lost = [i for i, (t, gone) in enumerate(zip(tangents, self.lost)) if gone and t is not None and t.any()]
+        if lost:
+            raise RuntimeError(
+                f"a gradient reached output{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of the compiled "
+                "model, which alias an intermediate or input of its graph, and whose gradients its program does not "
+                "take. Fix: return a copy (.clone()) from forward, or compute the loss from other outputs"
+            )
+
+
+def outputs_of(captured: Captured) -> Outputs:
+    """:class:`Outputs` of ``captured``'s forward outputs."""
+    forward = [k for k in captured.outputs if k is not None and not k.in_backward]
+    nodes = dict(zip(captured.outputs, captured.graph.graph.output_node().args[0]))
+    tangents = {k.name for k in captured.inputs if k.is_tangent}
+    taken = [k.kind == "output" and k.name in tangents for k in forward]
+    model_outputs = [k for k in forward if k.kind == "output"]
+    index = {nodes[k]: i for i, k in enumerate(model_outputs) if k.name in tangents}
+    views, lost = {}, []
+    for k, has in zip(forward, taken):
+        if k.kind != "output" or has:
+            lost.append(False)
+            continue
+        ops, node = [], nodes[k]
+        while isinstance(node, torch.fx.Node) and node not in index and _is_view(node):
+            ops.append(node)
+            node = node.args[0]
+        replayable = all(not isinstance(a, torch.fx.Node) for op in ops for a in (*op.args[1:], *op.kwargs.values()))
+        if ops and node in index and replayable:
+            views[model_outputs.index(k)] = (index[node], ops[::-1])
+        lost.append(not (ops and node in index and replayable))
+    return Outputs(taken, views, lost)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an aten op whose result views its first argument."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns or not schema.arguments:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write and schema.arguments[0].alias_info is not None
 
 
 class Unsynced:
@@ -269,7 +340,9 @@ def lower(
         k.name if k.kind == "buffer" else None for k in captured.outputs if k is not None and not k.in_backward
     ]
     parts = partition(joint, is_tangent, output_is_grad)
-    program = Program(parts, backend, grad_slots, updated_buffers, timeout_s, gradients, unsynced, unreduced)
+    program = Program(
+        parts, backend, grad_slots, updated_buffers, timeout_s, gradients, unsynced, unreduced, outputs_of(captured)
+    )
     layouts = {k.name: p for k, p in zip(captured.inputs, placeholder_layouts(captured, plan))}
     return Lowered(captured, program, joint, collectives, layouts, plan)
 

@@ -137,7 +137,7 @@ class PipelinedModule(ParallelModule):
                 if shapes is not None:
                     with mode:
                         inputs = tuple(torch.empty(n, dtype=x.dtype, device=x.device) for n, x in zip(shapes, inputs))
-                return capture(self.module, inputs, self._param_dtype, self._keywords)
+                return capture(self.module, inputs, self._param_dtype, self._keywords, self._fixed)
         finally:
             for table, name, _ in self._elsewhere:
                 table[name] = None

@@ -212,6 +212,6 @@ def test_example_inputs_given_by_keyword_are_planned_under_their_names():
     x, target = torch.randn(8, 16), torch.randn(8, 16)
     mesh = Mesh((2,), ("dp",))
     plan = autopar.plan(model, mesh, {"target": target, "x": x}, hardware="cpu", pins={"x": "S(0)"})
-    assert list(plan.inputs) == ["target", "x"] and str(plan.inputs["x"][0]) == "S(0)"
+    assert list(plan.inputs) == ["x", "target"] and str(plan.inputs["x"][0]) == "S(0)"
     positional = autopar.plan(model, mesh, (x, target), hardware="cpu", pins={"x": "S(0)"})
     assert plan.predicted_step_s == positional.predicted_step_s

@@ -26,6 +26,7 @@ import logging
 import math
 import operator
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -178,11 +179,13 @@ def capture(
     example_inputs: tuple,
     param_dtype: torch.dtype | None = None,
     keywords: tuple[str, ...] = (),
+    fixed: Mapping[str, object] | None = None,
 ) -> Captured:
     """Trace ``model(*example_inputs)`` into its joint training graph (with gradients on, also
     when called under ``torch.no_grad()``, as a first call in evaluation is). The last
     ``len(keywords)`` inputs are passed by those keywords (``model(input_ids=..., labels=...)``,
-    as Hugging Face models are called), and the graph's inputs take their names.
+    as Hugging Face models are called), and the graph's inputs take their names; ``fixed``
+    passes other keyword arguments as they are (``return_loss=True``), traced into the graph.
 
     With ``param_dtype``, the forward computes with copies of the floating-point parameters
     cast to it (:class:`_Called`): the graph reads the parameters in their own dtype, casts
@@ -202,7 +205,8 @@ def capture(
     refuse_backward_hooks(model)
     warn_of_forward_hooks(model)
     hook = model.register_forward_hook(_check_outputs)
-    traced = model if param_dtype is None and not keywords else _Called(model, param_dtype, keywords)
+    called = param_dtype is not None or keywords or fixed
+    traced = _Called(model, param_dtype, keywords, fixed or {}) if called else model
     try:
         with refusing_custom_backwards(model):
             exported = torch.export.export(traced, tuple(example_inputs), strict=False)
@@ -240,15 +244,21 @@ def capture(
 
 
 class _Called(torch.nn.Module):
-    """``model`` called with its last ``len(keywords)`` arguments by those keywords, and with a
-    ``dtype``, run on copies of its floating-point parameters, and on its floating-point inputs,
-    cast to it. It holds the model's children, parameters and buffers under the model's own
-    names (so the graph's inputs keep them) and calls the model with the casts in place of the
-    parameters. Batch norm's weight and bias keep their dtype, as its running statistics do:
-    its kernel takes an input of lower precision, not parameters of another dtype than its
-    statistics (FSDP's policies leave batch norm out too)."""
+    """``model`` called with its last ``len(keywords)`` arguments by those keywords and the
+    ``fixed`` keyword arguments, and with a ``dtype``, run on copies of its floating-point
+    parameters, and on its floating-point inputs, cast to it. It holds the model's children,
+    parameters and buffers under the model's own names (so the graph's inputs keep them) and
+    calls the model with the casts in place of the parameters. Batch norm's weight and bias keep
+    their dtype, as its running statistics do: its kernel takes an input of lower precision, not
+    parameters of another dtype than its statistics (FSDP's policies leave batch norm out too)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None, keywords: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: torch.dtype | None,
+        keywords: tuple[str, ...] = (),
+        fixed: Mapping[str, object] | None = None,
+    ):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -257,7 +267,7 @@ class _Called(torch.nn.Module):
         for name, b in model._buffers.items():
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         object.__setattr__(self, "_model", model)  # not a child: its tensors are this module's own
-        self._dtype, self._keywords = dtype, keywords
+        self._dtype, self._keywords, self._fixed = dtype, keywords, dict(fixed or {})
         self._kept = {
             f"{path}.{name}" if path else name
             for path, module in model.named_modules()
@@ -267,15 +277,32 @@ class _Called(torch.nn.Module):
 
     def forward(self, *args):
         by_keyword = len(args) - len(self._keywords)
+        keywords = {**dict(zip(self._keywords, args[by_keyword:])), **self._fixed}
         if self._dtype is None:
-            return self._model(*args[:by_keyword], **dict(zip(self._keywords, args[by_keyword:])))
-        casts = {
-            name: p.to(self._dtype) if p.is_floating_point() and name not in self._kept else p
-            for name, p in self._model.named_parameters()
-        }
+            with self._own_top_level():
+                return self._model(*args[:by_keyword], **keywords)
+        # this module's own tensors, which the trace replaces, in place of the model's (whose own
+        # table still holds the real ones of its top level: CLIP's logit scale)
+        state = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        for name, p in self.named_parameters():
+            if p.is_floating_point() and name not in self._kept:
+                state[name] = p.to(self._dtype)
         args = tuple(x.to(self._dtype) if x.is_floating_point() else x for x in args)
-        keywords = dict(zip(self._keywords, args[by_keyword:]))
-        return torch.func.functional_call(self._model, casts, args[:by_keyword], keywords)
+        return torch.func.functional_call(self._model, state, args[:by_keyword], keywords)
+
+    @contextlib.contextmanager
+    def _own_top_level(self):
+        """The model's top-level parameters and buffers read as this module's, which the trace
+        replaces (its children are this module's own)."""
+        model = self._model
+        saved = dict(model._parameters), dict(model._buffers)
+        model._parameters.update({name: self._parameters[name] for name in saved[0]})
+        model._buffers.update({name: self._buffers[name] for name in saved[1]})
+        try:
+            yield
+        finally:
+            model._parameters.update(saved[0])
+            model._buffers.update(saved[1])
 
 
 def _check_outputs(model: torch.nn.Module, args, output) -> None:
@@ -329,8 +356,9 @@ def _strided_as_views(graph: fx.GraphModule) -> None:
         if node.target is aten.as_strided.default and whole(node.args[0].meta["val"], *node.args[1:]):
             view_of, shape = node.args[0], list(node.args[1])
         elif node.target is aten.as_strided_scatter.default and whole(node.args[0].meta["val"], *node.args[2:]):
-            if not node.args[1].meta["val"].is_contiguous():
-                continue
+            source, target = node.args[1].meta["val"], node.args[0].meta["val"]
+            if not source.is_contiguous() or (source.dtype, source.device) != (target.dtype, target.device):
+                continue  # a strided copy of another layout, dtype or device
             view_of, shape = node.args[1], list(node.args[0].meta["val"].shape)
         else:
             continue
@@ -512,6 +540,13 @@ _GRADIENT_ADDITION = "Gradient addition node"
 """How autograd marks, in a node's stack trace, the sum of a value's gradients from its uses."""
 
 
+def keyword_order(model: torch.nn.Module, names) -> tuple[str, ...]:
+    """``names`` of ``model.forward``'s arguments in the order the capture takes them: the
+    signature's, then by name (one order on every rank, however each call orders its keywords)."""
+    order = {name: i for i, name in enumerate(inspect.signature(model.forward).parameters)}
+    return tuple(sorted(names, key=lambda name: (order.get(name, len(order)), name)))
+
+
 def _input_names(model: torch.nn.Module, count: int) -> list[str]:
     params = [
         p.name
@@ -571,14 +606,12 @@ def _capture_message(model: torch.nn.Module, stage: str, exc: Exception, names: 
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (
         f"{stage} could not trace {type(model).__name__}: {type(exc).__name__}: {first}\n"
-        f"The example inputs were passed in order, as forward({', '.join(names)}).\n"
+        f"The example inputs were passed as forward({', '.join(names)}).\n"
         "autopar captures the whole training step as one graph, so forward() must be traceable "
         "by torch.export. Fixes: replace data-dependent Python control flow (an `if` on a tensor "
         "value, .item(), .tolist()) with tensor ops or torch.cond; return tensors (or tuples, "
-        "lists, dicts and dataclasses of them) from forward(); pass only tensors as inputs; "
-        "call a model whose inputs are keyword arguments (a Hugging Face model's input_ids=, "
-        "labels=) from a wrapper module whose forward() takes the tensors in order and returns "
-        "the loss."
+        "lists, dicts and dataclasses of them) from forward(); pass tensors as inputs, in order or "
+        "by keyword (a Hugging Face model's input_ids=, labels=)."
     )
 
 

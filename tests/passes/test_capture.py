@@ -126,16 +126,17 @@ def test_a_hugging_face_model_returns_its_model_output_and_refuses_a_cache():
 @pytest.mark.skipif(
     not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed (pip install -e '.[test]')"
 )
-def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_wrap_it():
+def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_pass_them_by_keyword():
     from autopar.examples.hf import gpt2
     from transformers import GPT2LMHeadModel
 
     ids = torch.randint(0, 32, (4, 8))
+    model = gpt2(vocab_size=32, seq=8, dim=16, num_layers=1).model
     second = list(inspect.signature(GPT2LMHeadModel.forward).parameters)[2]  # past_key_values, or cache from 5.24
-    with pytest.raises(
-        autopar.CaptureError, match=rf"(?s)forward\(input_ids, {second}\).*wrapper module whose forward\(\) takes"
-    ):
-        capture(gpt2(vocab_size=32, seq=8, dim=16, num_layers=1).model, (ids, ids))
+    with pytest.raises(autopar.CaptureError, match=rf"(?s)forward\(input_ids, {second}\).*in order or by keyword"):
+        capture(model, (ids, ids))
+    captured = capture(model, (ids, ids), keywords=("input_ids", "labels"), fixed={"return_dict": True})
+    assert [k.name for k in captured.inputs if k.kind == "input"] == ["input_ids", "labels"]
 
 
 def test_a_model_built_on_the_meta_device_keeps_its_tied_parameters_tied():

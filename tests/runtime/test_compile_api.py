@@ -214,7 +214,11 @@ def called_by_keyword() -> dict:
     pmodel = autopar.compile(
         model, autopar.Mesh((2,), ("dp",)), hardware=SYNTHETIC, pins={"transformer.h.0.mlp.c_fc.weight": "S(1)"}
     )
-    out = pmodel(input_ids=ids, labels=ids, attention_mask=mask)
+    try:
+        pmodel(input_ids=ids.tolist(), labels=ids)
+    except autopar.InputError:
+        pass  # a first call refused fixes no keywords
+    out = pmodel(input_ids=ids, labels=ids, attention_mask=mask, return_dict=True)
     out.loss.backward()
     expected = reference(input_ids=ids, labels=ids, attention_mask=mask)
     expected.loss.backward()
@@ -226,13 +230,17 @@ def called_by_keyword() -> dict:
             float((p.grad.full_tensor() - reference.get_parameter(name).grad).abs().max())
             for name, p in pmodel.module.named_parameters()
         ),
-        "reordered": float(pmodel(attention_mask=mask, labels=ids, input_ids=ids).loss - out.loss),
+        "reordered": float(pmodel(return_dict=True, attention_mask=mask, labels=ids, input_ids=ids).loss - out.loss),
     }
-    try:
-        pmodel(ids, labels=ids)
-        r["other keywords"] = "no error"
-    except autopar.InputError as exc:
-        r["other keywords"] = str(exc)
+    for name, call in [
+        ("other keywords", lambda: pmodel(ids, labels=ids, return_dict=True)),
+        ("other settings", lambda: pmodel(input_ids=ids, labels=ids, attention_mask=mask, return_dict=False)),
+    ]:
+        try:
+            call()
+            r[name] = "no error"
+        except autopar.InputError as exc:
+            r[name] = str(exc)
     return r
 
 
@@ -240,6 +248,46 @@ def called_by_keyword() -> dict:
 @NEEDS_TRANSFORMERS
 def test_a_hugging_face_model_called_by_keyword_matches_one_device_and_other_keywords_are_refused():
     for r in run_ranks(2, called_by_keyword):
-        assert r["inputs"] == ["input_ids", "labels", "attention_mask"]
+        assert r["inputs"] == ["input_ids", "attention_mask", "labels"]  # in the order of forward's signature
         assert r["loss"] < 1e-6 and r["logits"] < 1e-5 and r["grads"] < 1e-6 and r["reordered"] == 0.0
-        assert "compiled for calls with keywords input_ids, labels, attention_mask" in r["other keywords"]
+        planned = "compiled for calls passing input_ids, attention_mask, labels, return_dict=True by keyword"
+        assert planned in r["other keywords"] and planned in r["other settings"]
+        assert "this call passes input_ids, labels, attention_mask, return_dict=False" in r["other settings"]
+
+
+class _ViewedOutputs(torch.nn.Module):
+    """Outputs of which one views another (``scores.t()``, as CLIP's ``logits_per_text`` views its
+    ``logits_per_image``): the joint graph takes no gradient for it, but the caller's loss does."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.image = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, text, image):
+        scores = self.text(text) @ self.image(image).t()
+        return {"per_image": scores, "per_text": scores.t(), "text": self.text(text)}
+
+
+def viewed_outputs() -> dict:
+    import copy
+
+    torch.manual_seed(0)
+    model, text, image = _ViewedOutputs(), torch.randn(4, 8), torch.randn(4, 8)
+    weights = [torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 8)]
+    reference = copy.deepcopy(model)
+    pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), (text, image), hardware=SYNTHETIC)
+    for m in (pmodel, reference):
+        out = m(text, image)
+        sum((o * w).sum() for o, w in zip(out.values(), weights)).backward()
+    return {
+        "grads": max(
+            float((p.grad.full_tensor() - reference.get_parameter(name).grad).abs().max())
+            for name, p in pmodel.module.named_parameters()
+        )
+    }
+
+
+@pytest.mark.slow
+def test_gradients_of_an_output_that_views_another_reach_the_parameters():
+    for r in run_ranks(2, viewed_outputs):
+        assert r["grads"] < 1e-5
