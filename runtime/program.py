@@ -48,8 +48,9 @@ class Program:
         outputs: "Outputs | None" = None,
     ):
         self.num_outputs = parts.num_outputs
-        model_outputs = [name is None for name in updated_buffers]
-        self.outputs = outputs or Outputs(model_outputs, {}, [False] * len(model_outputs))
+        buffers = [name is not None for name in updated_buffers]
+        none = [False] * len(buffers)
+        self.outputs = outputs or Outputs([not b for b in buffers], buffers, {}, none, buffers)
         self.timeout_s = timeout_s
         self.gradients = gradients
         self.unsynced = unsynced
@@ -115,7 +116,7 @@ class Step(torch.autograd.Function):
         ctx.program = program
         ctx.save_for_backward(*results[program.num_outputs :])
         outputs = tuple(results[: program.num_outputs])
-        ctx.mark_non_differentiable(*(o for o, name in zip(outputs, program.updated_buffers) if name is not None))
+        ctx.mark_non_differentiable(*(o for o, constant in zip(outputs, program.outputs.constant) if constant))
         return outputs
 
     @staticmethod
@@ -162,11 +163,17 @@ class Outputs(NamedTuple):
 
     tangents: list[bool]
     """Per forward output: whether the backward takes its gradient."""
+    buffers: list[bool]
+    """Per forward output: whether it is a buffer's new value rather than a model output."""
     views: dict[int, tuple[int, list[torch.fx.Node]]]
     """Per model output made again, by its index among the model's outputs: the output it views
     and the view ops (of the captured graph, on whole tensors) that make it from that one."""
     lost: list[bool]
-    """Per forward output: a model output whose gradient the backward cannot take."""
+    """Per forward output: a model output that depends on a parameter, whose gradient the
+    backward cannot take."""
+    constant: list[bool]
+    """Per forward output: a buffer's new value, or a model output that depends on no
+    parameter (an input returned, integers), which autograd then treats as a constant."""
 
     def again(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """``outputs`` (the model's) with those that view another made again from it."""
@@ -179,7 +186,12 @@ class Outputs(NamedTuple):
 
     def refuse_lost_gradients(self, tangents: Sequence[torch.Tensor | None]) -> None:
         """Raise where a gradient reached an output whose gradient the backward cannot take."""
-        lost = [i for i, (t, gone) in enumerate(zip(tangents, self.lost)) if gone and t is not None and t.any()]
+        model_outputs = [i for i, buffer in enumerate(self.buffers) if not buffer]
+        lost = [
+            model_outputs.index(i)
+            for i, (t, gone) in enumerate(zip(tangents, self.lost))
+            if gone and t is not None and t.any()
+        ]
         if lost:
             raise RuntimeError(
                 f"a gradient reached output{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of the compiled "
@@ -196,10 +208,12 @@ def outputs_of(captured: Captured) -> Outputs:
     taken = [k.kind == "output" and k.name in tangents for k in forward]
     model_outputs = [k for k in forward if k.kind == "output"]
     index = {nodes[k]: i for i, k in enumerate(model_outputs) if k.name in tangents}
-    views, lost = {}, []
+    params = {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
+    views, lost, constant = {}, [], []
     for k, has in zip(forward, taken):
         if k.kind != "output" or has:
             lost.append(False)
+            constant.append(k.kind != "output")
             continue
         ops, node = [], nodes[k]
         while isinstance(node, torch.fx.Node) and node not in index and _is_view(node):
@@ -208,8 +222,24 @@ def outputs_of(captured: Captured) -> Outputs:
         replayable = all(not isinstance(a, torch.fx.Node) for op in ops for a in (*op.args[1:], *op.kwargs.values()))
         if ops and node in index and replayable:
             views[model_outputs.index(k)] = (index[node], ops[::-1])
-        lost.append(not (ops and node in index and replayable))
-    return Outputs(taken, views, lost)
+            lost.append(False)
+            constant.append(False)
+        else:
+            reads_params = isinstance(nodes[k], torch.fx.Node) and bool(_ancestors(nodes[k]) & params)
+            lost.append(reads_params)
+            constant.append(not reads_params)
+    return Outputs(taken, [k.kind != "output" for k in forward], views, lost, constant)
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes ``node`` is computed from."""
+    found, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
 
 
 def _is_view(node: torch.fx.Node) -> bool:

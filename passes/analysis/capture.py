@@ -277,10 +277,9 @@ class _Called(torch.nn.Module):
 
     def forward(self, *args):
         by_keyword = len(args) - len(self._keywords)
-        keywords = {**dict(zip(self._keywords, args[by_keyword:])), **self._fixed}
         if self._dtype is None:
             with self._own_top_level():
-                return self._model(*args[:by_keyword], **keywords)
+                return self._model(*args[:by_keyword], **dict(zip(self._keywords, args[by_keyword:])), **self._fixed)
         # this module's own tensors, which the trace replaces, in place of the model's (whose own
         # table still holds the real ones of its top level: CLIP's logit scale)
         state = {**dict(self.named_parameters()), **dict(self.named_buffers())}
@@ -288,6 +287,7 @@ class _Called(torch.nn.Module):
             if p.is_floating_point() and name not in self._kept:
                 state[name] = p.to(self._dtype)
         args = tuple(x.to(self._dtype) if x.is_floating_point() else x for x in args)
+        keywords = {**dict(zip(self._keywords, args[by_keyword:])), **self._fixed}
         return torch.func.functional_call(self._model, state, args[:by_keyword], keywords)
 
     @contextlib.contextmanager

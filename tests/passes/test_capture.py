@@ -139,6 +139,12 @@ def test_a_model_taking_keyword_inputs_says_how_the_inputs_bound_and_to_pass_the
     assert [k.name for k in captured.inputs if k.kind == "input"] == ["input_ids", "labels"]
 
 
+def test_inputs_passed_by_keyword_are_cast_to_the_compute_dtype():
+    captured = capture(nn.Linear(4, 4), (torch.randn(2, 4),), torch.bfloat16, keywords=("input",))
+    matmuls = [n for n in captured.graph.graph.nodes if n.target is aten.addmm.default]
+    assert matmuls and all(a.meta["val"].dtype == torch.bfloat16 for n in matmuls for a in n.args[:3])
+
+
 def test_a_model_built_on_the_meta_device_keeps_its_tied_parameters_tied():
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=32, block_size=8, dim=16, num_heads=4, num_layers=1))

@@ -257,7 +257,8 @@ def test_a_hugging_face_model_called_by_keyword_matches_one_device_and_other_key
 
 class _ViewedOutputs(torch.nn.Module):
     """Outputs of which one views another (``scores.t()``, as CLIP's ``logits_per_text`` views its
-    ``logits_per_image``): the joint graph takes no gradient for it, but the caller's loss does."""
+    ``logits_per_image``): the joint graph takes no gradient for it, but the caller's loss does;
+    and one that depends on no parameter, which the loss reads too."""
 
     def __init__(self):
         super().__init__()
@@ -265,7 +266,7 @@ class _ViewedOutputs(torch.nn.Module):
 
     def forward(self, text, image):
         scores = self.text(text) @ self.image(image).t()
-        return {"per_image": scores, "per_text": scores.t(), "text": self.text(text)}
+        return {"per_image": scores, "per_text": scores.t(), "text": self.text(text), "doubled": image * 2}
 
 
 def viewed_outputs() -> dict:
@@ -273,7 +274,7 @@ def viewed_outputs() -> dict:
 
     torch.manual_seed(0)
     model, text, image = _ViewedOutputs(), torch.randn(4, 8), torch.randn(4, 8)
-    weights = [torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 8)]
+    weights = [torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 8), torch.randn(4, 8)]
     reference = copy.deepcopy(model)
     pmodel = autopar.compile(model, autopar.Mesh((2,), ("dp",)), (text, image), hardware=SYNTHETIC)
     for m in (pmodel, reference):
