@@ -22,7 +22,14 @@ from autopar.core.precision import MixedPrecision
 from autopar.core.strategy import StrategySpace
 from autopar.cost_model.estimate import CostModel, MemoryTerms, memory_terms
 from autopar.cost_model.hardware import Profile
-from autopar.passes.analysis.capture import Captured, capture, gradients_before_cast, keyword_order, module_paths
+from autopar.passes.analysis.capture import (
+    Captured,
+    capture,
+    gradients_before_cast,
+    keyword_order,
+    module_paths,
+    split_keywords,
+)
 from autopar.passes.analysis.liveness import ADAM_SLOTS, Liveness
 from autopar.passes.lower.liveness import plan_liveness
 from autopar.passes.propagation.propagate import propagate
@@ -664,10 +671,9 @@ def plan(
     keywords: tuple[str, ...] = ()
     fixed: dict[str, object] = {}
     if isinstance(example_inputs, Mapping):
-        fixed = {k: v for k, v in example_inputs.items() if not isinstance(v, torch.Tensor)}
-        example_inputs = {k: v for k, v in example_inputs.items() if isinstance(v, torch.Tensor)}
-        keywords = keyword_order(model, example_inputs)
-        example_inputs = tuple(example_inputs[name] for name in keywords)
+        tensors, fixed = split_keywords(example_inputs)
+        keywords = keyword_order(model, tensors)
+        example_inputs = tuple(tensors[name] for name in keywords)
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError(
             "example_inputs must be a tuple of tensors, e.g. (x, y), or a dict of those passed by keyword, "

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from autopar.passes.analysis.capture import Captured, InputKind, capture, keyword_order
+from autopar.passes.analysis.capture import Captured, InputKind, capture, keyword_order, split_keywords
 from autopar.passes.analysis.hooks import has_gradient_hooks
 from autopar.passes.lower.rewrite import check_fits, runs_planned_ops
 from autopar.runtime.allocator import keep_freed_memory
@@ -190,14 +190,7 @@ class ParallelModule(torch.nn.Module):
         """A call's tensors in the program's order: the positional ones, then those passed by
         keyword, by the names the first call or ``example_inputs`` gave (any order). Its other
         keyword arguments must be those of that call, which are traced into the graph."""
-        tensors = {k: v for k, v in keywords.items() if isinstance(v, torch.Tensor)}
-        fixed = {k: v for k, v in keywords.items() if not isinstance(v, torch.Tensor)}
-        other = [f"{k} is a {type(v).__name__}" for k, v in fixed.items() if not isinstance(v, _SETTINGS)]
-        if other:
-            raise InputError(
-                f"the compiled model takes tensors, and settings (None, bool, int, float, str) by keyword: "
-                f"{'; '.join(other)}. Fix: pass each input as a tensor (torch.tensor(...))"
-            )
+        tensors, fixed = split_keywords(keywords)
         if self._keywords is None:
             self._keywords, self._fixed = keyword_order(self.module, tensors), fixed
         if tensors.keys() != set(self._keywords) or not _same_values(fixed, self._fixed):
@@ -720,10 +713,6 @@ class ParallelModule(torch.nn.Module):
             "ema = [p.detach().clone() for p in pmodel.parameters()], then after each step "
             "torch._foreach_lerp_(ema, [p.detach() for p in pmodel.parameters()], 1 - decay)"
         )
-
-
-_SETTINGS = (type(None), bool, int, float, str)
-"""What a call may pass by keyword besides tensors: settings the capture traces into the graph."""
 
 
 def _same_values(given: dict, planned: dict) -> bool:

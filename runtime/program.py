@@ -24,6 +24,7 @@ from autopar.runtime.state import gradient_as, piece_of
 from torch.distributed.tensor import DTensor
 
 from autopar.core.errors import CollectiveError, InputError, StalePlanError
+from autopar.core.graph import ancestors
 from autopar.core.mesh import Mesh
 from autopar.core.offload_ops import OFFLOAD_OPS, host_copies_done
 from autopar.core.placement import Placements, format_placements
@@ -225,21 +226,10 @@ def outputs_of(captured: Captured) -> Outputs:
             lost.append(False)
             constant.append(False)
         else:
-            reads_params = isinstance(nodes[k], torch.fx.Node) and bool(_ancestors(nodes[k]) & params)
+            reads_params = isinstance(nodes[k], torch.fx.Node) and bool(ancestors(nodes[k]) & params)
             lost.append(reads_params)
             constant.append(not reads_params)
     return Outputs(taken, [k.kind != "output" for k in forward], views, lost, constant)
-
-
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The nodes ``node`` is computed from."""
-    found, stack = set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in found:
-            found.add(n)
-            stack.extend(n.all_input_nodes)
-    return found
 
 
 def _is_view(node: torch.fx.Node) -> bool:

@@ -1,7 +1,10 @@
-"""What every layer reads of a captured graph's module paths: the segment an op belongs to,
-its layer of a stack (``blocks.3``) or its top-level module."""
+"""What every layer reads of a captured graph: the segment an op belongs to by its module path,
+its layer of a stack (``blocks.3``) or its top-level module; and the nodes a value is computed
+from."""
 
 import re
+
+from torch import fx
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -15,3 +18,14 @@ def segment_of(module: str) -> str:
 
 def is_layer(segment: str) -> bool:
     return bool(_LAYER.match(segment))
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    found, todo = {node}, [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in found:
+                found.add(a)
+                todo.append(a)
+    return found

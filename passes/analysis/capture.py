@@ -46,7 +46,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopar.core.errors import CaptureError
+from autopar.core.errors import CaptureError, InputError
 from autopar.core.graph import segment_of
 from autopar.core.kinds import GraphInputKind, GraphOutputKind
 
@@ -538,6 +538,24 @@ def backward_segment_starts(captured: Captured, paths: dict[str, str]) -> dict[s
 
 _GRADIENT_ADDITION = "Gradient addition node"
 """How autograd marks, in a node's stack trace, the sum of a value's gradients from its uses."""
+
+
+SETTINGS = (type(None), bool, int, float, str)
+"""What a call may pass by keyword besides tensors: settings the capture traces into the graph."""
+
+
+def split_keywords(keywords: Mapping[str, object]) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """A call's keyword arguments as its tensors and its settings (:data:`SETTINGS`); any other
+    value is refused."""
+    tensors = {k: v for k, v in keywords.items() if isinstance(v, torch.Tensor)}
+    fixed = {k: v for k, v in keywords.items() if not isinstance(v, torch.Tensor)}
+    other = [f"{k} is a {type(v).__name__}" for k, v in fixed.items() if not isinstance(v, SETTINGS)]
+    if other:
+        raise InputError(
+            f"the compiled model takes tensors, and settings (None, bool, int, float, str) by keyword: "
+            f"{'; '.join(other)}. Fix: pass each input as a tensor (torch.tensor(...))"
+        )
+    return tensors, fixed
 
 
 def keyword_order(model: torch.nn.Module, names) -> tuple[str, ...]:

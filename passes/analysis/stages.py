@@ -24,7 +24,7 @@ from autopar.passes.analysis.capture import Captured, InputKind, OutputKind, cap
 from torch import fx
 
 from autopar.core.errors import InputError
-from autopar.core.graph import is_layer, segment_of
+from autopar.core.graph import ancestors, is_layer, segment_of
 
 
 def cut_units(captured: Captured) -> dict[str, str]:
@@ -260,8 +260,8 @@ def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
     if loss.target in (aten.mean.default, aten.mean.dim) or (divides and isinstance(loss.args[1], (int, float))):
         return None  # a mean over a fixed count (mse_loss decomposes to a sum over its numel)
     divisor = loss.args[1] if divides else None
-    ancestors = _ancestors(divisor) if isinstance(divisor, fx.Node) else None
-    if ancestors is None or any(a in kinds and kinds[a].kind != "input" for a in ancestors):
+    read = ancestors(divisor) if isinstance(divisor, fx.Node) else None
+    if read is None or any(a in kinds and kinds[a].kind != "input" for a in read):
         raise InputError(
             f"with pipeline stages the loss must be a mean over the batch (it is made by {loss.target}), so that "
             "the micro-batches' losses add up to the batch's. Fix: return a mean loss (torch.mean, "
@@ -272,7 +272,7 @@ def loss_divisor(captured: Captured) -> tuple[fx.GraphModule, str] | None:
     for node in captured.graph.graph.nodes:
         if node.op == "placeholder" and kinds[node].kind == "input":
             env[node] = g.node_copy(node)
-        elif node in ancestors and node.op != "placeholder":
+        elif node in read and node.op != "placeholder":
             env[node] = g.node_copy(node, lambda n: env[n])
     g.output(env[_before_cast(divisor)])
     return fx.GraphModule(captured.graph, g), divisor.name
@@ -282,16 +282,6 @@ def _before_cast(node: fx.Node) -> fx.Node:
     """The value ``node`` casts (a count cast to the loss's dtype), or ``node`` itself: the
     micro-batches' parts add up before the one cast, as one device casts the batch's."""
     return node.args[0] if node.target in CASTS and isinstance(node.args[0], fx.Node) else node
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, todo = {node}, [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in found:
-                found.add(a)
-                todo.append(a)
-    return found
 
 
 def check_stageable(captured: Captured) -> tuple[fx.GraphModule, str] | None:
