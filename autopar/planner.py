@@ -99,7 +99,9 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
 
 def _searched(problem: "_Problem", mesh: Mesh) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
     """The plan the search finds, or the fastest standard layout when that is faster or the
-    search finds none in time; with its program's liveness and the stage times."""
+    search finds none in time; with its program's liveness and the stage times. (Repeated layers
+    share as the standard layouts treat them, so that sharing does not keep the search from any
+    of them.)"""
     try:
         result, live, times, _ = within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
@@ -176,6 +178,9 @@ class _Problem:
     config: PlanConfig
     solved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """:meth:`solved_under`'s answers by the solver's budget."""
+    found_layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """:attr:`layout_choices` and :attr:`layouts` once found, kept by :meth:`sharing_as_the_layouts`'s
+    copy (the layer classes do not change them)."""
 
     @classmethod
     def build(cls, captured: Captured, mesh: Mesh, config: PlanConfig) -> "_Problem":
@@ -212,7 +217,7 @@ class _Problem:
             sum(len(n.strategies) for n in space.nodes),
             mesh,
         )
-        return cls(
+        problem = cls(
             captured,
             mesh,
             profile,
@@ -232,6 +237,27 @@ class _Problem:
             {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1},
             config,
         )
+        return problem.sharing_as_the_layouts() if classes.template else problem
+
+    def sharing_as_the_layouts(self) -> "_Problem":
+        """This problem with its layers grouped into classes that every standard layout treats
+        alike (:func:`~autopar.passes.solve.layers.repeated_layers`'s ``alike``), so that the
+        shared program holds each layout: layers that a layout splits by column and by row in
+        turn get a class each."""
+        started = time.perf_counter()
+        choices = [choice for _, choice in self.layout_choices]
+        classes = repeated_layers(self.captured, self.space, self.node_costs, self.memory, alike=choices)
+        self.stages["layouts"] = time.perf_counter() - started
+        if classes == self.classes:
+            return self
+        log.info(
+            "layers grouped as the standard layouts treat them: %d classes (from %d), %d layers sharing (from %d)",
+            classes.num_classes,
+            self.classes.num_classes,
+            classes.num_shared_layers,
+            self.classes.num_shared_layers,
+        )
+        return dataclasses.replace(self, classes=classes, solved={})
 
     @property
     def chooses(self) -> bool:
@@ -443,30 +469,64 @@ class _Problem:
         none fits."""
         return next(iter(self.layouts_by_speed(solver, with_merged=self.budget is None)), None)
 
+    @property
+    def layout_choices(self) -> list[tuple[str, dict[str, int]]]:
+        """``(name, strategy index of every node)`` of each standard layout
+        (:mod:`autopar.passes.solve.layouts`)."""
+        if "choices" not in self.found_layouts:
+            self.found_layouts["choices"] = list(
+                standard_layouts(
+                    self.space,
+                    self.mesh,
+                    self.node_costs,
+                    self.costs.transition_s,
+                    self.classes.template,
+                    self.costs.value_kind,
+                )
+            )
+        return self.found_layouts["choices"]
+
+    @property
+    def layouts(self) -> list[tuple[ShardingPlan, Solution]]:
+        """The standard layouts whose predicted peak fits the budget, as priced plans of status
+        ``LAYOUT`` with their solutions, fastest first."""
+        if "priced" not in self.found_layouts:
+            self.found_layouts["priced"] = self._priced_layouts()
+        return self.found_layouts["priced"]
+
+    def _priced_layouts(self) -> list[tuple[ShardingPlan, Solution]]:
+        info = SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0)
+        priced = []
+        for name, choice in self.layout_choices:
+            solution = Solution(choice, dataclasses.replace(info, layout=name), recomputed=self.activations.param_views)
+            plan = self.priced(solution)
+            if self.budget is None or plan.peak_memory_bytes <= self.budget:
+                priced.append((plan, solution))
+        return sorted(priced, key=lambda found: found[0].predicted_step_s)
+
     def layouts_by_speed(self, solver: SolverInfo, with_merged: bool) -> list[ShardingPlan]:
-        """The standard layouts (:mod:`autopar.passes.solve.layouts`) and, ``with_merged``, the
-        plan of a merged mesh (:attr:`merged`) whose predicted peak fits the budget, fastest
-        first, as plans of status ``LAYOUT`` carrying the size and time of the search that
-        ``solver`` describes."""
-        layouts = standard_layouts(
-            self.space,
-            self.mesh,
-            self.node_costs,
-            self.costs.transition_s,
-            self.classes.template,
-            self.costs.value_kind,
-        )
-        solutions = [
-            (name, Solution(choice, solver, recomputed=self.activations.param_views)) for name, choice in layouts
-        ]
+        """:attr:`layouts` and, ``with_merged``, the plan of a merged mesh (:attr:`merged`) whose
+        predicted peak fits the budget, fastest first, as plans of status ``LAYOUT`` carrying the
+        size and time of the search that ``solver`` describes."""
+        plans = [plan for plan, _ in self.layouts]
         merged = self.merged if with_merged else None
-        plans = []
-        for name, solution in [*solutions, *([merged] if merged is not None else [])]:
-            info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=name)
-            plan = self.priced(dataclasses.replace(solution, info=info))
+        if merged is not None:
+            name, solution = merged
+            plan = self.priced(dataclasses.replace(solution, info=dataclasses.replace(solution.info, layout=name)))
             if self.budget is None or plan.peak_memory_bytes <= self.budget:
                 plans.append(plan)
-        return sorted(plans, key=lambda plan: plan.predicted_step_s)
+        return sorted(
+            (
+                dataclasses.replace(
+                    plan,
+                    solver=dataclasses.replace(
+                        solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=plan.solver.layout
+                    ),
+                )
+                for plan in plans
+            ),
+            key=lambda plan: plan.predicted_step_s,
+        )
 
     def no_plan_in_time(self, exc: SolverTimeoutError):
         """The fastest standard layout that fits, when the search found no plan in its time

@@ -132,14 +132,6 @@ def work_divisor(strategy: Strategy, mesh: Mesh) -> int:
     return math.prod(n for axis, n in enumerate(mesh.shape) if any(isinstance(p[axis], Shard) for p in placements))
 
 
-def rank_flops(node: fx.Node, strategy: Strategy, mesh: Mesh) -> float:
-    """FLOPs one rank runs for ``node`` under ``strategy``, counted as
-    :mod:`torch.utils.flop_counter` counts them (0 for ops it has no formula for)."""
-    if math_format(node) is None:
-        return 0.0
-    return node_work(node)[0] / work_divisor(strategy, mesh)
-
-
 def compute_s(
     work: tuple[float, float], strategy: Strategy, mesh: Mesh, hardware: Profile, fmt: str | None = None
 ) -> float:

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from autopar.cost_model.compute import compute_s, math_format, node_work
+from autopar.cost_model.compute import compute_s, math_format, node_work, work_divisor
 from autopar.cost_model.hardware import Host, Profile, mesh_links
 from autopar.cost_model.op_timing import OpTimer
 from autopar.passes.analysis.capture import Captured
@@ -70,6 +70,7 @@ class CostModel:
         self._local_bytes: dict[tuple, int] = {}
         self._bytes_of: dict[tuple, int] = {}  # by value and layout, before the shape is looked up
         self._values: dict[ValueRef, torch.Tensor] = {}
+        self._work: dict[str, tuple[tuple[float, float], str | None]] = {}
 
     def value(self, ref: ValueRef) -> torch.Tensor:
         found = self._values.get(ref)
@@ -89,7 +90,7 @@ class CostModel:
                 costs[n.name] = [0.0] * len(n.strategies)
                 continue
             node = self.graph_nodes[n.name]
-            work, fmt = node_work(node), math_format(node)
+            work, fmt = self.op_work(n.name)
             costs[n.name] = []
             for s in n.strategies:
                 timed = self._timed(node, s)
@@ -99,6 +100,22 @@ class CostModel:
                     else self.scale * timed + self._per_node_s()
                 )
         return costs
+
+    def op_work(self, name: str) -> tuple[tuple[float, float], str | None]:
+        """Node ``name``'s whole work (:func:`~autopar.cost_model.compute.node_work`) and the
+        number format of its multiply-adds (:func:`~autopar.cost_model.compute.math_format`),
+        found once: every plan priced asks again."""
+        found = self._work.get(name)
+        if found is None:
+            node = self.graph_nodes[name]
+            found = self._work[name] = node_work(node), math_format(node)
+        return found
+
+    def rank_flops(self, name: str, strategy: Strategy) -> float:
+        """FLOPs one rank runs for node ``name`` under ``strategy``, counted as
+        :mod:`torch.utils.flop_counter` counts them (0 for ops it has no formula for)."""
+        (flops, _), fmt = self.op_work(name)
+        return 0.0 if fmt is None else flops / work_divisor(strategy, self.mesh)
 
     def node_overhead_s(self, name: str, strategy: Strategy) -> float:
         """What node ``name`` under ``strategy`` costs beyond its op, where the op is timed

@@ -13,6 +13,12 @@ output or the loss, or a layer with an extra op keeps its own variables while th
 Every layer of a class takes the choice of the class's first layer (its representative), so the
 program grows with the distinct layers instead of all of them.
 
+Given complete plans (``alike``: the standard layouts), layers share a class only where every one
+of them gives their nodes the same strategies, so that the classes do not keep the program from
+any of those plans. Layers identical in every other way then fall into one class per pattern the
+plans repeat: an MLP of single linear layers that Megatron splits by column and by row in turn
+gets two classes, the even and the odd layers, instead of one that could not alternate.
+
 A layer alike to no other of its stack (the first or the last, mostly) is aligned with the
 representative of the stack's largest class (the stack's first layer when no two are alike),
 op by op (:class:`difflib.SequenceMatcher` over each node's kind, phase, op, strategies and
@@ -23,12 +29,15 @@ every copy add up on the shared variables, whatever they are, so a node may shar
 that costs otherwise; the program then asks the aligned ops to take the layouts of the layers
 they match, as the layers of a class do, and its size stays that of one layer and the ops
 that differ at every depth. A layer shares so only when most of its ops match (``ALIGNED_AT_LEAST``).
+Alignment does not ask the plans of ``alike`` to agree: a layout completed op by op may treat a
+first layer's ops otherwise for its other input, and holding it exactly would leave that layer
+unaligned, nearly doubling the program of a uniform stack.
 """
 
 import difflib
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.cost_model.estimate import MemoryTerms
@@ -59,9 +68,14 @@ class LayerClasses:
 
 
 def repeated_layers(
-    captured: Captured, space: StrategySpace, node_costs: dict[str, list[float]], memory: MemoryTerms
+    captured: Captured,
+    space: StrategySpace,
+    node_costs: dict[str, list[float]],
+    memory: MemoryTerms,
+    alike: Sequence[Mapping[str, int]] = (),
 ) -> LayerClasses:
-    """Group the layers of every stack into classes of identical layers (see the module)."""
+    """Group the layers of every stack into classes of identical layers that each plan of
+    ``alike`` (every node's strategy index) treats alike (see the module)."""
     paths = module_paths(captured)
     groups: dict[tuple[str, int], list[NodeSpace]] = defaultdict(list)
     for n in space.nodes:
@@ -72,7 +86,7 @@ def repeated_layers(
     values = {node.name: node.meta.get("val") for node in captured.graph.graph.nodes}
     classes: dict[tuple, list[list[NodeSpace]]] = defaultdict(list)
     for (prefix, _), layer in sorted(groups.items()):
-        classes[prefix, _layer_signature(layer, values, node_costs, memory)].append(layer)
+        classes[prefix, _layer_signature(layer, values, node_costs, memory, alike)].append(layer)
     template: dict[str, str] = {}
     num_classes = num_shared = num_aligned = 0
     largest: dict[str, list[NodeSpace]] = {}
@@ -120,10 +134,12 @@ def _aligned(layer: Sequence[NodeSpace], representative: Sequence[NodeSpace], va
     }
 
 
-def _layer_signature(layer: Sequence[NodeSpace], values: dict, node_costs, memory: MemoryTerms) -> tuple:
+def _layer_signature(
+    layer: Sequence[NodeSpace], values: dict, node_costs, memory: MemoryTerms, alike: Sequence[Mapping[str, int]]
+) -> tuple:
     """What must agree for two layers to share a choice: per node, its kind, phase, op,
-    strategies, value shapes, costs, memory, and where each value it reads comes from (a
-    position in the layer, or outside it)."""
+    strategies, value shapes, costs, memory, where each value it reads comes from (a position
+    in the layer, or outside it) and its strategy in each plan of ``alike``."""
     position = {n.name: k for k, n in enumerate(layer)}
     parts = (memory.params, memory.grads, memory.optimizer, memory.activations, memory.temporaries)
     return tuple(
@@ -136,6 +152,7 @@ def _layer_signature(layer: Sequence[NodeSpace], values: dict, node_costs, memor
             tuple(node_costs[n.name]),
             tuple(_hashable(part.get(n.name)) for part in parts),
             tuple((position.get(name), index) for name, index in n.args),
+            tuple(plan.get(n.name) for plan in alike),
         )
         for n in layer
     )

@@ -3,7 +3,6 @@
 import dataclasses
 from collections import defaultdict
 
-from autopar.cost_model.compute import math_format, rank_flops
 from autopar.cost_model.estimate import CostModel, MemoryTerms
 from autopar.cost_model.hardware import Host
 from autopar.passes.analysis.capture import Captured, gradient_values, module_paths
@@ -165,8 +164,8 @@ def _node_plans(
             chosen[n.name].inputs,
             compute[n.name][choice[n.name]],
             *activation(n.name),
-            math_format(costs.graph_nodes[n.name]) or "",
-            rank_flops(costs.graph_nodes[n.name], chosen[n.name], costs.mesh),
+            costs.op_work(n.name)[1] or "",
+            costs.rank_flops(n.name, chosen[n.name]),
         )
         for n in space.nodes
         if n.kind == "op"
