@@ -237,7 +237,7 @@ class _Problem:
             {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1},
             config,
         )
-        return problem.sharing_as_the_layouts() if classes.template else problem
+        return problem.sharing_as_the_layouts() if classes.num_classes else problem
 
     def sharing_as_the_layouts(self) -> "_Problem":
         """This problem with its layers grouped into classes that every standard layout treats
