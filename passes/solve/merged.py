@@ -34,16 +34,26 @@ def lifted(merged: StrategySpace, choice: dict[str, int], space: StrategySpace, 
     """The strategy of each node of ``space`` (the whole mesh's) that places its tensors as
     ``choice`` does on the mesh with ``axis`` and ``axis + 1`` merged (``merged``'s strategies),
     for every node that has one."""
-    of_merged = merged.index()
+    return _matched(merged, choice, space, lambda p: _unmerged(p, axis))
+
+
+def same_strategies(other: StrategySpace, choice: dict[str, int], space: StrategySpace) -> dict[str, int]:
+    """The strategy of each node of ``space`` that places its tensors as ``choice`` does in
+    ``other``, a space of the same graph and mesh (planned under other pins), for every node
+    that has one."""
+    return _matched(other, choice, space, lambda p: p)
+
+
+def _matched(other: StrategySpace, choice: dict[str, int], space: StrategySpace, placed) -> dict[str, int]:
+    """The strategy of each node of ``space`` whose placements are those of its strategy in
+    ``choice`` of ``other``'s, each read through ``placed``."""
+    of_other = other.index()
     found = {}
     for n in space.nodes:
-        if n.name not in of_merged or n.name not in choice:
+        if n.name not in of_other or n.name not in choice:
             continue
-        chosen = of_merged[n.name].strategies[choice[n.name]]
-        wanted = (
-            tuple(_unmerged(p, axis) for p in chosen.outputs),
-            tuple(_unmerged(p, axis) for p in chosen.inputs),
-        )
+        chosen = of_other[n.name].strategies[choice[n.name]]
+        wanted = tuple(placed(p) for p in chosen.outputs), tuple(placed(p) for p in chosen.inputs)
         for k, strategy in enumerate(n.strategies):
             if (strategy.outputs, strategy.inputs) == wanted:
                 found[n.name] = k

@@ -367,3 +367,34 @@ def test_a_long_search_reports_its_progress(caplog):
     for seconds in (start, start + PROGRESS_EVERY_S):
         unread(event(seconds, improving=True, objective=1.0, dual=0.5))
     assert unread.out is None
+
+
+def test_a_search_with_no_plan_to_give_returns_a_standard_layout_completed_as_by_hand(monkeypatch):
+    """The search finds no plan in time: the plan is the fastest standard layout, each layout's
+    parameters pinned and the rest searched, as a user pinning them by hand would plan them, not
+    only as the layout is completed op by op (1.5x slower here)."""
+    import torch
+    from autopar.core.errors import SolverTimeoutError
+    from autopar.examples.llama import Llama, LlamaConfig
+    from autopar.planner import _Problem
+
+    import autopar
+
+    cfg = LlamaConfig(vocab_size=32768, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=1, max_seq=16)
+    with torch.device("meta"):
+        model = Llama(cfg)
+        inputs = (torch.randint(0, 32768, (4, 16)), torch.randint(0, 32768, (4, 16)))
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"))
+    searched = autopar.plan(model, mesh, inputs, hardware="h100")
+    replicated = {name: ("R", "R") for name, _ in model.named_parameters()}
+    by_hand = autopar.plan(model, mesh, inputs, hardware="h100", pins=replicated)
+
+    def no_plan_in_time(self, solver_budget):
+        raise SolverTimeoutError("no plan", solve_s=0.0, num_variables=0, num_constraints=0)
+
+    monkeypatch.setattr(_Problem, "solved_under", no_plan_in_time)
+    plan = autopar.plan(model, mesh, inputs, hardware="h100", solver_time_limit_s=30.0)
+    assert plan.solver.status == "LAYOUT" and plan.solver.layout == "data parallel"
+    assert all(p == (R, R) for p in plan.placements.values())
+    assert plan.predicted_step_s == pytest.approx(by_hand.predicted_step_s, rel=1e-6)
+    assert searched.predicted_step_s <= plan.predicted_step_s * (1 + 1e-6)
