@@ -100,8 +100,8 @@ def plan_with(captured: Captured, mesh: Mesh, config: PlanConfig) -> ShardingPla
 def _searched(problem: "_Problem", mesh: Mesh) -> tuple[ShardingPlan, Liveness | None, dict[str, float]]:
     """The plan the search finds, or the fastest standard layout when that is faster or the
     search finds none in time; with its program's liveness and the stage times. (Repeated layers
-    share as the standard layouts treat them, so that sharing does not keep the search from any
-    of them.)"""
+    share a class only as the standard layouts treat them, so that a class does not keep the
+    search from any of them.)"""
     try:
         result, live, times, _ = within_budget(problem.attempt, problem.budget, mesh)
     except SolverTimeoutError as exc:
@@ -183,7 +183,9 @@ class _Problem:
     :meth:`sharing_as_the_layouts`'s copy (the layer classes do not change them)."""
 
     @classmethod
-    def build(cls, captured: Captured, mesh: Mesh, config: PlanConfig) -> "_Problem":
+    def build(cls, captured: Captured, mesh: Mesh, config: PlanConfig, group_by_layouts: bool = True) -> "_Problem":
+        """The problem of planning ``captured`` on ``mesh`` as ``config`` says, its repeated layers
+        grouped as the standard layouts treat them unless ``group_by_layouts`` is false."""
         profile, pins, recompute = config.profile, config.pins_for(mesh), config.recompute
         t0 = time.perf_counter()
         space = propagate(captured, mesh, pins=pins, fallback=config.fallback)
@@ -237,13 +239,14 @@ class _Problem:
             {"capture": captured.capture_s, "propagate": t1 - t0, "cost": t2 - t1},
             config,
         )
-        return problem.sharing_as_the_layouts() if classes.num_classes else problem
+        return problem.sharing_as_the_layouts() if classes.num_classes and group_by_layouts else problem
 
     def sharing_as_the_layouts(self) -> "_Problem":
         """This problem with its layers grouped into classes that every standard layout treats
-        alike (:func:`~autopar.passes.solve.layers.repeated_layers`'s ``alike``), so that the
-        shared program holds each layout: layers that a layout splits by column and by row in
-        turn get a class each."""
+        alike (:func:`~autopar.passes.solve.layers.repeated_layers`'s ``alike``), so that sharing
+        a class does not keep the search from a layout: layers that a layout splits by column
+        and by row in turn get a class each. (A layer alike to no other still aligns with its
+        class's ops whatever the layouts do there.)"""
         started = time.perf_counter()
         choices = [choice for _, choice in self.layout_choices]
         classes = repeated_layers(self.captured, self.space, self.node_costs, self.memory, alike=choices)
@@ -507,17 +510,23 @@ class _Problem:
         )
         deadline, plans = time.perf_counter() + self.time_limit_s, []
         for name, choice in fitting:
-            left = deadline - time.perf_counter()
-            if left <= 0:
+            if deadline - time.perf_counter() <= 0:
                 break
             pins = {n.target: n.strategies[choice[n.name]].outputs[0] for n in params}
-            config = dataclasses.replace(self.config.with_pins(pins), memory_budget=None, solver_time_limit_s=left)
-            sub = _Problem.build(self.captured, self.mesh, config)
-            try:
-                solution = sub.solve(
-                    sub.program(), relative_gap=self.gap, start=same_strategies(self.space, choice, sub.space)
+            config = dataclasses.replace(self.config.with_pins(pins), memory_budget=None)
+            try:  # the pinned parameters tell alternating layers apart: no regrouping by the layouts
+                sub = _Problem.build(self.captured, self.mesh, config, group_by_layouts=False)
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                solution = dataclasses.replace(sub, time_limit_s=left).solve(
+                    sub.program(choose_recompute=sub.chooses),
+                    relative_gap=self.gap,
+                    start=same_strategies(self.space, choice, sub.space),
                 )
             except (SolverTimeoutError, InfeasiblePlanError):
+                continue
+            if solution.info.status == "START":  # nothing better than the layout completed op by op
                 continue
             chosen = same_strategies(sub.space, solution.choice, self.space)
             if len(chosen) < len(self.space.nodes):

@@ -374,11 +374,11 @@ def test_a_search_with_no_plan_to_give_returns_a_standard_layout_completed_as_by
     parameters pinned and the rest searched, as a user pinning them by hand would plan them, not
     only as the layout is completed op by op (1.5x slower here)."""
     import torch
-    from autopar.core.errors import SolverTimeoutError
     from autopar.examples.llama import Llama, LlamaConfig
-    from autopar.planner import _Problem
 
     import autopar
+    from autopar.core.errors import SolverTimeoutError
+    from autopar.planner import _Problem
 
     cfg = LlamaConfig(vocab_size=32768, dim=64, num_heads=4, num_kv_heads=2, hidden=128, num_layers=1, max_seq=16)
     with torch.device("meta"):
