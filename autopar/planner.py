@@ -472,8 +472,7 @@ class _Problem:
         (:meth:`completed_layouts`), with its liveness; ``None`` when none fits. Its solver
         line carries ``solver``'s size and time."""
         candidates = self.layouts_by_speed(solver, with_merged=self.budget is None) + [
-            dataclasses.replace(plan, solver=dataclasses.replace(solver, status="LAYOUT", layout=plan.solver.layout))
-            for plan in self.completed_layouts()
+            _as_layout(plan, solver) for plan in self.completed_layouts()
         ]
         for plan in sorted(candidates, key=lambda plan: plan.predicted_step_s):
             live = plan_liveness(self.captured, plan) if self.chooses else None
@@ -503,7 +502,7 @@ class _Problem:
         def held(choice: dict[str, int]) -> float:
             return sum(sizes[choice[node]] for part in state for node, sizes in part.items())
 
-        fastest_first = [solution.info.layout for _, solution in self.layouts]
+        fastest_first = [plan.solver.layout for plan in self.layouts]
         fitting = sorted(
             ((name, c) for name, c in self.layout_choices if self.budget is None or held(c) <= self.budget),
             key=lambda layout: fastest_first.index(layout[0]) if layout[0] in fastest_first else len(fastest_first),
@@ -567,46 +566,34 @@ class _Problem:
         return self.found_layouts["choices"]
 
     @property
-    def layouts(self) -> list[tuple[ShardingPlan, Solution]]:
+    def layouts(self) -> list[ShardingPlan]:
         """The standard layouts whose predicted peak fits the budget, as priced plans of status
-        ``LAYOUT`` with their solutions, fastest first."""
+        ``LAYOUT``, fastest first."""
         if "priced" not in self.found_layouts:
             self.found_layouts["priced"] = self._priced_layouts()
         return self.found_layouts["priced"]
 
-    def _priced_layouts(self) -> list[tuple[ShardingPlan, Solution]]:
-        info = SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0)
-        priced = []
-        for name, choice in self.layout_choices:
-            solution = Solution(choice, dataclasses.replace(info, layout=name), recomputed=self.activations.param_views)
-            plan = self.priced(solution)
-            if self.budget is None or plan.peak_memory_bytes <= self.budget:
-                priced.append((plan, solution))
-        return sorted(priced, key=lambda found: found[0].predicted_step_s)
+    def _priced_layouts(self) -> list[ShardingPlan]:
+        info, views = SolverInfo("LAYOUT", math.nan, -math.inf, 0.0, 0, 0), self.activations.param_views
+        plans = [
+            self.priced(Solution(choice, dataclasses.replace(info, layout=name), recomputed=views))
+            for name, choice in self.layout_choices
+        ]
+        fitting = [plan for plan in plans if self.budget is None or plan.peak_memory_bytes <= self.budget]
+        return sorted(fitting, key=lambda plan: plan.predicted_step_s)
 
     def layouts_by_speed(self, solver: SolverInfo, with_merged: bool) -> list[ShardingPlan]:
         """:attr:`layouts` and, ``with_merged``, the plan of a merged mesh (:attr:`merged`) whose
         predicted peak fits the budget, fastest first, as plans of status ``LAYOUT`` carrying the
         size and time of the search that ``solver`` describes."""
-        plans = [plan for plan, _ in self.layouts]
+        plans = list(self.layouts)
         merged = self.merged if with_merged else None
         if merged is not None:
             name, solution = merged
             plan = self.priced(dataclasses.replace(solution, info=dataclasses.replace(solution.info, layout=name)))
             if self.budget is None or plan.peak_memory_bytes <= self.budget:
                 plans.append(plan)
-        return sorted(
-            (
-                dataclasses.replace(
-                    plan,
-                    solver=dataclasses.replace(
-                        solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=plan.solver.layout
-                    ),
-                )
-                for plan in plans
-            ),
-            key=lambda plan: plan.predicted_step_s,
-        )
+        return sorted((_as_layout(plan, solver) for plan in plans), key=lambda plan: plan.predicted_step_s)
 
     def no_plan_in_time(self, exc: SolverTimeoutError):
         """The fastest standard layout that fits, when the search found no plan in its time
@@ -717,6 +704,14 @@ class _Problem:
                 memory, activations, least.choice, *chosen, least.host_optimizer, least.host_params
             ),
         )
+
+
+def _as_layout(plan: ShardingPlan, solver: SolverInfo) -> ShardingPlan:
+    """``plan``, a standard layout (or a merged mesh's plan) named by its solver line, returned
+    with status ``LAYOUT`` and the size and time of the search that ``solver`` describes."""
+    layout = plan.solver.layout
+    info = dataclasses.replace(solver, status="LAYOUT", objective_s=math.nan, bound_s=-math.inf, layout=layout)
+    return dataclasses.replace(plan, solver=info)
 
 
 def _reduced_after_cast(captured: Captured, policy: MixedPrecision | None) -> frozenset[str]:
