@@ -78,15 +78,8 @@ def with_stages(
     count = len(segments)
     where = staged.stage_of
     positions = count // pipeline.stages_per_rank
-    compute = [0.0] * count
-    for node in plan.nodes:
-        if node.name in where:
-            compute[where[node.name]] += node.compute_s
-    for c in plan.collectives:
-        if c.consumer in where:
-            compute[where[c.consumer]] += c.time_s
+    compute, synced = _stage_times(plan, captured, staged, count)
     held = _held_bytes(plan, captured, staged, pipeline.microbatches, positions)
-    synced = _sync_times(plan, captured, where, count)
     tied, tied_sends = _tied_sends(plan, captured, staged, link, count, positions)
     sent, sends = _send_times(plan, captured, staged, link, count, positions)
     stages = Stages(
@@ -113,21 +106,40 @@ def with_stages(
     return dataclasses.replace(plan, stages=stages)
 
 
-def _sync_times(plan: ShardingPlan, captured: Captured, where: dict[str, int], count: int) -> list[float]:
-    """Each stage's gradient buckets' collectives (a bucket holds one stage's gradients). The
-    plan lists them bucket by bucket, each bucket's one per mesh axis it moves on."""
-    stage_of_param = {k.name: where.get(n.name, 0) for n, k in zip(captured.placeholders, captured.inputs)}
-    times = [0.0] * count
-    synced = iter(c for c in plan.collectives if c.consumer == "gradients")
-    pending = next(synced, None)
-    for bucket in (b for b in plan.buckets if b.of == "gradients"):
-        stage, seen = stage_of_param[bucket.members[0]], set()
-        label = f"bucket of {len(bucket.members)} gradients"
-        while pending is not None and pending.tensor == label and (pending.kind, pending.axis) not in seen:
-            seen.add((pending.kind, pending.axis))
-            times[stage] += pending.time_s
-            pending = next(synced, None)
-    return times
+def _stage_times(plan: ShardingPlan, captured: Captured, staged: Staged, count: int) -> tuple[list[float], list[float]]:
+    """Each stage's seconds per micro-batch and per step: every part of the micro-batch's plan
+    that its predicted step adds up, on the stage that runs it. Per micro-batch, its ops'
+    compute (twice for the ops its backward recomputes), the collectives its ops need, and the
+    gathers of its parameters' buckets; per step, the collectives of its parameters' gradients,
+    which run once, after the last micro-batch (a bucket holds one stage's gradients; the plan
+    lists its collectives bucket by bucket, one per mesh axis it moves on)."""
+    where = staged.stage_of
+    holder = {k.name: where.get(n.name, 0) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
+    per_micro, per_step = [0.0] * count, [0.0] * count
+    for node in plan.nodes:
+        if node.name in where:
+            per_micro[where[node.name]] += node.compute_s * (2 if node.activation == "recompute" else 1)
+    gradients = iter([b for b in plan.buckets if b.of == "gradients"])
+    gathers = iter([b for b in plan.buckets if b.of == "parameters"])
+    bucket, seen = None, set()
+    for c in plan.collectives:
+        if c.consumer == "gradients":
+            if bucket is None or c.tensor != f"bucket of {len(bucket.members)} gradients" or (c.kind, c.axis) in seen:
+                bucket, seen = next(gradients), set()
+            seen.add((c.kind, c.axis))
+            per_step[holder[bucket.members[0]]] += c.time_s
+        elif c.consumer.startswith("parameters of "):
+            per_micro[holder[next(gathers).members[0]]] += c.time_s
+        elif c.consumer == "output":
+            per_micro[staged.output_stage] += c.time_s
+        elif c.consumer in where:
+            (per_step if c.gradient else per_micro)[where[c.consumer]] += c.time_s
+        else:
+            raise InfeasiblePlanError(
+                f"the plan's {c.kind} of {c.tensor} for {c.consumer} belongs to no pipeline stage, so the stages "
+                "cannot price it. Fix: compile without pipeline=, and report the model"
+            )
+    return per_micro, per_step
 
 
 def _send_times(

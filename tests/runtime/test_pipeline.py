@@ -513,6 +513,24 @@ def test_each_position_recomputes_to_meet_the_budget(pipeline):
         autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget // 10)
 
 
+def test_the_stages_price_every_part_of_the_micro_batch_plan_once():
+    """A plan in stages that recomputes and gathers its parameters in buckets: the stages' time
+    per micro-batch and per step adds up to what the micro-batch's plan prices (its compute, the
+    compute it does again, its collectives), and the gradients' collectives run once per step."""
+    model, batches = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    pipeline = Pipeline(axis="pp", microbatches=4)
+    free = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline)
+    budget = int(0.6 * max(free.stages.peak_bytes))
+    plan = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget)
+    stages = plan.stages
+    assert plan.recompute_s > 0 and any(c.consumer.startswith("parameters of ") for c in plan.collectives)
+    priced = plan.compute_s + plan.recompute_s + plan.communication_s + plan.offload_s
+    assert sum(stages.compute_s) + sum(stages.sync_s) == pytest.approx(priced, rel=1e-12)
+    gradients = sum(c.time_s for c in plan.collectives if c.gradient)
+    assert sum(stages.sync_s) == pytest.approx(gradients, rel=1e-12)
+
+
 class _WideInput(torch.nn.Module):
     def __init__(self):
         super().__init__()
