@@ -204,8 +204,7 @@ class _Problem:
         node_costs = costs.node_costs(space, compute)
         t2 = time.perf_counter()
         memory = memory_terms(space, costs, optimizer_slots=config.optimizer_slots)
-        offload = costs.host() is not None and config.stage_memory is None  # stages run no offload yet
-        activations = activation_space(captured, space, costs, recompute, offload=offload)
+        activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
         classes = _layer_classes(captured, space, node_costs, memory, config.share_layers)
         if classes.num_classes:
             log.info(
@@ -280,7 +279,7 @@ class _Problem:
             one_step_moves=self.costs.one_step_moves,
             shared=self.classes.template,
             activations=self.activations,
-            host=self.costs.host() if self.config.stage_memory is None else None,
+            host=self.costs.host(),
             bucket_bytes=self.costs.bucket_bytes,
             stage_memory=self.config.stage_memory,
             **choices,
@@ -358,7 +357,8 @@ class _Problem:
         except InfeasiblePlanError:
             raise InfeasiblePlanError(
                 f"no plan of the stages holds every position of the pipeline axis within memory_budget="
-                f"{format_bytes(self.budget)} per device, recomputing what it can. Fix: more positions or "
+                f"{format_bytes(self.budget)} per device, recomputing{' and offloading' if self.costs.host() else ''} "
+                "what it can. Fix: more positions or "
                 "micro-batches, the 1f1b schedule (interleaving and GPipe hold more activations), or a larger "
                 "memory_budget"
             ) from None

@@ -304,10 +304,12 @@ def host_state(
     return optimizer, params, saved_mb
 
 
-def host_capacity(solver, host_mb: list, host: Host) -> None:
-    """What a device offloads stays within its share of its host's memory (the row in the module docstring)."""
+def host_capacity(solver, host_mb: list, host: Host, copies: int = 1) -> None:
+    """What a device offloads stays within its share of its host's memory (the row in the module
+    docstring), holding ``copies`` of it at once (in pipeline stages, the most micro-batches a
+    position holds the activations of)."""
     if host_mb and host.capacity_bytes < float("inf"):
-        solver.Add(sum(host_mb) <= host.capacity_bytes * MEMORY_SCALE)
+        solver.Add(copies * sum(host_mb) <= host.capacity_bytes * MEMORY_SCALE)
 
 
 def _segment_work(names, segment: dict[str, str], own, ind: dict, node_costs: dict, copies: dict) -> dict[str, list]:

@@ -332,18 +332,17 @@ def _memory_rows(solver, problem: Problem, ind, shared, choosing: bool, costs, r
         )
         kept = (kept_mb, refilled)
     terms: list[MemoryTerm] = []
-    if memory is not None and offloading is not None:
+    stages = problem.stage_memory
+    if memory is not None and offloading is not None and stages is None:  # stages keep their state on the device
         on_host, params_on_host, terms = host_state(solver, memory, ind, shared, offloading, costs, host_mb)
     if offloading is not None:
-        host_capacity(solver, host_mb, offloading)
+        host_capacity(solver, host_mb, offloading, 1 if stages is None else stages.most_in_flight)
     if memory is not None and bucketed and problem.bucket_bytes:
         terms.append((None, in_flight_bucket(solver, bucketed, problem.bucket_bytes), 1.0, "grad"))
     peak = budget_row = None
-    if memory is not None and problem.stage_memory is not None:
+    if memory is not None and stages is not None:
         choosing_ops = frozenset(activations.nodes) if choosing else frozenset()
-        peak, budget_row = stage_budget(
-            solver, memory, ind, shared, kept, choosing_ops, problem.stage_memory, problem.budget_bytes
-        )
+        peak, budget_row = stage_budget(solver, memory, ind, shared, kept, choosing_ops, stages, problem.budget_bytes)
     elif memory is not None:
         peak, budget_row = memory_budget(solver, memory, ind, problem.budget_bytes, shared, activations, kept, terms)
     choices = {

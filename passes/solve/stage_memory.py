@@ -17,12 +17,14 @@ keep for each micro-batch in flight. So instead of the moments of one device's s
 (a weight tied across stages counts at each position holding a copy); ``b_i,k`` is a
 micro-batch's piece of model input ``i``, of which the ranks whose stages read it hold all
 ``m`` micro-batches' for the step. ``kept_n`` is what op
-``n`` keeps for the backward (its keep or recompute choice,
-:mod:`autopar.passes.solve.memory_choices`; stages do not offload; or its outputs the backward
-reads when nothing is chosen), ``L_s`` how many micro-batches' activations of stage ``s`` the position holds at that
-moment (:func:`~autopar.core.pipeline.held_activations`: after a forward its schedule runs),
-``T`` the largest temporary of an op (outside the chosen ones) and ``R`` the most a segment's
-backward recomputes (``Q_S``). These are the parts
+``n`` keeps for the backward (its keep, recompute or offload choice,
+:mod:`autopar.passes.solve.memory_choices`, or its outputs the backward reads when nothing is
+chosen; what it offloads is in host memory, which holds it for as many micro-batches as the
+position holds activations of at most), ``L_s`` how many micro-batches' activations of stage
+``s`` the position holds at that moment (:func:`~autopar.core.pipeline.held_activations`: after a
+forward its schedule runs), ``T`` the largest temporary of an op (outside the chosen ones) and
+``R`` the most a segment's backward recomputes or copies back (``Q_S``). Parameters and their
+optimizer state stay on the device. These are the parts
 :func:`~autopar.passes.solve.stages.with_stages` adds up for each position's predicted peak.
 """
 
@@ -50,6 +52,11 @@ class StageMemory:
     microbatches: int
     moments: tuple[tuple[Mapping[int, int], ...], ...]
     """Per position, the moments its activations can be fullest at: micro-batches held by stage."""
+
+    @property
+    def most_in_flight(self) -> int:
+        """The most micro-batches whose activations a position holds at once, over its stages."""
+        return max(sum(live.values()) for moments in self.moments for live in moments)
 
     @classmethod
     def of(

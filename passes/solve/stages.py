@@ -109,16 +109,21 @@ def with_stages(
 def _stage_times(plan: ShardingPlan, captured: Captured, staged: Staged, count: int) -> tuple[list[float], list[float]]:
     """Each stage's seconds per micro-batch and per step: every part of the micro-batch's plan
     that its predicted step adds up, on the stage that runs it. Per micro-batch, its ops'
-    compute (twice for the ops its backward recomputes), the collectives its ops need, and the
-    gathers of its parameters' buckets; per step, the collectives of its parameters' gradients,
-    which run once, after the last micro-batch (a bucket holds one stage's gradients; the plan
-    lists its collectives bucket by bucket, one per mesh axis it moves on)."""
+    compute (twice for the ops its backward recomputes), the collectives its ops need, the
+    gathers of its parameters' buckets, and its share of the plan's copies to host memory and
+    back that compute does not hide (:attr:`~autopar.core.plan.ShardingPlan.offload_s`), by the
+    seconds of the copies of the activations it offloads; per step, the collectives of its
+    parameters' gradients, which run once, after the last micro-batch (a bucket holds one stage's
+    gradients; the plan lists its collectives bucket by bucket, one per mesh axis it moves on)."""
     where = staged.stage_of
     holder = {k.name: where.get(n.name, 0) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
-    per_micro, per_step = [0.0] * count, [0.0] * count
+    per_micro, per_step, copies = [0.0] * count, [0.0] * count, [0.0] * count
     for node in plan.nodes:
         if node.name in where:
             per_micro[where[node.name]] += node.compute_s * (2 if node.activation == "recompute" else 1)
+            copies[where[node.name]] += node.copy_s
+    for stage, seconds in enumerate(copies):
+        per_micro[stage] += plan.offload_s * seconds / sum(copies) if seconds else 0.0
     gradients = iter([b for b in plan.buckets if b.of == "gradients"])
     gathers = iter([b for b in plan.buckets if b.of == "parameters"])
     bucket, seen = None, set()

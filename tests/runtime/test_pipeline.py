@@ -20,6 +20,7 @@ from autopar.passes.analysis.stages import assign_stages, layer_order
 from autopar.passes.solve.stages import balanced_runs
 
 import autopar
+from autopar.core.mesh import Link
 from autopar.core.pipeline import Pipeline, Stages, held_activations, order
 from autopar.core.placement import Shard
 from tests.cases import SYNTHETIC
@@ -81,6 +82,20 @@ def _recomputing_budget(model, mesh, batch, pipeline) -> tuple[int, set[str]]:
     return int(0.75 * max(free.stages.peak_bytes)), {n.name for n in free.nodes if n.activation == "recompute"}
 
 
+HOST_LINKED = autopar.SyntheticProfile(
+    s_per_flop=1e-9, s_per_byte=1e-12, latency_s=1e-8, host_link=Link(1e-6, 1e-11), host_s_per_byte_memory=1e-11
+)
+"""Slow compute beside a host link: copying a matmul's output out and back is cheaper than
+recomputing it."""
+
+
+def _offloading_budget(model, mesh, batch, pipeline) -> tuple[int, set[str]]:
+    """Three quarters of the peak of the plan in ``pipeline``'s stages on :data:`HOST_LINKED`
+    without a budget, and what that plan recomputes."""
+    free = autopar.plan(model, mesh, batch, hardware=HOST_LINKED, pipeline=pipeline)
+    return int(0.75 * max(free.stages.peak_bytes)), {n.name for n in free.nodes if n.activation == "recompute"}
+
+
 def _megatron(layers: int) -> dict:
     split = {"attn.qkv.weight": "S(0)", "attn.proj.weight": "S(1)", "fc1.weight": "S(0)", "fc1.bias": "S(0)"}
     return {f"blocks.{i}.{name}": p for i in range(layers) for name, p in {**split, "fc2.weight": "S(1)"}.items()}
@@ -115,6 +130,7 @@ CASES = {
     ),
     "gpt-pp2xdp2-chosen": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=None, schedule=None), "dp"),
     "gpt-pp2xdp2-1f1b-recompute": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "recompute"),
+    "gpt-pp2xdp2-1f1b-offload": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "offload"),
     "gpt-tied-pp2xdp2-interleaved": (
         "gpt-tied",
         (2, 2),
@@ -153,9 +169,11 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
     }.get(preset)
     mesh = autopar.Mesh(mesh_shape, axis_names)
     hardware = SLOW_HOSTS if pipeline == "auto" and preset != "budget" else SYNTHETIC
+    hardware = HOST_LINKED if preset == "offload" else hardware
     budget, views = {
         "budget": lambda: (_only_stages_fit(model, mesh, batches[0]), set()),
         "recompute": lambda: _recomputing_budget(model, mesh, batches[0], pipeline),
+        "offload": lambda: _offloading_budget(model, mesh, batches[0], pipeline),
     }.get(preset, lambda: (None, set()))()
     pmodel = autopar.compile(
         model, mesh, batches[0], hardware=hardware, pins=pins, pipeline=pipeline, memory_budget=budget
@@ -202,6 +220,13 @@ def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
         "stages": pmodel.plan.stages.count,
         "per_rank": pmodel.plan.stages.stages_per_rank,
         "recomputed": len({n.name for n in pmodel.plan.nodes if n.activation == "recompute"} - views),
+        "offloaded": sum(n.activation == "offload" for n in pmodel.plan.nodes),
+        "copied_out": sum(  # by this position's programs
+            n.target is torch.ops.autopar.offload.default
+            for chunk in runner.chunks.values()
+            for lowered in chunk.lowered.values()
+            for n in lowered.per_rank_graph.graph.nodes
+        ),
         "axis": pmodel.plan.stages.axis,
     }
 
@@ -235,6 +260,9 @@ def test_pipelined_training_matches_one_device(results, case):
         assert any(r["handed"] for r in runs), "two stages of one position hand a value over"
     if CASES[case][4] == "recompute":
         assert runs[0]["recomputed"], "the plan recomputes to meet its budget"
+    if CASES[case][4] == "offload":
+        assert runs[0]["offloaded"], "the plan copies activations to host memory to meet its budget"
+        assert all(r["copied_out"] for r in runs), "every position's programs copy activations out"
     held = set().union(*(r["params"] for r in runs))
     assert held == set(runs[0]["all_params"]), "every parameter is held by some stage"
     assert all(len(r["params"]) < len(r["all_params"]) for r in runs), "each rank holds one stage's parameters"
@@ -513,18 +541,23 @@ def test_each_position_recomputes_to_meet_the_budget(pipeline):
         autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget // 10)
 
 
-def test_the_stages_price_every_part_of_the_micro_batch_plan_once():
-    """A plan in stages that recomputes and gathers its parameters in buckets: the stages' time
-    per micro-batch and per step adds up to what the micro-batch's plan prices (its compute, the
-    compute it does again, its collectives), and the gradients' collectives run once per step."""
+@pytest.mark.parametrize("hardware", [SYNTHETIC, HOST_LINKED], ids=["recompute", "offload"])
+def test_the_stages_price_every_part_of_the_micro_batch_plan_once(hardware):
+    """A plan in stages that recomputes (or offloads) and gathers its parameters in buckets: the
+    stages' time per micro-batch and per step adds up to what the micro-batch's plan prices (its
+    compute, the compute it does again, its collectives, its copies to host memory), and the
+    gradients' collectives run once per step."""
     model, batches = _gpt()
     mesh = autopar.Mesh((2, 2), ("pp", "dp"))
     pipeline = Pipeline(axis="pp", microbatches=4)
-    free = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline)
+    free = autopar.plan(model, mesh, batches[0], hardware=hardware, pipeline=pipeline)
     budget = int(0.6 * max(free.stages.peak_bytes))
-    plan = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget)
+    plan = autopar.plan(model, mesh, batches[0], hardware=hardware, pipeline=pipeline, memory_budget=budget)
     stages = plan.stages
-    assert plan.recompute_s > 0 and any(c.consumer.startswith("parameters of ") for c in plan.collectives)
+    assert any(c.consumer.startswith("parameters of ") for c in plan.collectives)
+    assert max(stages.peak_bytes) <= budget
+    offloaded = any(n.activation == "offload" for n in plan.nodes)
+    assert offloaded if hardware is HOST_LINKED else plan.recompute_s > 0 and not offloaded
     priced = plan.compute_s + plan.recompute_s + plan.communication_s + plan.offload_s
     assert sum(stages.compute_s) + sum(stages.sync_s) == pytest.approx(priced, rel=1e-12)
     gradients = sum(c.time_s for c in plan.collectives if c.gradient)
