@@ -37,7 +37,7 @@ from autopar.passes.solve.layers import LayerClasses, repeated_layers
 from autopar.passes.solve.layouts import standard_layouts
 from autopar.passes.solve.merged import lifted, merged_mesh, same_strategies
 from autopar.passes.solve.planning import build_plan, moment_bytes
-from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space
+from autopar.passes.solve.remat import ActivationSpace, activation_bytes, activation_space, in_stages
 from autopar.passes.solve.solver import Problem, SearchOptions, Solution, least_memory_bound, program_size, solve
 
 log = logging.getLogger("autopar")
@@ -205,6 +205,8 @@ class _Problem:
         t2 = time.perf_counter()
         memory = memory_terms(space, costs, optimizer_slots=config.optimizer_slots)
         activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
+        if config.stage_memory is not None:
+            activations = in_stages(activations, config.stage_memory.stage_of)
         classes = _layer_classes(captured, space, node_costs, memory, config.share_layers)
         if classes.num_classes:
             log.info(

@@ -48,7 +48,10 @@ Host memory is finite: what a device offloads (activations, optimizer state, par
 their gradients, each copy of a repeated layer counted) stays within its share of its host's
 memory, ``Σ_n Σ_j c_n·b_n,j·o_n,j + Σ_p Σ_k c_p·(s_p,k·h_p,k + (w_p,k + g_p,k)·q_p,k) ≤ C``,
 with ``h_p,k``, ``q_p,k`` the products of ``H_p``, ``P_p`` with the parameter's strategy one-hot
-(:func:`host_capacity`).
+(:func:`host_capacity`). In pipeline stages, where a device holds the activations of several
+micro-batches and its optimizer state and parameters stay on it, the activations' sum counts
+as many times as a position holds micro-batches at most (every stage's, an upper bound on one
+position's).
 """
 
 from collections import defaultdict

@@ -21,6 +21,8 @@ the backward reads is always made again in the backward, from the parameter, so 
 parameter gathered for the forward is not held until the backward.
 """
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -96,6 +98,9 @@ class ActivationSpace:
     freed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Per backward op of a segment, the forward ops whose outputs the segment's backward has
     read for the last time before it runs (the runtime has freed them)."""
+    stage_starts: frozenset[str] = frozenset()
+    """In pipeline stages, the segments each stage's backward reaches first: their stage's
+    program runs no backward before them to copy their outputs back beside."""
 
     @property
     def moments(self) -> int:
@@ -108,8 +113,9 @@ class ActivationSpace:
     def reloaded_during(self) -> dict[str, str]:
         """Per segment, the segment beside whose backward its offloaded outputs are copied back
         when prefetched: the one the backward reaches just before it. The segment the backward
-        reaches first has none."""
-        return dict(zip(self.backward_order[1:], self.backward_order))
+        reaches first has none, nor, in pipeline stages, those each stage's backward reaches first."""
+        order = self.backward_order
+        return {s: before for s, before in zip(order[1:], order) if s not in self.stage_starts}
 
 
 def activation_space(
@@ -162,6 +168,16 @@ def activation_space(
         _copied(forward, views, param_views, names, by_name, costs),
         _freed(backward, backward_segment, views, names),
     )
+
+
+def in_stages(acts: ActivationSpace, stage_of: Mapping[str, int]) -> ActivationSpace:
+    """``acts`` for a graph whose nodes run in the pipeline stages ``stage_of`` (by name): the
+    segments whose stage differs from that of the segment the backward reaches before them
+    start their stage's backward, so their copies back are not prefetched."""
+    stage = {acts.segment[name]: stage_of[name] for name in acts.nodes if name in stage_of}
+    order = acts.backward_order
+    starts = frozenset(s for s, before in zip(order[1:], order) if stage.get(s) != stage.get(before))
+    return dataclasses.replace(acts, stage_starts=starts)
 
 
 def _views(ops, graph_nodes: dict[str, torch.fx.Node]) -> dict[str, tuple[str, int]]:

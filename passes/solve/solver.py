@@ -154,7 +154,8 @@ class Problem:
     """Whether the program chooses what ``activations`` keeps, recomputes or offloads."""
     host: Host | None = None
     """Adds, under a memory budget or with ``minimise="memory"``, offload to host memory of
-    activations (with ``choose_recompute``), of optimizer state and of parameters."""
+    activations (with ``choose_recompute``), of optimizer state and of parameters (not in
+    pipeline stages, ``stage_memory``: their runtime keeps both on the device)."""
     memory: MemoryTerms | None = None
     """The per-device memory of every strategy, counted at each moment of the step
     (:func:`~autopar.passes.solve.memory_program.memory_budget`); without it the program counts
@@ -317,7 +318,7 @@ def _compute_costs(problem: Problem, ind: dict[str, list[list]]) -> dict:
 def _memory_rows(solver, problem: Problem, ind, shared, choosing: bool, costs, reader_moves, bucketed):
     """The keep, recompute or offload choice of every forward op (when ``choosing``), the choice
     of keeping optimizer state and parameters in host memory (under a budget or minimising
-    memory, with a host), and the per-device peak with the row keeping it under the budget
+    memory, with a host, without pipeline stages), and the per-device peak with the row keeping it under the budget
     (with memory terms). Returns the choices' variables by name under the field of
     :class:`Solution` that names those chosen, the peak's variable and the budget's row (``None``
     without memory terms)."""

@@ -19,8 +19,8 @@ micro-batch's piece of model input ``i``, of which the ranks whose stages read i
 ``m`` micro-batches' for the step. ``kept_n`` is what op
 ``n`` keeps for the backward (its keep, recompute or offload choice,
 :mod:`autopar.passes.solve.memory_choices`, or its outputs the backward reads when nothing is
-chosen; what it offloads is in host memory, which holds it for as many micro-batches as the
-position holds activations of at most), ``L_s`` how many micro-batches' activations of stage
+chosen; what it offloads is in host memory, counted against the host's capacity as many
+times as a position holds micro-batches at most), ``L_s`` how many micro-batches' activations of stage
 ``s`` the position holds at that moment (:func:`~autopar.core.pipeline.held_activations`: after a
 forward its schedule runs), ``T`` the largest temporary of an op (outside the chosen ones) and
 ``R`` the most a segment's backward recomputes or copies back (``Q_S``). Parameters and their

@@ -78,7 +78,7 @@ def with_stages(
     count = len(segments)
     where = staged.stage_of
     positions = count // pipeline.stages_per_rank
-    compute, synced = _stage_times(plan, captured, staged, count)
+    compute, synced = _stage_times(plan, captured, staged, segments)
     held = _held_bytes(plan, captured, staged, pipeline.microbatches, positions)
     tied, tied_sends = _tied_sends(plan, captured, staged, link, count, positions)
     sent, sends = _send_times(plan, captured, staged, link, count, positions)
@@ -106,17 +106,21 @@ def with_stages(
     return dataclasses.replace(plan, stages=stages)
 
 
-def _stage_times(plan: ShardingPlan, captured: Captured, staged: Staged, count: int) -> tuple[list[float], list[float]]:
+def _stage_times(
+    plan: ShardingPlan, captured: Captured, staged: Staged, segments: tuple[tuple[str, ...], ...]
+) -> tuple[list[float], list[float]]:
     """Each stage's seconds per micro-batch and per step: every part of the micro-batch's plan
     that its predicted step adds up, on the stage that runs it. Per micro-batch, its ops'
     compute (twice for the ops its backward recomputes), the collectives its ops need, the
-    gathers of its parameters' buckets, and its share of the plan's copies to host memory and
+    gathers of the parameters its layers read, and its share of the plan's copies to host memory and
     back that compute does not hide (:attr:`~autopar.core.plan.ShardingPlan.offload_s`), by the
     seconds of the copies of the activations it offloads; per step, the collectives of its
     parameters' gradients, which run once, after the last micro-batch (a bucket holds one stage's
-    gradients; the plan lists its collectives bucket by bucket, one per mesh axis it moves on)."""
-    where = staged.stage_of
+    gradients; the plan lists its collectives bucket by bucket, one per collective of its members'
+    moves)."""
+    where, count = staged.stage_of, len(segments)
     holder = {k.name: where.get(n.name, 0) for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
+    layer_stage = {unit: s for s, units in enumerate(segments) for unit in units}
     per_micro, per_step, copies = [0.0] * count, [0.0] * count, [0.0] * count
     for node in plan.nodes:
         if node.name in where:
@@ -124,17 +128,17 @@ def _stage_times(plan: ShardingPlan, captured: Captured, staged: Staged, count: 
             copies[where[node.name]] += node.copy_s
     for stage, seconds in enumerate(copies):
         per_micro[stage] += plan.offload_s * seconds / sum(copies) if seconds else 0.0
-    gradients = iter([b for b in plan.buckets if b.of == "gradients"])
+    bucketed = iter([c for c in plan.collectives if c.consumer == "gradients"])
+    for bucket in (b for b in plan.buckets if b.of == "gradients"):
+        for _ in bucket.steps[0]:  # every member moves by the same collectives, one per mesh axis
+            per_step[holder[bucket.members[0]]] += next(bucketed).time_s
     gathers = iter([b for b in plan.buckets if b.of == "parameters"])
-    bucket, seen = None, set()
     for c in plan.collectives:
         if c.consumer == "gradients":
-            if bucket is None or c.tensor != f"bucket of {len(bucket.members)} gradients" or (c.kind, c.axis) in seen:
-                bucket, seen = next(gradients), set()
-            seen.add((c.kind, c.axis))
-            per_step[holder[bucket.members[0]]] += c.time_s
-        elif c.consumer.startswith("parameters of "):
-            per_micro[holder[next(gathers).members[0]]] += c.time_s
+            continue
+        if c.consumer.startswith("parameters of "):  # for the ops of one layer, or of the root module
+            bucket = next(gathers)
+            per_micro[layer_stage.get(bucket.segment, holder[bucket.members[0]])] += c.time_s
         elif c.consumer == "output":
             per_micro[staged.output_stage] += c.time_s
         elif c.consumer in where:
@@ -234,7 +238,7 @@ def _peaks(plan: ShardingPlan, pipeline: Pipeline, where: dict[str, int], held: 
     """Each position's peak, as :mod:`autopar.passes.solve.stage_memory` bounds it: what it
     holds for the step (its parameters' state, its inputs' micro-batches), the activations its
     schedule holds at its fullest, the largest temporary and the most a segment's backward
-    recomputes."""
+    recomputes or copies back."""
     kept = [0] * count
     for node in plan.nodes:
         if node.activation == "keep" and node.name in where:

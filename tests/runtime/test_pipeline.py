@@ -558,10 +558,53 @@ def test_the_stages_price_every_part_of_the_micro_batch_plan_once(hardware):
     assert max(stages.peak_bytes) <= budget
     offloaded = any(n.activation == "offload" for n in plan.nodes)
     assert offloaded if hardware is HOST_LINKED else plan.recompute_s > 0 and not offloaded
+    for units in stages.segments[:-1]:  # the layer a stage's backward starts with has none before it to prefetch beside
+        assert units[-1].startswith("blocks.") and units[-1] not in plan.prefetched
+    assert bool(plan.prefetched) == offloaded
     priced = plan.compute_s + plan.recompute_s + plan.communication_s + plan.offload_s
     assert sum(stages.compute_s) + sum(stages.sync_s) == pytest.approx(priced, rel=1e-12)
     gradients = sum(c.time_s for c in plan.collectives if c.gradient)
     assert sum(stages.sync_s) == pytest.approx(gradients, rel=1e-12)
+
+
+def test_each_gradient_bucket_is_priced_on_the_stage_holding_its_gradients():
+    """Buckets of as many gradients whose collectives differ (a reduce-scatter, then an
+    all-reduce) are told apart by their own collectives, not by their labels."""
+    from types import SimpleNamespace as Of
+
+    from autopar.passes.solve.stages import _stage_times
+
+    def reduced(kind: str, seconds: float):
+        return Of(consumer="gradients", tensor="bucket of 1 gradients", kind=kind, axis="dp", time_s=seconds)
+
+    plan = Of(
+        nodes=(),
+        offload_s=0.0,
+        collectives=(reduced("reduce_scatter", 1.0), reduced("all_reduce", 2.0), reduced("reduce_scatter", 4.0)),
+        buckets=tuple(Of(of="gradients", members=(name,), steps=(("one collective",),)) for name in "abc"),
+    )
+    captured = Of(
+        placeholders=[Of(name=f"primals_{i}") for i in range(3)],
+        inputs=[Of(kind="param", name=name) for name in "abc"],
+    )
+    staged = Of(stage_of={"primals_0": 0, "primals_1": 0, "primals_2": 1}, output_stage=1)
+    assert _stage_times(plan, captured, staged, (("layers.0",), ("layers.1",))) == ([0.0, 0.0], [3.0, 4.0])
+
+
+def test_a_layer_that_starts_its_stages_backward_copies_back_beside_no_other():
+    """The backward reaches layer 2, then 1, then 0. Cut after layer 0, layer 0 starts its stage's
+    backward, so only layer 1 is copied back beside another layer's backward (layer 2's); cut
+    after layer 1, only layer 0 is (beside layer 1's)."""
+    from autopar.passes.solve.remat import ActivationSpace, in_stages
+
+    ops = {"a": "layers.0", "b": "layers.1", "c": "layers.2"}
+    acts = ActivationSpace(
+        tuple(ops), ops, frozenset(), frozenset(), {}, {}, frozenset(), {}, {}, frozenset(),
+        backward_order=("layers.2", "layers.1", "layers.0"),
+    )  # fmt: skip
+    assert acts.reloaded_during() == {"layers.1": "layers.2", "layers.0": "layers.1"}
+    assert in_stages(acts, {"a": 0, "b": 1, "c": 1}).reloaded_during() == {"layers.1": "layers.2"}
+    assert in_stages(acts, {"a": 0, "b": 0, "c": 1}).reloaded_during() == {"layers.0": "layers.1"}
 
 
 class _WideInput(torch.nn.Module):
