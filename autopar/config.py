@@ -83,7 +83,7 @@ class PlanConfig:
     gradient_share: float = 1.0
     """The share of its gradients' collectives one step of the planned graph pays
     (:attr:`~autopar.cost_model.estimate.CostModel.gradient_share`): less than 1 for one
-    micro-batch of a pipelined step."""
+    micro-batch of a pipelined step (:func:`~autopar.stage_search.plan_stages`)."""
     bucket_groups: Mapping[str, int] | None = None
     """Parameter name → pipeline stage: gradients of different stages never share a bucket."""
     stage_memory: StageMemory | None = None

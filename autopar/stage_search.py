@@ -9,7 +9,10 @@ schedule, and under the interleaved schedule with two stages per rank
 (:mod:`autopar.passes.solve.stages`; 1F1B takes as long as GPipe and holds fewer micro-batches;
 interleaving halves the bubble for twice the sends and more activations held). Each is planned
 by the integer program; the fastest by predicted step time whose stages fit the memory budget is
-the plan. A candidate the model cannot take (too few layers for the stages, buffers the forward
+the plan. Candidates are searched first to a gap of ``COARSE_GAP`` (or the one asked, if
+wider), then, fastest first, again to the gap asked, unless the bound of their first search
+(:func:`least_step_s`) shows that none of their plans beats the fastest plan found by then.
+A candidate the model cannot take (too few layers for the stages, buffers the forward
 updates, a loss that is no mean) is left out, and so is one whose plan does not fit. Pins name
 placements on the whole mesh: stages over an axis keep a pin's other placements, and are left out
 when a pin splits over that axis.
@@ -18,6 +21,7 @@ when a pin splits over that axis.
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable
 
 from autopar.config import PlanConfig
@@ -39,6 +43,10 @@ MICROBATCHES_PER_STAGE = (1, 2, 4)
 """Micro-batch counts tried, as multiples of the number of positions of the pipeline axis."""
 SCHEDULES_TRIED = (("1f1b", 1), ("interleaved", 2))
 """The schedules tried for each, with their stages per rank."""
+COARSE_GAP = 0.02
+"""The relative gap each candidate of ``pipeline="auto"`` is first searched to."""
+Candidate = tuple[ShardingPlan, Callable[[PlanConfig], ShardingPlan]]
+"""A candidate's plan at the coarse gap, and how to plan it under a config."""
 
 
 def plan_auto(
@@ -49,23 +57,30 @@ def plan_auto(
     ``given`` (a :class:`~autopar.core.pipeline.Pipeline` with parts left ``None``), the fastest
     with stages that has the parts it gives."""
     capture_at = functools.cache(capture_at)
-    plans: list[ShardingPlan] = []
+    coarse = dataclasses.replace(config, solver_gap=max(config.solver_gap, COARSE_GAP))
+    tried: list[Candidate] = []
     refusals: list[str] = []
-    if given is None:
+
+    def attempt(what: str, make: Callable[[PlanConfig], ShardingPlan]) -> bool:
+        """Plan a candidate at the coarse gap; False when the model cannot be cut so."""
         try:
-            plans.append(plan_with(capture_at(1), mesh, config))
-        except InfeasiblePlanError as exc:
-            refusals.append(f"without stages: {exc}")
+            tried.append((make(coarse), make))
+        except (InputError, InfeasiblePlanError) as exc:
+            refusals.append(f"{what}: {exc}")
+            return not isinstance(exc, InputError)
+        return True
+
+    if given is None:
+        attempt("without stages", lambda c: plan_with(capture_at(1), mesh, c))
     for axis, size in zip(mesh.axis_names, mesh.shape):
         if size < 2 or not batch:  # no batch the inputs share: nothing to cut into micro-batches
             continue
-        inside = config
+        pins = None  # given an axis, the pins name placements inside the stages
         if given is None or given.axis is None:  # the pins name placements on the whole mesh
             pins = pins_inside(config.pins_for(mesh), mesh, axis)
             if pins is None:
                 refusals.append(f"stages over {axis}: a pin splits over it")
                 continue
-            inside = dataclasses.replace(config, pins=pins)
         schedules, counts = SCHEDULES_TRIED, [size * k for k in MICROBATCHES_PER_STAGE]
         if given is not None and given.schedule is not None:
             schedules = ((given.schedule, given.stages_per_rank),)
@@ -78,24 +93,74 @@ def plan_auto(
                     continue
                 if schedule == "interleaved" and microbatches % size:
                     continue
-                try:
-                    plans.append(plan_stages(capture_at(microbatches), mesh, pipeline, inside))
-                except (InputError, InfeasiblePlanError) as exc:
-                    refusals.append(f"stages over {axis} ({schedule}) with {microbatches} micro-batches: {exc}")
-                    if isinstance(exc, InputError):
-                        break  # the model cannot be cut so, at any micro-batch count
-    if not plans:
+
+                def make(c: PlanConfig, pipeline=pipeline, pins=pins) -> ShardingPlan:
+                    inside = c if pins is None else dataclasses.replace(c, pins=pins)
+                    return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, inside)
+
+                what = f"stages over {axis} ({schedule}) with {microbatches} micro-batches"
+                if not attempt(what, make):
+                    break  # the model cannot be cut so, at any micro-batch count
+    if not tried:
         what = "no plan, with or without pipeline stages," if given is None else f"no plan in stages as {given} asks"
         raise InfeasiblePlanError(f"{what} fits:\n" + "\n".join(refusals or ["no candidate: see the Pipeline's parts"]))
-    best = min(plans, key=lambda p: p.predicted_step_s)
-    for p in plans:
-        what = (
-            "no stages"
-            if p.stages is None
-            else f"stages over {p.stages.axis} x {p.stages.microbatches} micro, {p.stages.schedule}"
-        )
-        log.info("pipeline=auto: %s, %.3g s per step%s", what, p.predicted_step_s, " (chosen)" if p is best else "")
+    return _refined(tried, config)
+
+
+def _refined(tried: list[Candidate], config: PlanConfig) -> ShardingPlan:
+    """The fastest plan of the candidates ``tried`` (each a plan at the coarse gap, and how to
+    plan the candidate under a config), each searched again at ``config``'s gap, fastest first,
+    but for those whose coarse search already came within it and those no plan of which can
+    beat the fastest found before them (:func:`least_step_s`)."""
+    best: ShardingPlan | None = None
+    for plan, make in sorted(tried, key=lambda t: t[0].predicted_step_s):
+        least = least_step_s(plan)
+        if best is not None and least >= best.predicted_step_s:
+            log.info("pipeline=auto: %s: no plan under %.3g s per step, not searched again", _described(plan), least)
+            continue
+        if _gap(plan) > config.solver_gap:
+            try:
+                plan = min(plan, make(config), key=lambda p: p.predicted_step_s)
+            except InfeasiblePlanError:
+                pass  # the coarse search's plan stands
+        log.info("pipeline=auto: %s, %.3g s per step", _described(plan), plan.predicted_step_s)
+        if best is None or plan.predicted_step_s < best.predicted_step_s:
+            best = plan
+    assert best is not None
+    log.info("pipeline=auto: chose %s", _described(best))
     return best
+
+
+def least_step_s(plan: ShardingPlan) -> float:
+    """A lower bound on the predicted step of every plan of ``plan``'s candidate (its mesh, its
+    stages' cuts, micro-batches and schedule), from the bound of the search that found it. Without
+    stages the step is the program's objective and the step's overhead. In ``P`` positions, ``M``
+    micro-batches and ``v`` stages per rank, the step is ``M·b + (Σ − b)/v + g``, ``b`` the busiest
+    position's time per micro-batch, ``Σ`` every stage's, ``g`` the slowest position's gradient
+    collectives (:attr:`~autopar.core.pipeline.Stages.step_s`); since ``b ≥ Σ/P`` and ``g`` is at
+    least the mean of every position's, it is at least ``(M + (P − 1)/v)/P`` times ``Σ`` plus the
+    gradient collectives priced at ``v/(v·M + P − 1)`` of their time, which is what the program of
+    one micro-batch minimises (:func:`plan_stages`)."""
+    bound, objective = plan.solver.bound_s, plan.solver.objective_s
+    if not (math.isfinite(bound) and math.isfinite(objective)):
+        return 0.0
+    if plan.stages is None:
+        return plan.predicted_step_s - (objective - bound)
+    st = plan.stages
+    return bound * (st.microbatches + (st.positions - 1) / st.stages_per_rank) / st.positions + plan.overhead_s
+
+
+def _gap(plan: ShardingPlan) -> float:
+    """How far from its bound the search left ``plan`` (1 when it has none)."""
+    objective, bound = plan.solver.objective_s, plan.solver.bound_s
+    if not (math.isfinite(bound) and math.isfinite(objective)):
+        return 1.0
+    return (objective - bound) / objective if objective > 0 else 0.0
+
+
+def _described(plan: ShardingPlan) -> str:
+    st = plan.stages
+    return "no stages" if st is None else f"stages over {st.axis} x {st.microbatches} micro, {st.schedule}"
 
 
 def check_pipeline(pipeline, mesh: Mesh, pins) -> "Pipeline | str | None":
@@ -134,7 +199,8 @@ def plan_stages(
     inside = dataclasses.replace(
         config,
         hardware=InsideStages(config.profile, mesh),
-        gradient_share=1.0 / pipeline.microbatches,
+        gradient_share=pipeline.stages_per_rank
+        / (pipeline.stages_per_rank * pipeline.microbatches + positions - 1),  # see least_step_s
         bucket_groups={
             k.name: staged.stage_of[n.name]
             for n, k in zip(captured.placeholders, captured.inputs)

@@ -52,8 +52,9 @@ class CostModel:
     ):
         self.mesh = mesh
         self.gradient_share = gradient_share
-        """The share of its gradients' collectives a step of this graph pays: ``1 / M`` for one of
-        ``M`` micro-batches of a pipelined step, which reduces the gradients once for all."""
+        """The share of its gradients' collectives a step of this graph pays: for one micro-batch
+        of a step in pipeline stages, which reduces the gradients once for all, their weight
+        against the micro-batch's work in the step (:func:`~autopar.stage_search.least_step_s`)."""
         self.bucket_groups = dict(bucket_groups or {})
         """Parameter name → group: only gradients of one group share a bucket (a pipeline stage's
         parameters, which the stage's ranks alone hold)."""

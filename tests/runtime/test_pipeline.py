@@ -692,6 +692,66 @@ def test_auto_takes_pins_on_the_whole_mesh():
     assert plan.stages is None or plan.stages.axis != "host"
 
 
+@pytest.mark.parametrize(
+    "schedule, per_rank, microbatches, budgeted",
+    [("gpipe", 1, 2, False), ("1f1b", 1, 4, True), ("interleaved", 2, 4, False), ("interleaved", 2, 4, True)],
+)
+def test_the_bound_of_a_search_in_stages_is_a_bound_on_the_step(schedule, per_rank, microbatches, budgeted):
+    """The program of one micro-batch weighs its gradients' collectives against its work as the
+    step does, so that its bound, scaled by the micro-batches and the bubble, is a lower bound on
+    the predicted step of every plan in the same stages (what pipeline="auto" skips candidates
+    by): at most the step of the plan it found, and, with one micro-batch's work and the
+    gradients' collectives, what that plan's objective adds up."""
+    from autopar.stage_search import least_step_s
+
+    model, batches = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    pipeline = Pipeline(axis="pp", microbatches=microbatches, schedule=schedule, stages_per_rank=per_rank)
+    plan = autopar.plan(model, mesh, batches[0], hardware=HOST_LINKED, pipeline=pipeline)
+    if budgeted:
+        budget = int(0.6 * max(plan.stages.peak_bytes))
+        plan = autopar.plan(model, mesh, batches[0], hardware=HOST_LINKED, pipeline=pipeline, memory_budget=budget)
+    st, solver = plan.stages, plan.solver
+    assert solver.bound_s <= solver.objective_s
+    assert 0 < least_step_s(plan) <= plan.predicted_step_s
+    gradients = sum(st.sync_s)
+    weight = per_rank / (per_rank * microbatches + st.positions - 1)
+    assert solver.objective_s <= sum(st.compute_s) + weight * gradients * (1 + 1e-9)
+    balanced = (sum(st.compute_s) + sum(st.send_s)) * (microbatches + (st.positions - 1) / per_rank) / st.positions
+    assert balanced + gradients / st.positions <= st.step_s * (1 + 1e-12)
+
+
+def test_auto_searches_again_only_the_candidates_that_can_beat_the_fastest():
+    """Candidates are searched again at the gap asked, fastest first; one whose coarse search's
+    bound is above the fastest step found is not, nor one already within the gap."""
+    from types import SimpleNamespace as Of
+
+    from autopar.config import PlanConfig
+    from autopar.stage_search import _refined
+
+    def plan(step, bound, objective):
+        return Of(stages=None, predicted_step_s=step, solver=Of(bound_s=bound, objective_s=objective))
+
+    searched = []
+
+    def again(name, step):
+        def make(config):
+            searched.append((name, config.solver_gap))
+            return plan(step, step, step)
+
+        return make
+
+    tried = [
+        (plan(10.0, 9.0, 10.0), again("a", 9.5)),  # searched after b, and the fastest then
+        (plan(9.9, 9.4, 9.9), again("b", 9.7)),  # no plan under 9.4: searched, slower than d
+        (plan(12.0, 9.8, 12.0), again("c", 9.0)),  # no plan under 9.8, slower than a's 9.5: left
+        (plan(9.55, 9.55, 9.55), again("d", 1.0)),  # the fastest, at its bound: kept as it is
+    ]
+    best = _refined(tried, PlanConfig(solver_gap=0.001))
+    assert [name for name, _ in searched] == ["b", "a"] and all(gap == 0.001 for _, gap in searched)
+    assert best.predicted_step_s == 9.5
+
+
 def test_auto_keeps_one_stage_where_links_are_equal():
     model, batch = _deep_narrow()
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("host", "gpu")), batch, hardware=EQUAL_LINKS, pipeline="auto")
