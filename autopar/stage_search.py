@@ -61,17 +61,17 @@ def plan_auto(
     tried: list[Candidate] = []
     refusals: list[str] = []
 
-    def attempt(what: str, make: Callable[[PlanConfig], ShardingPlan]) -> bool:
+    def attempt(what: str, make: Callable[[PlanConfig], ShardingPlan], refused=(InputError, InfeasiblePlanError)):
         """Plan a candidate at the coarse gap; False when the model cannot be cut so."""
         try:
             tried.append((make(coarse), make))
-        except (InputError, InfeasiblePlanError) as exc:
+        except refused as exc:
             refusals.append(f"{what}: {exc}")
             return not isinstance(exc, InputError)
         return True
 
     if given is None:
-        attempt("without stages", lambda c: plan_with(capture_at(1), mesh, c))
+        attempt("without stages", lambda c: plan_with(capture_at(1), mesh, c), InfeasiblePlanError)
     for axis, size in zip(mesh.axis_names, mesh.shape):
         if size < 2 or not batch:  # no batch the inputs share: nothing to cut into micro-batches
             continue
