@@ -356,6 +356,8 @@ class _Problem:
         stage on one device, is not its ranks'. With no stage times but the search's."""
         try:
             plan, times, _ = self.solved_under(float(self.budget))
+        except SolverTimeoutError:
+            raise  # says nothing of whether a plan fits
         except InfeasiblePlanError:
             raise InfeasiblePlanError(
                 f"no plan of the stages holds every position of the pipeline axis within memory_budget="

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 
 from autopar.config import PlanConfig
-from autopar.core.errors import InfeasiblePlanError, InputError
+from autopar.core.errors import InfeasiblePlanError, InputError, SolverTimeoutError
 from autopar.core.mesh import Mesh
 from autopar.core.pipeline import Pipeline, Stages, inner_mesh, pins_inside, pins_name_whole_mesh
 from autopar.core.plan import ShardingPlan
@@ -69,9 +69,15 @@ def plan_auto(
     refusals: list[str] = []
 
     def attempt(what: str, make: Callable[[PlanConfig], ShardingPlan], refused=(InputError, InfeasiblePlanError)):
-        """Plan a candidate at the coarse gap; False when the model cannot be cut so."""
+        """Plan a candidate at the coarse gap (as asked when the shorter search finds no plan in
+        its time); False when the model cannot be cut so."""
         try:
-            tried.append((make(coarse), make))
+            try:
+                tried.append((make(coarse), make))
+            except SolverTimeoutError:
+                if coarse == config:
+                    raise
+                tried.append((make(config), make))
         except refused as exc:
             refusals.append(f"{what}: {exc}")
             return not isinstance(exc, InputError)
@@ -111,10 +117,10 @@ def plan_auto(
     if not tried:
         what = "no plan, with or without pipeline stages," if given is None else f"no plan in stages as {given} asks"
         raise InfeasiblePlanError(f"{what} fits:\n" + "\n".join(refusals or ["no candidate: see the Pipeline's parts"]))
-    return _refined(tried, config)
+    return _refined(tried, config, again=coarse != config)
 
 
-def _refined(tried: list[Candidate], config: PlanConfig) -> ShardingPlan:
+def _refined(tried: list[Candidate], config: PlanConfig, again: bool = True) -> ShardingPlan:
     """The fastest plan of the candidates ``tried`` (each a plan at the coarse gap, and how to
     plan the candidate under a config), each searched again at ``config``'s gap, fastest first,
     but for those whose coarse search already came within it and those no plan of which can
@@ -125,7 +131,7 @@ def _refined(tried: list[Candidate], config: PlanConfig) -> ShardingPlan:
         if best is not None and least >= best.predicted_step_s:
             log.info("pipeline=auto: %s: no plan under %.3g s per step, not searched again", _described(plan), least)
             continue
-        if _gap(plan) > config.solver_gap:
+        if again and _gap(plan) > config.solver_gap:
             try:
                 plan = min(plan, make(config), key=lambda p: p.predicted_step_s)
             except InfeasiblePlanError:
@@ -147,22 +153,35 @@ def least_step_s(plan: ShardingPlan) -> float:
     collectives (:attr:`~autopar.core.pipeline.Stages.step_s`); since ``b ≥ Σ/P`` and ``g`` is at
     least the mean of every position's, it is at least ``(M + (P − 1)/v)/P`` times ``Σ`` plus the
     gradient collectives priced at ``v/(v·M + P − 1)`` of their time, which is what the program of
-    one micro-batch minimises (:func:`plan_stages`)."""
-    bound, objective = plan.solver.bound_s, plan.solver.objective_s
-    if not (math.isfinite(bound) and math.isfinite(objective)):
+    one micro-batch minimises (:func:`plan_stages`). It bounds the plans the program expresses
+    (identical layers share their choices) as the program prices them, at most what the stages
+    add up (tested); 0 where the search has no bound, and for a plan without stages under a
+    budget (which may be a lower budget's, :func:`~autopar.budget_check.within_budget`)."""
+    bound = _bound(plan)
+    if not math.isfinite(bound) or (plan.stages is None and plan.memory_budget_bytes is not None):
         return 0.0
     if plan.stages is None:
-        return plan.predicted_step_s - (objective - bound)
+        return bound + plan.overhead_s
     st = plan.stages
     return bound * (st.microbatches + (st.positions - 1) / st.stages_per_rank) / st.positions + plan.overhead_s
 
 
 def _gap(plan: ShardingPlan) -> float:
     """How far from its bound the search left ``plan`` (1 when it has none)."""
-    objective, bound = plan.solver.objective_s, plan.solver.bound_s
+    objective, bound = plan.solver.objective_s, _bound(plan)
     if not (math.isfinite(bound) and math.isfinite(objective)):
         return 1.0
     return (objective - bound) / objective if objective > 0 else 0.0
+
+
+def _bound(plan: ShardingPlan) -> float:
+    """The bound of the search that found ``plan``, ``-inf`` when it has none: a search stopped
+    before its bound was finite reports its plan's objective as the bound
+    (:mod:`~autopar.passes.solve.highs_child`)."""
+    solver, bound = plan.solver, plan.solver.bound_s
+    if not math.isfinite(solver.objective_s) or (solver.status != "OPTIMAL" and bound >= solver.objective_s):
+        return -math.inf
+    return bound
 
 
 def _described(plan: ShardingPlan) -> str:

@@ -729,8 +729,9 @@ def test_auto_searches_again_only_the_candidates_that_can_beat_the_fastest():
     from autopar.config import PlanConfig
     from autopar.stage_search import _refined
 
-    def plan(step, bound, objective):
-        return Of(stages=None, predicted_step_s=step, solver=Of(bound_s=bound, objective_s=objective))
+    def plan(step, bound, objective, status="FEASIBLE"):
+        solver = Of(bound_s=bound, objective_s=objective, status=status)
+        return Of(stages=None, predicted_step_s=step, solver=solver, memory_budget_bytes=None, overhead_s=0.0)
 
     searched = []
 
@@ -745,11 +746,14 @@ def test_auto_searches_again_only_the_candidates_that_can_beat_the_fastest():
         (plan(10.0, 9.0, 10.0), again("a", 9.5)),  # searched after b, and the fastest then
         (plan(9.9, 9.4, 9.9), again("b", 9.7)),  # no plan under 9.4: searched, slower than d
         (plan(12.0, 9.8, 12.0), again("c", 9.0)),  # no plan under 9.8, slower than a's 9.5: left
-        (plan(9.55, 9.55, 9.55), again("d", 1.0)),  # the fastest, at its bound: kept as it is
+        (plan(9.55, 9.55, 9.55, "OPTIMAL"), again("d", 1.0)),  # the fastest, at its bound: kept as it is
+        (plan(13.0, 13.0, 13.0), again("e", 9.6)),  # stopped before it had a bound: searched, 9.6
     ]
     best = _refined(tried, PlanConfig(solver_gap=0.001))
-    assert [name for name, _ in searched] == ["b", "a"] and all(gap == 0.001 for _, gap in searched)
+    assert [name for name, _ in searched] == ["b", "a", "e"] and all(gap == 0.001 for _, gap in searched)
     assert best.predicted_step_s == 9.5
+    searched.clear()
+    assert _refined(tried, PlanConfig(solver_gap=0.001), again=False).predicted_step_s == 9.55 and not searched
 
 
 def test_auto_keeps_one_stage_where_links_are_equal():
