@@ -163,7 +163,13 @@ def least_step_s(plan: ShardingPlan) -> float:
     if plan.stages is None:
         return bound + plan.overhead_s
     st = plan.stages
-    return bound * (st.microbatches + (st.positions - 1) / st.stages_per_rank) / st.positions + plan.overhead_s
+    return bound * _passes(st.microbatches, st.positions, st.stages_per_rank) / st.positions + plan.overhead_s
+
+
+def _passes(microbatches: int, positions: int, stages_per_rank: int) -> float:
+    """``M + (P − 1)/v``: how many times a step of stages that take as long runs one micro-batch's
+    work on a position (:func:`least_step_s`)."""
+    return microbatches + (positions - 1) / stages_per_rank
 
 
 def _gap(plan: ShardingPlan) -> float:
@@ -225,8 +231,7 @@ def plan_stages(
     inside = dataclasses.replace(
         config,
         hardware=InsideStages(config.profile, mesh),
-        gradient_share=pipeline.stages_per_rank
-        / (pipeline.stages_per_rank * pipeline.microbatches + positions - 1),  # see least_step_s
+        gradient_share=1 / _passes(pipeline.microbatches, positions, pipeline.stages_per_rank),  # see least_step_s
         bucket_groups={
             k.name: staged.stage_of[n.name]
             for n, k in zip(captured.placeholders, captured.inputs)
