@@ -202,6 +202,8 @@ class _Problem:
         )
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
+        if config.stage_memory is not None and config.stage_memory.microbatches > 1:
+            costs.with_accumulation(space, node_costs, config.stage_memory.microbatches - 1)
         t2 = time.perf_counter()
         memory = memory_terms(space, costs, optimizer_slots=config.optimizer_slots)
         activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)

@@ -160,6 +160,21 @@ class CostModel:
             for n in space.nodes
         }
 
+    def with_accumulation(self, space: StrategySpace, node_costs: dict[str, list[float]], additions: int) -> None:
+        """Add to ``node_costs`` what a step of ``additions`` micro-batches after the first pays
+        for adding each gradient into the sum of the micro-batches' (:meth:`addition_s`, at the
+        layout its producer makes it in), on the gradient's producer, weighted by
+        :attr:`gradient_share` as the gradients' collectives are: it is paid once per step."""
+        by_name = space.index()
+        for n in space.nodes:
+            if n.kind == "param" and n.args:
+                ref = n.args[0]
+                producer = by_name[ref[0]]
+                node_costs[producer.name] = [
+                    c + self.gradient_share * additions * self.addition_s(ref, s.outputs[ref[1]])
+                    for c, s in zip(node_costs[producer.name], producer.strategies)
+                ]
+
     def split_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
         """The all-reduces node ``name`` makes itself under ``strategy``, when the strategy
         splits a dim the op reduces (:class:`~autopar.passes.rules.SplitOp`)."""
@@ -300,6 +315,10 @@ class MemoryTerms:
     layout than the value's holds a moved copy while the op runs."""
     optimizer_slots: int = ADAM_SLOTS
     """Tensors of its parameter's size the optimizer keeps per parameter, in ``optimizer``."""
+    made_grads: dict[str, tuple[str, list[float]]] = field(default_factory=dict)
+    """Per parameter, its gradient's producer and the gradient's bytes as made under each of the
+    producer's strategies, before any collective moves it into the parameter's placements: what
+    the sums of the micro-batches' gradients hold (a pipeline's step, ``no_sync()``)."""
 
     def moved_bytes(self, name: str, choice: dict[str, int]) -> float:
         """The bytes of the copies op ``name`` reads that are larger than the values they copy."""
@@ -346,6 +365,7 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
     step), and the largest temporary."""
     by_name = space.index()
     params, grads, optimizer, activations, temporaries = {}, {}, {}, {}, {}
+    gradients: dict[str, ValueRef] = {}
     saved: dict[str, set[int]] = {}
     for n in space.nodes:
         if n.phase == "backward" and n.kind == "op":
@@ -359,6 +379,7 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
             if n.kind == "param" and n.args:  # an updated buffer reads its new value, but has no gradient
                 grads[n.name] = sizes
                 optimizer[n.name] = [optimizer_slots * b for b in sizes]
+                gradients[n.name] = n.args[0]
         if n.name in saved or n.kind == "input":  # the batch's pieces are held for the whole step, read or not
             read = saved.get(n.name, set()) | ({0} if n.kind == "input" else set())
             activations[n.name] = [
@@ -391,4 +412,5 @@ def memory_terms(space: StrategySpace, costs: CostModel, *, optimizer_slots: int
         for n in space.nodes
         if n.kind == "op"
     }
-    return MemoryTerms(params, grads, optimizer, activations, temporaries, moved, optimizer_slots)
+    made_grads = {name: (ref[0], made_as(ref)) for name, ref in gradients.items()}
+    return MemoryTerms(params, grads, optimizer, activations, temporaries, moved, optimizer_slots, made_grads)

@@ -199,9 +199,13 @@ class Stages:
     """Modelled time of each stage's gradient collectives, once per step after the last
     micro-batch's backward (its gradient buckets), and of its sends of the gradients of weights
     tied across stages to the stages holding copies."""
+    accumulate_s: tuple[float, ...]
+    """Modelled time of each stage's additions, per step, of the micro-batches' gradients after
+    the first into their sums (made before the gradients' collectives, which run once)."""
     peak_bytes: tuple[int, ...]
     """Predicted peak per device at each position of the pipeline axis: its stages' parameters,
-    gradients and optimizer state, every micro-batch's pieces of the inputs its stages read, the
+    gradients and optimizer state, the sums of the micro-batches' gradients (with more than
+    one), every micro-batch's pieces of the inputs its stages read, the
     activations of the micro-batches the schedule holds at once (:func:`held_activations`), and
     the largest transient of the plan."""
     stages_per_rank: int = 1
@@ -245,11 +249,14 @@ class Stages:
         """Modelled time of a step: every micro-batch through the busiest position's stages, the
         time the other stages take to fill and drain the pipeline (divided among a position's
         stages when it holds several), and the slowest position's gradient collectives at the
-        end. Exact when every stage takes as long; without interleaving it is each micro-batch
-        on the slowest stage plus one micro-batch through the others."""
+        end with its additions of the micro-batches' gradients into their sums. Exact when every
+        stage takes as long; without interleaving it is each micro-batch on the slowest stage plus
+        one micro-batch through the others."""
         per_stage = [c + s for c, s in zip(self.compute_s, self.send_s)]
         busiest = max(math.fsum(per_stage[s] for s in self.on_position(r)) for r in range(self.positions))
-        synced = max(math.fsum(self.sync_s[s] for s in self.on_position(r)) for r in range(self.positions))
+        synced = max(
+            math.fsum(self.sync_s[s] + self.accumulate_s[s] for s in self.on_position(r)) for r in range(self.positions)
+        )
         return self.microbatches * busiest + (math.fsum(per_stage) - busiest) / self.stages_per_rank + synced
 
     def to_dict(self) -> dict:
@@ -263,6 +270,7 @@ class Stages:
             "compute_s": list(self.compute_s),
             "send_s": list(self.send_s),
             "sync_s": list(self.sync_s),
+            "accumulate_s": list(self.accumulate_s),
             "peak_bytes": list(self.peak_bytes),
             "sends": [[x.src, x.dst, x.bytes, x.tied] for x in self.sends],
         }
@@ -279,6 +287,7 @@ class Stages:
             compute_s=tuple(data["compute_s"]),
             send_s=tuple(data["send_s"]),
             sync_s=tuple(data["sync_s"]),
+            accumulate_s=tuple(data["accumulate_s"]),
             peak_bytes=tuple(data["peak_bytes"]),
             sends=tuple(Send(*x) for x in data["sends"]),
         )

@@ -23,7 +23,7 @@ from autopar.core.placement import (
     parse_placements_text,
 )
 
-FORMAT_VERSION = 13
+FORMAT_VERSION = 14
 
 
 def format_layouts(layouts: tuple[Placements, ...]) -> str:

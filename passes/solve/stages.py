@@ -19,6 +19,7 @@ from autopar.cost_model.compute import node_work
 from autopar.passes.analysis.capture import Captured
 from autopar.passes.analysis.stages import Staged, cut_units, layer_order
 from autopar.passes.propagation.redistribute import local_shape
+from torch import fx
 
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.explain import format_bytes
@@ -80,6 +81,9 @@ def with_stages(
     positions = count // pipeline.stages_per_rank
     compute, synced = _stage_times(plan, captured, staged, segments)
     held = _held_bytes(plan, captured, staged, pipeline.microbatches, positions)
+    summed, adds = _gradient_sums(plan, captured, staged, positions, count)
+    if pipeline.microbatches > 1:
+        held = [a + b for a, b in zip(held, summed)]
     tied, tied_sends = _tied_sends(plan, captured, staged, link, count, positions)
     sent, sends = _send_times(plan, captured, staged, link, count, positions)
     stages = Stages(
@@ -92,6 +96,7 @@ def with_stages(
         compute_s=tuple(compute),
         send_s=tuple(sent),
         sync_s=tuple(a + b for a, b in zip(synced, tied)),
+        accumulate_s=tuple((pipeline.microbatches - 1) * a for a in adds),
         peak_bytes=tuple(_peaks(plan, pipeline, where, held, count)),
         sends=tuple(sends + tied_sends),
     )
@@ -197,7 +202,8 @@ def reading_positions(captured: Captured, staged: Staged, positions: int) -> dic
 def _held_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, microbatches: int, positions: int) -> list[int]:
     """The bytes per device each position of the pipeline axis holds for the whole step: its
     parameters with their gradients and optimizer state (a weight tied across stages at each
-    position holding a copy), and every micro-batch's pieces of the model inputs it reads."""
+    position holding a copy), and every micro-batch's pieces of the model inputs it reads (with
+    more than one micro-batch, the sums of the gradients too: :func:`_gradient_sums`)."""
     held = [0] * positions
     graded, holding = captured.graded, holding_positions(captured, staged, positions)
     reading = reading_positions(captured, staged, positions)
@@ -210,6 +216,35 @@ def _held_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, microbat
             for position in reading[node.name]:
                 held[position] += _local_bytes(plan, node, plan.inputs[kind.name]) * microbatches
     return held
+
+
+def _gradient_sums(
+    plan: ShardingPlan, captured: Captured, staged: Staged, positions: int, count: int
+) -> tuple[list[int], list[float]]:
+    """What the sums of the micro-batches' gradients cost: the bytes per device each position
+    holds of them (its parameters' gradients as the backward makes them, before their
+    collectives; a weight tied across stages at each position holding a copy), and each stage's
+    seconds of adding one micro-batch's gradients into them (:attr:`~autopar.core.plan.ShardingPlan.accumulation_add_s`,
+    shared by the gradients' bytes: an addition reads and writes its bytes, by the roofline)."""
+    aliases = getitem_aliases(captured.graph.graph)
+    by_name = {n.name: n for n in plan.nodes}
+    placeholder = {k.name: n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
+    holding = holding_positions(captured, staged, positions)
+    held, added = [0] * positions, [0] * count
+    for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
+        if kind is None or kind.kind != "grad" or not isinstance(value, fx.Node):
+            continue
+        ref = aliases.get(value.name, (value.name, 0))
+        val = value.meta["val"]
+        nbytes = (
+            math.prod(local_shape(tuple(val.shape), by_name[ref[0]].outputs[ref[1]], plan.mesh)) * val.element_size()
+        )
+        name = placeholder[kind.name]
+        for position in holding[name]:
+            held[position] += nbytes
+        added[staged.stage_of.get(name, 0)] += nbytes
+    total = sum(added)
+    return held, [plan.accumulation_add_s * b / total if total else 0.0 for b in added]
 
 
 def _local_bytes(plan: ShardingPlan, placeholder, placements) -> int:
