@@ -204,8 +204,9 @@ class Stages:
     the first into their sums (made before the gradients' collectives, which run once)."""
     peak_bytes: tuple[int, ...]
     """Predicted peak per device at each position of the pipeline axis: its stages' parameters,
-    gradients and optimizer state, the sums of the micro-batches' gradients (with more than
-    one), every micro-batch's pieces of the inputs its stages read, the
+    gradients and optimizer state, the sums of the micro-batches' gradients and one
+    micro-batch's being added to them (with more than one), every micro-batch's pieces of the
+    inputs its stages read, the
     activations of the micro-batches the schedule holds at once (:func:`held_activations`), and
     the largest transient of the plan."""
     stages_per_rank: int = 1

@@ -222,8 +222,10 @@ def _gradient_sums(
     plan: ShardingPlan, captured: Captured, staged: Staged, positions: int, count: int
 ) -> tuple[list[int], list[float]]:
     """What the sums of the micro-batches' gradients cost: the bytes per device each position
-    holds of them (its parameters' gradients as the backward makes them, before their
-    collectives; a weight tied across stages at each position holding a copy), and each stage's
+    holds for them (its parameters' gradients as the backward makes them, before their
+    collectives, twice: the sums, and a micro-batch's gradients, which its backward returns
+    beside them before they are added in; a weight tied across stages at each position holding a
+    copy), and each stage's
     seconds of adding one micro-batch's gradients into them (:attr:`~autopar.core.plan.ShardingPlan.accumulation_add_s`,
     shared by the gradients' bytes: an addition reads and writes its bytes, by the roofline)."""
     aliases = getitem_aliases(captured.graph.graph)
@@ -241,7 +243,7 @@ def _gradient_sums(
         )
         name = placeholder[kind.name]
         for position in holding[name]:
-            held[position] += nbytes
+            held[position] += 2 * nbytes
         added[staged.stage_of.get(name, 0)] += nbytes
     total = sum(added)
     return held, [plan.accumulation_add_s * b / total if total else 0.0 for b in added]

@@ -288,6 +288,46 @@ def test_the_stages_run_the_planned_collectives_and_no_other(results, case):
         assert sent, "the stages send to each other"
 
 
+def _measured_stage_peaks() -> dict:
+    """On each rank: the MemTracker peak of a whole step's forward and backward, after the first
+    AdamW step made the optimizer state, of the GPT in stages on pp 2 x dp 2 over 4 micro-batches,
+    beside its position's predicted peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, batches = _gpt()
+    pins = {"idx": "S(0)", "targets": "S(0)"}
+    pins.update({n: "S(0)" for n, p in model.named_parameters() if p.dim() == 2 and p.shape[0] % 2 == 0})
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"))
+    pipeline = Pipeline(axis="pp", microbatches=4)
+    pmodel = autopar.compile(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, pins=pins)
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=1e-3)
+    pmodel.parameters = lambda recurse=True: iter(pmodel.stage_parameters())  # MemTracker reads every module's
+    peaks = []
+    for batch in batches:
+        opt.zero_grad()
+        tracker = MemTracker()
+        tracker.track_external(opt, *pmodel.stage_parameters())
+        with tracker:
+            pmodel(*batch).backward()
+        opt.step()
+        peaks.append(int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
+    return {"measured": max(peaks[1:]), "predicted": pmodel.plan.stages.peak_bytes[pmodel._position]}
+
+
+@pytest.mark.slow
+def test_each_position_holds_about_its_predicted_peak():
+    """A position's predicted peak counts what its ranks hold during a step: with more than one
+    micro-batch, the sums of the gradients as the backward makes them and one micro-batch's
+    gradients being added to them (left out, the prediction was 1.45x below the measured peak).
+    The backward's working set beyond its largest temporary is not in the stage rows yet: the
+    measured peaks are 1.11 and 1.15 times the predicted ones."""
+    from tests.harness import run_ranks
+
+    for rank, r in enumerate(run_ranks(4, _measured_stage_peaks)):
+        ratio = r["measured"] / r["predicted"]
+        assert 0.8 <= ratio <= 1.2, f"rank {rank}: measured {r['measured']} B against {r['predicted']} B predicted"
+
+
 def _run_schedule(kind: str, positions: int, microbatches: int, per_rank: int, forward_s: float, backward_s: float):
     """Every position's order run as the ranks run it (an action waits for what it receives), each
     forward through a stage taking ``forward_s / per_rank`` and each backward ``backward_s / per_rank``:
@@ -532,7 +572,7 @@ def test_each_position_recomputes_to_meet_the_budget(pipeline):
     mesh = autopar.Mesh((2, 2), ("pp", "dp"))
     free = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline)
     views = {n.name for n in free.nodes if n.activation == "recompute"}  # parameters' views, made again
-    for fraction in (0.7, 0.65):  # the gradients' sums over the micro-batches hold about a quarter of the peak
+    for fraction in (0.75, 0.7):  # the gradients' sums over the micro-batches hold a fifth of the peak
         budget = int(fraction * max(free.stages.peak_bytes))
         plan = autopar.plan(model, mesh, batches[0], hardware=SYNTHETIC, pipeline=pipeline, memory_budget=budget)
         assert max(plan.stages.peak_bytes) <= budget
