@@ -231,6 +231,7 @@ class StageRunner:
                         loss = value.detach() * weight if loss is None else loss + value.detach() * weight
                     else:
                         sends += self._send(chunk, kind.name, value, m, False)
+                results = value = None  # what the backward reads is in saved, freed by its backward
             else:
                 if form != "reduced" and chunk.unsynced.layouts not in (None, program.unreduced_layouts):
                     raise InputError(
@@ -249,6 +250,7 @@ class StageRunner:
                     chunk.unsynced.add([v for _, v in mine], program.unreduced_layouts)
                 else:
                     grads.update(mine)
+                made = mine = value = None  # added into the sums: held no longer than they are
         if backward and sync:
             sends += self._share_tied(grads, count)
         for work in sends:

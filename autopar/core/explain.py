@@ -72,6 +72,7 @@ def _stage_table(plan: ShardingPlan) -> list[str]:
             _time(stages.compute_s[s]),
             _time(stages.send_s[s]),
             _time(stages.sync_s[s]),
+            _time(stages.accumulate_s[s]),
             format_bytes(stages.peak_bytes[s]) if s < stages.positions else "",
         ]
         for s, segments in enumerate(stages.segments)
@@ -83,6 +84,7 @@ def _stage_table(plan: ShardingPlan) -> list[str]:
         "compute per micro-batch",
         "sends per micro-batch",
         "gradient sync",
+        "gradient sums",
         "peak memory of the position",
     ]
     return ["", head, *_table(headers, rows)]

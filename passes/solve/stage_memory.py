@@ -15,8 +15,9 @@ keep for each micro-batch in flight. So instead of the moments of one device's s
 
 ``s_p,k`` is parameter ``p``'s piece under strategy ``k`` with its gradient and optimizer state
 (a weight tied across stages counts at each position holding a copy), and, with more than one
-micro-batch, twice the gradient as the backward makes it (before its collectives: whole where
-they reduce-scatter it, at its producer's strategy): the sum of the micro-batches' gradients,
+micro-batch, at the position whose stage makes its gradient, twice the gradient as the backward
+makes it (before its collectives: whole where they reduce-scatter it, at its producer's
+strategy): the sum of the micro-batches' gradients,
 held from the first backward to the last, and a micro-batch's, which its backward returns
 beside the sum before it is added in; ``b_i,k`` is a
 micro-batch's piece of model input ``i``, of which the ranks whose stages read it hold all
@@ -119,9 +120,8 @@ def stage_budget(
         for position in positions:
             held[position] += onehot(name, sizes)
         if stages.microbatches > 1 and name in memory.made_grads:  # the sums, and a micro-batch's added to them
-            producer, made = memory.made_grads[name]
-            for position in positions:
-                held[position] += onehot(producer, [2 * b for b in made])
+            producer, made = memory.made_grads[name]  # by the stage making it (a tied weight's others get it made)
+            held[stages.stage_of.get(name, 0) % stages.positions] += onehot(producer, [2 * b for b in made])
     for name, positions in stages.readers.items():
         if name in memory.activations:  # every micro-batch's piece, held for the step
             for position in positions:

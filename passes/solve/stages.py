@@ -81,8 +81,9 @@ def with_stages(
     positions = count // pipeline.stages_per_rank
     compute, synced = _stage_times(plan, captured, staged, segments)
     held = _held_bytes(plan, captured, staged, pipeline.microbatches, positions)
-    summed, adds = _gradient_sums(plan, captured, staged, positions, count)
+    adds = [0.0] * count
     if pipeline.microbatches > 1:
+        summed, adds = _gradient_sums(plan, captured, staged, positions, count)
         held = [a + b for a, b in zip(held, summed)]
     tied, tied_sends = _tied_sends(plan, captured, staged, link, count, positions)
     sent, sends = _send_times(plan, captured, staged, link, count, positions)
@@ -224,27 +225,27 @@ def _gradient_sums(
     """What the sums of the micro-batches' gradients cost: the bytes per device each position
     holds for them (its parameters' gradients as the backward makes them, before their
     collectives, twice: the sums, and a micro-batch's gradients, which its backward returns
-    beside them before they are added in; a weight tied across stages at each position holding a
-    copy), and each stage's
+    beside them before they are added in; a weight tied across stages at the position whose stage
+    makes its gradient, which the others get once made), and each stage's
     seconds of adding one micro-batch's gradients into them (:attr:`~autopar.core.plan.ShardingPlan.accumulation_add_s`,
     shared by the gradients' bytes: an addition reads and writes its bytes, by the roofline)."""
     aliases = getitem_aliases(captured.graph.graph)
     by_name = {n.name: n for n in plan.nodes}
     placeholder = {k.name: n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
-    holding = holding_positions(captured, staged, positions)
     held, added = [0] * positions, [0] * count
     for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
         if kind is None or kind.kind != "grad" or not isinstance(value, fx.Node):
             continue
         ref = aliases.get(value.name, (value.name, 0))
+        if ref[0] not in by_name:  # a gradient no op makes (a constant) is never summed
+            continue
         val = value.meta["val"]
         nbytes = (
             math.prod(local_shape(tuple(val.shape), by_name[ref[0]].outputs[ref[1]], plan.mesh)) * val.element_size()
         )
-        name = placeholder[kind.name]
-        for position in holding[name]:
-            held[position] += 2 * nbytes
-        added[staged.stage_of.get(name, 0)] += nbytes
+        stage = staged.stage_of.get(placeholder[kind.name], 0)
+        held[stage % positions] += 2 * nbytes
+        added[stage] += nbytes
     total = sum(added)
     return held, [plan.accumulation_add_s * b / total if total else 0.0 for b in added]
 

@@ -318,14 +318,14 @@ def _measured_stage_peaks() -> dict:
 def test_each_position_holds_about_its_predicted_peak():
     """A position's predicted peak counts what its ranks hold during a step: with more than one
     micro-batch, the sums of the gradients as the backward makes them and one micro-batch's
-    gradients being added to them (left out, the prediction was 1.45x below the measured peak).
-    The backward's working set beyond its largest temporary is not in the stage rows yet: the
-    measured peaks are 1.11 and 1.15 times the predicted ones."""
+    gradients being added to them (left out, the measured peak was 1.45 times the prediction),
+    and the runtime holds no more (when the step held each micro-batch's added gradients until
+    the next backward returned, it was 1.11 to 1.15 times). Measured: 0.95 and 0.96 times."""
     from tests.harness import run_ranks
 
     for rank, r in enumerate(run_ranks(4, _measured_stage_peaks)):
         ratio = r["measured"] / r["predicted"]
-        assert 0.8 <= ratio <= 1.2, f"rank {rank}: measured {r['measured']} B against {r['predicted']} B predicted"
+        assert 0.85 <= ratio <= 1.05, f"rank {rank}: measured {r['measured']} B against {r['predicted']} B predicted"
 
 
 def _run_schedule(kind: str, positions: int, microbatches: int, per_rank: int, forward_s: float, backward_s: float):
