@@ -202,6 +202,8 @@ class _Problem:
         )
         compute = costs.compute_costs(space)
         node_costs = costs.node_costs(space, compute)
+        if config.stage_memory is not None and config.stage_memory.microbatches > 1:
+            costs.with_accumulation(space, node_costs, config.stage_memory.microbatches - 1)
         t2 = time.perf_counter()
         memory = memory_terms(space, costs, optimizer_slots=config.optimizer_slots)
         activations = activation_space(captured, space, costs, recompute, offload=costs.host() is not None)
@@ -284,18 +286,8 @@ class _Problem:
             host=self.costs.host(),
             bucket_bytes=self.costs.bucket_bytes,
             stage_memory=self.config.stage_memory,
-            accumulation=self._accumulation,
             **choices,
         )
-
-    @functools.cached_property
-    def _accumulation(self) -> dict[str, list[float]] | None:
-        """The additions of the micro-batches' gradients into their sums, in stages of more than one
-        micro-batch (:meth:`~autopar.cost_model.estimate.CostModel.accumulation_costs`)."""
-        stages = self.config.stage_memory
-        if stages is None or stages.microbatches == 1:
-            return None
-        return self.costs.accumulation_costs(self.space, stages.microbatches - 1)
 
     def solve(self, program: Problem, **options) -> Solution:
         """:func:`~autopar.passes.solve.solver.solve` on ``program`` within this planning's time

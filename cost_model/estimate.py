@@ -160,21 +160,20 @@ class CostModel:
             for n in space.nodes
         }
 
-    def accumulation_costs(self, space: StrategySpace, additions: int) -> dict[str, list[float]]:
-        """Gradient producer → seconds under each of its strategies that a step of ``additions``
-        micro-batches after the first pays for adding the gradient into the sum of the
-        micro-batches' (:meth:`addition_s`, at the layout the producer makes it in), weighted by
+    def with_accumulation(self, space: StrategySpace, node_costs: dict[str, list[float]], additions: int) -> None:
+        """Add to ``node_costs`` what a step of ``additions`` micro-batches after the first pays
+        for adding each gradient into the sum of the micro-batches' (:meth:`addition_s`, at the
+        layout its producer makes it in), on the gradient's producer, weighted by
         :attr:`gradient_share` as the gradients' collectives are: it is paid once per step."""
         by_name = space.index()
-        costs: dict[str, list[float]] = {}
         for n in space.nodes:
             if n.kind == "param" and n.args:
                 ref = n.args[0]
                 producer = by_name[ref[0]]
-                weight = self.gradient_share * additions
-                added = [weight * self.addition_s(ref, s.outputs[ref[1]]) for s in producer.strategies]
-                costs[producer.name] = [a + b for a, b in zip(costs.get(producer.name, [0.0] * len(added)), added)]
-        return costs
+                node_costs[producer.name] = [
+                    c + self.gradient_share * additions * self.addition_s(ref, s.outputs[ref[1]])
+                    for c, s in zip(node_costs[producer.name], producer.strategies)
+                ]
 
     def split_steps(self, name: str, strategy: Strategy) -> tuple[Step, ...]:
         """The all-reduces node ``name`` makes itself under ``strategy``, when the strategy

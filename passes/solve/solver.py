@@ -171,10 +171,6 @@ class Problem:
     stage_memory: StageMemory | None = None
     """For a plan in pipeline stages: each position of the pipeline axis is held to the budget
     (:mod:`autopar.passes.solve.stage_memory`) instead of one device holding every node."""
-    accumulation: Mapping[str, list[float]] | None = None
-    """Seconds a step adds to some nodes under each of their strategies beyond ``node_costs``, in
-    the objective only: in stages, adding the micro-batches' gradients into their sums, on the
-    gradients' producers (not work that hides copies, nor that recomputation repeats)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,12 +308,10 @@ def _compute_costs(problem: Problem, ind: dict[str, list[list]]) -> dict:
     """Seconds per one-hot variable: each node's cost under a strategy on that strategy's terms
     (a shared variable adds up the costs of every copy). The moves add theirs after."""
     costs: dict = defaultdict(float)
-    added = problem.accumulation or {}
     for n in problem.space.nodes:
-        extra = added.get(n.name)
         for k, terms in enumerate(ind[n.name]):
             for var in terms:
-                costs[var] += problem.node_costs[n.name][k] + (extra[k] if extra else 0.0)
+                costs[var] += problem.node_costs[n.name][k]
     return costs
 
 
