@@ -206,9 +206,8 @@ class Stages:
     """Predicted peak per device at each position of the pipeline axis: its stages' parameters,
     gradients and optimizer state, the sums of the micro-batches' gradients and one
     micro-batch's being added to them (with more than one), every micro-batch's pieces of the
-    inputs its stages read, the
-    activations of the micro-batches the schedule holds at once (:func:`held_activations`), and
-    the largest transient of the plan."""
+    inputs its stages read, the activations of the micro-batches the schedule holds at once
+    (:func:`held_activations`), and the largest transient of the plan."""
     stages_per_rank: int = 1
     sends: tuple[Send, ...] = ()
     """Every send the step's schedule makes, per micro-batch or (tied) once, as priced in

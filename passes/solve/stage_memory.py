@@ -17,9 +17,8 @@ keep for each micro-batch in flight. So instead of the moments of one device's s
 (a weight tied across stages counts at each position holding a copy), and, with more than one
 micro-batch, at the position whose stage makes its gradient, twice the gradient as the backward
 makes it (before its collectives: whole where they reduce-scatter it, at its producer's
-strategy): the sum of the micro-batches' gradients,
-held from the first backward to the last, and a micro-batch's, which its backward returns
-beside the sum before it is added in; ``b_i,k`` is a
+strategy): the sum of the micro-batches' gradients, held from the first backward to the last,
+and a micro-batch's, which its backward returns beside the sum before it is added in; ``b_i,k`` is a
 micro-batch's piece of model input ``i``, of which the ranks whose stages read it hold all
 ``m`` micro-batches' for the step. ``kept_n`` is what op
 ``n`` keeps for the backward (its keep, recompute or offload choice,

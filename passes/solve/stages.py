@@ -203,8 +203,8 @@ def reading_positions(captured: Captured, staged: Staged, positions: int) -> dic
 def _held_bytes(plan: ShardingPlan, captured: Captured, staged: Staged, microbatches: int, positions: int) -> list[int]:
     """The bytes per device each position of the pipeline axis holds for the whole step: its
     parameters with their gradients and optimizer state (a weight tied across stages at each
-    position holding a copy), and every micro-batch's pieces of the model inputs it reads (with
-    more than one micro-batch, the sums of the gradients too: :func:`_gradient_sums`)."""
+    position holding a copy), and every micro-batch's pieces of the model inputs it reads
+    (:func:`with_stages` adds the gradients' sums of several micro-batches, :func:`_gradient_sums`)."""
     held = [0] * positions
     graded, holding = captured.graded, holding_positions(captured, staged, positions)
     reading = reading_positions(captured, staged, positions)
@@ -226,8 +226,8 @@ def _gradient_sums(
     holds for them (its parameters' gradients as the backward makes them, before their
     collectives, twice: the sums, and a micro-batch's gradients, which its backward returns
     beside them before they are added in; a weight tied across stages at the position whose stage
-    makes its gradient, which the others get once made), and each stage's
-    seconds of adding one micro-batch's gradients into them (:attr:`~autopar.core.plan.ShardingPlan.accumulation_add_s`,
+    makes its gradient, which the others get once made), and each stage's seconds of adding one
+    micro-batch's gradients into them (:attr:`~autopar.core.plan.ShardingPlan.accumulation_add_s`,
     shared by the gradients' bytes: an addition reads and writes its bytes, by the roofline)."""
     aliases = getitem_aliases(captured.graph.graph)
     by_name = {n.name: n for n in plan.nodes}
@@ -239,10 +239,7 @@ def _gradient_sums(
         ref = aliases.get(value.name, (value.name, 0))
         if ref[0] not in by_name:  # a gradient no op makes (a constant) is never summed
             continue
-        val = value.meta["val"]
-        nbytes = (
-            math.prod(local_shape(tuple(val.shape), by_name[ref[0]].outputs[ref[1]], plan.mesh)) * val.element_size()
-        )
+        nbytes = _local_bytes(plan, value, by_name[ref[0]].outputs[ref[1]])
         stage = staged.stage_of.get(placeholder[kind.name], 0)
         held[stage % positions] += 2 * nbytes
         added[stage] += nbytes
