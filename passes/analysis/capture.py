@@ -457,11 +457,14 @@ def captured_backward(captured: Captured) -> set[fx.Node]:
     )
 
 
-def gradient_values(captured: Captured, aliases: dict[str, tuple[str, int]]) -> list[tuple[fx.Node, tuple[str, int]]]:
+def gradient_values(
+    captured: Captured, aliases: dict[str, tuple[str, int]]
+) -> list[tuple[str, fx.Node, tuple[str, int]]]:
     """Each gradient output of ``captured`` that is a value of the graph, in output order: its
-    node and the value it is (``aliases``: the graph's getitem aliases)."""
+    parameter's qualified name, its node and the value it is (``aliases``: the graph's getitem
+    aliases)."""
     return [
-        (value, aliases.get(value.name, (value.name, 0)))
+        (kind.name, value, aliases.get(value.name, (value.name, 0)))
         for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0])
         if kind is not None and kind.kind == "grad" and isinstance(value, fx.Node)
     ]
@@ -475,7 +478,7 @@ def gradients_before_cast(captured: Captured) -> dict[str, torch.dtype]:
     read is not this gradient's alone). Reducing one of them across ranks reduces the gradient
     in the compute dtype."""
     found: dict[str, torch.dtype] = {}
-    for value, _ in gradient_values(captured, {}):
+    for _, value, _ in gradient_values(captured, {}):
         if not value.all_input_nodes:
             continue
         wanted = value.meta["val"].dtype

@@ -225,7 +225,7 @@ def unreduced_gradients(captured: Captured, plan: ShardingPlan) -> list[tuple[fx
 
 def _unreduced(captured: Captured, strategies: dict[str, Strategy], aliases: dict) -> list:
     """:func:`unreduced_gradients` from the plan's strategies and the graph's aliases."""
-    return [(value, ref, strategies[ref[0]].outputs[ref[1]]) for value, ref in gradient_values(captured, aliases)]
+    return [(value, ref, strategies[ref[0]].outputs[ref[1]]) for _, value, ref in gradient_values(captured, aliases)]
 
 
 def _accumulated_at(unreduced: list, nodes: dict[str, fx.Node], backward: set[fx.Node]) -> dict[str, list[int]]:

@@ -94,7 +94,7 @@ def build_plan(
     moves: dict[tuple, PlannedMove] = {}
     collectives = tuple(_collectives(space, chosen, recomputed, costs, mesh, gathers, buckets, moves))
     in_flight = max((c.bytes for c in collectives if c.consumer == "gradients"), default=0)
-    gradients = [(ref, chosen[ref[0]].outputs[ref[1]]) for _, ref in gradient_values(captured, space.aliases)]
+    gradients = [(ref, chosen[ref[0]].outputs[ref[1]]) for _, _, ref in gradient_values(captured, space.aliases)]
     return ShardingPlan(
         mesh=mesh,
         hardware=hardware_name,

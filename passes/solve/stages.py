@@ -16,10 +16,9 @@ import math
 from collections.abc import Sequence
 
 from autopar.cost_model.compute import node_work
-from autopar.passes.analysis.capture import Captured
+from autopar.passes.analysis.capture import Captured, gradient_values
 from autopar.passes.analysis.stages import Staged, cut_units, layer_order
 from autopar.passes.propagation.redistribute import local_shape
-from torch import fx
 
 from autopar.core.errors import InfeasiblePlanError, InputError
 from autopar.core.explain import format_bytes
@@ -233,14 +232,11 @@ def _gradient_sums(
     by_name = {n.name: n for n in plan.nodes}
     placeholder = {k.name: n.name for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "param"}
     held, added = [0] * positions, [0] * count
-    for kind, value in zip(captured.outputs, captured.graph.graph.output_node().args[0]):
-        if kind is None or kind.kind != "grad" or not isinstance(value, fx.Node):
-            continue
-        ref = aliases.get(value.name, (value.name, 0))
+    for param, value, ref in gradient_values(captured, aliases):
         if ref[0] not in by_name:  # a gradient no op makes (a constant) is never summed
             continue
         nbytes = _local_bytes(plan, value, by_name[ref[0]].outputs[ref[1]])
-        stage = staged.stage_of.get(placeholder[kind.name], 0)
+        stage = staged.stage_of.get(placeholder[param], 0)
         held[stage % positions] += 2 * nbytes
         added[stage] += nbytes
     total = sum(added)
