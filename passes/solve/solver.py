@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 
@@ -260,10 +260,17 @@ def _moves(solver, problem: Problem, ind, shared, followed, costs, reader_moves,
     by_name = space.index()
     backward_reads = backward_view_reads(activations, space) if activations is not None else {}
     bucket_shares: dict[tuple, list] = defaultdict(list)
+    stages = problem.stage_memory.stage_of if problem.stage_memory is not None else {}
+    copies: dict[tuple, Counter] = defaultdict(Counter)  # the gradients of a class, by their parameters' stage
+    for n in space.nodes:
+        if n.kind == "param" and n.args:
+            ref = n.args[0]
+            copies[(shared.get(ref[0], ref[0]), ref[1]), shared.get(n.name, n.name)][stages.get(n.name, 0)] += 1
     for (ref, readers), count in tensor_classes(space, shared, followed, backward_reads).items():
         if gradient_s is not None and is_gradient(readers, by_name):
+            reader = next(iter(readers))
             gradient_transport(
-                solver, costs, ref, by_name, next(iter(readers)), count, ind, gradient_s, bucket_shares, bucketed
+                solver, costs, ref, by_name, reader, copies[ref, reader[0]], ind, gradient_s, bucket_shares, bucketed
             )
         elif gather_s is not None and by_name[ref[0]].kind == "param":
             price, joined = gathered(gather_s, ref, readers, count, by_name, segments, bucket_shares)

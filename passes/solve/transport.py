@@ -7,7 +7,8 @@ gradient, which moves into the parameter's placements once made; a move that is 
 all-reduce or reduce-scatter, or all-reduces over several mesh axes, joins a bucket, and a
 bucket pays one collective latency α per mesh axis for all its gradients. Such a move's
 ``r_v(p, q)`` is its bandwidth terms only, and the buckets of each group ``g`` (collective kinds
-and mesh axes, dtype) are counted and priced α_g each::
+and mesh axes, dtype; in pipeline stages also the parameter's stage, each stage's gradients
+reduced in buckets of their own) are counted and priced α_g each::
 
                 N_g ≥ Σ_v Σ_(p,q) s_v,p,q · t_v,p,q      (enough buckets for the bytes)
                 N_g ≥ Σ_(p,q) t_v,p,q    for every gradient v   (one as soon as a gradient joins)
@@ -163,16 +164,18 @@ def gradient_transport(
     ref: ValueRef,
     by_name: dict[str, NodeSpace],
     reader: tuple[str, int],
-    count: int,
+    copies: Mapping[int, int],
     ind: dict,
     gradient_s: GradientCost,
     bucket_shares: dict,
     bucketed_shares: list,
 ) -> None:
     """Move a parameter's gradient to the parameter's layout by the parameter's transport, each
-    move priced ``count`` times by ``gradient_s``. For every group of buckets its moves join,
-    ``bucket_shares[group, α]`` gets whether the gradient joins one and its share of one, and
-    ``bucketed_shares`` that share with its largest value."""
+    move priced once per copy by ``gradient_s``; ``copies`` counts them by pipeline stage (0
+    without stages). For every group of buckets its moves join, and every stage holding
+    copies, ``bucket_shares[(group, stage), α]`` gets whether the gradient joins one and its
+    copies' share of them (each stage's gradients have buckets of their own, as the staged
+    runtime reduces them), and ``bucketed_shares`` that share with its largest value."""
     producer, (name, j) = by_name[ref[0]], reader
     src = {
         p: _flat(g)
@@ -180,12 +183,14 @@ def gradient_transport(
     }
     dst = {q: _flat(g) for q, g in group_by_layout(ind[name], [s.inputs[j] for s in by_name[name].strategies]).items()}
     bucketed: dict[tuple, list] = defaultdict(list)
+    count = sum(copies.values())
     for (p, q), var in _transport(solver, src, dst).items():
         if p != q:
             seconds, share = gradient_s(ref, p, q)
             costs[var] += count * seconds
             if share is not None:
-                bucketed[share.group, share.latency_s].append((var, count * share.fraction))
+                for stage, n in copies.items():
+                    bucketed[(share.group, stage), share.latency_s].append((var, n * share.fraction))
     for key, moves in bucketed.items():
         bucket_shares[key].append((sum(var for var, _ in moves), sum(fraction * var for var, fraction in moves)))
         bucketed_shares.append((sum(fraction * var for var, fraction in moves), max(fraction for _, fraction in moves)))
