@@ -286,6 +286,7 @@ class _Problem:
             host=self.costs.host(),
             bucket_bytes=self.costs.bucket_bytes,
             stage_memory=self.config.stage_memory,
+            bucket_groups=self.costs.bucket_groups or None,
             **choices,
         )
 

@@ -171,6 +171,10 @@ class Problem:
     stage_memory: StageMemory | None = None
     """For a plan in pipeline stages: each position of the pipeline axis is held to the budget
     (:mod:`autopar.passes.solve.stage_memory`) instead of one device holding every node."""
+    bucket_groups: Mapping[str, int] | None = None
+    """For a plan in pipeline stages, each parameter's stage by qualified name
+    (:attr:`~autopar.cost_model.estimate.CostModel.bucket_groups`, as the plan's buckets read
+    it): each stage's gradients join buckets of their own, each paying its latency."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,18 +264,17 @@ def _moves(solver, problem: Problem, ind, shared, followed, costs, reader_moves,
     by_name = space.index()
     backward_reads = backward_view_reads(activations, space) if activations is not None else {}
     bucket_shares: dict[tuple, list] = defaultdict(list)
-    stages = problem.stage_memory.stage_of if problem.stage_memory is not None else {}
-    copies: dict[tuple, Counter] = defaultdict(Counter)  # the gradients of a class, by their parameters' stage
+    groups = problem.bucket_groups
+    by_stage: dict[tuple, Counter] = defaultdict(Counter)  # a gradient class's copies, by their parameter's stage
     for n in space.nodes:
-        if n.kind == "param" and n.args:
-            ref = n.args[0]
-            copies[(shared.get(ref[0], ref[0]), ref[1]), shared.get(n.name, n.name)][stages.get(n.name, 0)] += 1
+        if groups is not None and n.kind == "param" and n.args:
+            ref, param = n.args[0], shared.get(n.name, n.name)
+            by_stage[(shared.get(ref[0], ref[0]), ref[1]), param][groups.get(n.target, 0)] += 1  # as the plan's buckets
     for (ref, readers), count in tensor_classes(space, shared, followed, backward_reads).items():
         if gradient_s is not None and is_gradient(readers, by_name):
             reader = next(iter(readers))
-            gradient_transport(
-                solver, costs, ref, by_name, reader, copies[ref, reader[0]], ind, gradient_s, bucket_shares, bucketed
-            )
+            copies = by_stage[ref, reader[0]] if groups is not None else {0: count}
+            gradient_transport(solver, costs, ref, by_name, reader, copies, ind, gradient_s, bucket_shares, bucketed)
         elif gather_s is not None and by_name[ref[0]].kind == "param":
             price, joined = gathered(gather_s, ref, readers, count, by_name, segments, bucket_shares)
             layout_available(solver, costs, ref, by_name, readers, count, ind, price, None, reader_moves, joined)

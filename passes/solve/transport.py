@@ -230,7 +230,8 @@ def gathered(
 
 def enough_buckets(solver, costs: dict, bucket_shares: dict) -> None:
     """The bucket counts ``N_g`` of the module docstring, each bucket priced at its group's α.
-    ``bucket_shares[group, α]`` holds, per gradient or parameter, how many buckets of the group
+    ``bucket_shares[g, α]`` (``g``: a gradient's group and stage, or a parameter's group, phase
+    and layer) holds, per gradient or parameter, how many buckets of the group
     it joins at least (whether it joins one, for a gradient) and its share of them, as
     expressions in its moves."""
     for (_, latency), gradients in bucket_shares.items():
