@@ -266,8 +266,8 @@ def _moves(solver, problem: Problem, ind, shared, followed, costs, reader_moves,
     bucket_shares: dict[tuple, list] = defaultdict(list)
     groups = problem.bucket_groups
     by_stage: dict[tuple, Counter] = defaultdict(Counter)  # a gradient class's copies, by their parameter's stage
-    for n in space.nodes:
-        if groups is not None and n.kind == "param" and n.args:
+    for n in space.nodes if groups is not None else ():
+        if n.kind == "param" and n.args:
             ref, param = n.args[0], shared.get(n.name, n.name)
             by_stage[(shared.get(ref[0], ref[0]), ref[1]), param][groups.get(n.target, 0)] += 1  # as the plan's buckets
     for (ref, readers), count in tensor_classes(space, shared, followed, backward_reads).items():
