@@ -759,8 +759,8 @@ def test_the_bound_of_a_search_in_stages_is_a_bound_on_the_step(schedule, per_ra
     gradients = sum(st.sync_s) + sum(st.accumulate_s)
     weight = per_rank / (per_rank * microbatches + st.positions - 1)
     parts = sum(st.compute_s) + weight * gradients
-    if budgeted:  # budgeted programs price a few nanoseconds (1-4e-5 of the step) more than the plan's parts add up
-        assert solver.objective_s <= parts * (1 + 1e-4)
+    if budgeted:  # the program gathers again what a recomputed op and the backward gather alike, the plan once
+        assert parts * (1 - 1e-12) <= solver.objective_s <= parts * (1 + 1e-4)
     else:  # each stage's gradient buckets pay their own latency, as the staged runtime runs them
         assert solver.objective_s == pytest.approx(parts, rel=1e-7)
     balanced = (sum(st.compute_s) + sum(st.send_s)) * (microbatches + (st.positions - 1) / per_rank) / st.positions
