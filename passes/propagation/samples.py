@@ -15,7 +15,9 @@ the walk, and micro-batches are refused. The backward of a forward so computed i
 A whole value may be read split along a dim only where it holds the same values at every index
 of that dim (:func:`_uniform_dims`): a mask, position ids or a class token expanded along the
 batch, which the micro-batch's graph makes at its own size with the same values; not ``arange``
-over the batch, whose slices differ from what the micro-batch makes. A random draw (a dropout
+over the batch, whose slices differ from what the micro-batch makes, unless it indexes the batch's
+dim of a value split along it to pick each sample's own rows (``x[arange(batch), last_token]``, the
+pooling of Hugging Face's sequence classifiers: :func:`_per_sample_gather`). A random draw (a dropout
 mask drawn whole) counts as such a value: each micro-batch draws its own. The count a mean
 cross-entropy divides by, which the runtime sums over the micro-batches and gives every one
 whole (:func:`~autopar.passes.analysis.stages.loss_divisor`), must be such a sum.
@@ -76,6 +78,8 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
             if all(p == R for p in operands):
                 placed[node] = (R,) * count
                 uniform[node] = _uniform_dims(node, uniform)
+            elif _per_sample_gather(node, placed, uniform, batch):
+                placed[node] = (Shard(0),)
             elif rule_for(node.target) is None:
                 return node, "has no sharding rule to show it (add one in passes/rules/)"
             else:
@@ -181,6 +185,41 @@ def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> froz
     if _elementwise(target) and args:
         return ones | set.intersection(*(of(a, value.ndim - a.meta["val"].ndim) for a in args))
     return ones
+
+
+def _per_sample_gather(
+    node: fx.Node, placed: dict[fx.Node, tuple[Placement, ...]], uniform: dict[fx.Node, frozenset[int]], batch: int
+) -> bool:
+    """Whether ``node`` picks from each sample of a table split along the batch by that sample's own
+    indices: ``table[arange(batch), index, ...]``, each index after the ``arange`` one per sample (split
+    along the batch) or the same for every sample, as Hugging Face's sequence classifiers pool each
+    sequence's last token. A micro-batch's graph makes the ``arange`` at its own size, so it picks its
+    own samples' rows; any other index into the batch's dim (a shifted or reversed ``arange``) does not."""
+    if node.target != aten.index.Tensor or batch < 2:
+        return False
+    table, indices = node.args[0], list(node.args[1])
+    if len(indices) < 2 or any(i is None for i in indices) or placed[table][0] != Shard(0):
+        return False
+    if table.meta["val"].shape[0] != batch or not _counts_to(indices[0], batch):
+        return False
+    for index in indices[1:]:
+        shape = tuple(index.meta["val"].shape)
+        if shape not in ((), (1,), (batch,)):
+            return False
+        if placed[index][0] != Shard(0) and not (placed[index][0] == R and (shape != (batch,) or 0 in uniform[index])):
+            return False
+    return True
+
+
+def _counts_to(node: fx.Node, batch: int) -> bool:
+    """Whether ``node`` is ``arange(batch)``: 0, 1, ..., batch - 1."""
+    args = tuple(node.args)
+    counts = (
+        (node.target == aten.arange.default and args == (batch,))
+        or (node.target == aten.arange.start and args == (0, batch))
+        or (node.target == aten.arange.start_step and args in ((0, batch), (0, batch, 1)))
+    )
+    return counts and tuple(node.meta["val"].shape) == (batch,)
 
 
 def _drawn(op) -> bool:

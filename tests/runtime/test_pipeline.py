@@ -49,6 +49,47 @@ def _llama():
     return model, [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
 
 
+class _Classifier(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _llama_classifier():
+    """Hugging Face's LLaMA sequence classifier, which pools each sequence at its last token before the
+    padding (``logits[arange(batch), last]``); sequences padded to different lengths, one label of
+    the first micro-batch ignored."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=8,
+        pad_token_id=0,
+        num_labels=3,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = _Classifier(LlamaForSequenceClassification(cfg))
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(1, 64, (8, 8))
+        for row, padded in enumerate([3, 0, 1, 0, 5, 2, 0, 4]):
+            ids[row, 8 - padded :] = 0
+        labels = torch.randint(0, 3, (8,))
+        labels[1] = -100
+        batches.append((ids, labels))
+    return model, batches
+
+
 class _Odd(torch.nn.Module):
     """Layers 33 wide, which no mesh axis of two splits, and a mean squared error: only stages
     divide the parameters' memory."""
@@ -131,6 +172,13 @@ CASES = {
     "gpt-pp2xdp2-chosen": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=None, schedule=None), "dp"),
     "gpt-pp2xdp2-1f1b-recompute": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "recompute"),
     "gpt-pp2xdp2-1f1b-offload": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "offload"),
+    "hf-llama-classifier-dp2xpp2-1f1b": (
+        "llama-classifier",
+        (2, 2),
+        ("dp", "pp"),
+        Pipeline(axis="pp", microbatches=2),
+        "dp",
+    ),
     "gpt-tied-pp2xdp2-interleaved": (
         "gpt-tied",
         (2, 2),
@@ -154,13 +202,14 @@ def _train(pmodel_or_model, batches, optimizer, clip):
 
 
 def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
-    model, batches = {"llama": _llama, "odd": _odd}.get(model_name, lambda: _gpt(tie=model_name == "gpt-tied"))()
+    builders = {"llama": _llama, "llama-classifier": _llama_classifier, "odd": _odd}
+    model, batches = builders.get(model_name, lambda: _gpt(tie=model_name == "gpt-tied"))()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     ref_losses, ref_norms = _train(
         reference, batches, ref_opt, lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
     )
-    inputs = ("input_ids", "labels") if model_name == "llama" else ("idx", "targets")
+    inputs = ("input_ids", "labels") if model_name.startswith("llama") else ("idx", "targets")
     pins = {
         "dp": {name: "S(0)" for name in inputs},
         "dp-inside": {name: ("R", "S(0)") for name in inputs},  # pipeline="auto": pins on the whole mesh
@@ -479,6 +528,10 @@ class _Towers(torch.nn.Module):
             return (x**2).sum(0).mean()
         if self.loss == "over a constant":  # a divisor the micro-batches would add up
             return (x**2).sum() / torch.full((), 1000.0)
+        if self.loss == "pooled at each sample's own index":  # as sequence classifiers pool
+            return x[torch.arange(x.shape[0]), x.argmax(1)].mean()
+        if self.loss == "pooled through a reversed arange":  # each sample's index picks another sample
+            return x[torch.arange(x.shape[0]).flip(0), x.argmax(1)].mean()
         return (x**2).mean()
 
 
@@ -491,6 +544,7 @@ class _Towers(torch.nn.Module):
         ("summed over the batch", "mm .*several samples of the batch"),
         ("a sum over the batch averaged", "div .*no mean over the batch's samples"),
         ("over a constant", "full .*divides the loss by something other than a sum"),
+        ("pooled through a reversed arange", "index .*several samples of the batch"),
     ],
 )
 def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, refusal):
@@ -501,6 +555,15 @@ def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batche
     assert whole.stages.microbatches == 1
     apart = autopar.plan(_Towers("mean"), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=2))
     assert apart.stages.microbatches == 2
+
+
+def test_a_loss_pooled_at_each_samples_own_index_is_cut_into_micro_batches():
+    """``x[arange(batch), index]`` picks each sample's own row: a micro-batch's graph makes its
+    ``arange`` at its own size (the graph-diff case of Hugging Face's LLaMA classifier trains one)."""
+    mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
+    pooled = _Towers("pooled at each sample's own index")
+    plan = autopar.plan(pooled, mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
+    assert plan.stages.microbatches == 4
 
 
 def test_a_plan_with_stages_round_trips_through_json():
