@@ -239,8 +239,9 @@ def _local_row(
 ) -> tuple[Placement | None, ...] | None:
     """The outputs' placements under the rule's row of ``node`` that takes ``operands`` as they
     are and needs no all-reduce, or ``None``. A whole operand may also be read split along a dim
-    of the batch's size that it holds the same at every index of (``uniform``); of the rows that
-    do, the one slicing the fewest whole operands wins, and none may give a sum over the batch."""
+    of the batch's size that it holds the same at every index of (``uniform``), and an empty one (a
+    cache's first ``torch.cat``) as any row reads it; of the rows that do, the one slicing the fewest
+    whole operands wins, and none may give a sum over the batch."""
     split = split_op(node.target)
     args = tensor_args(node)
     found = []
@@ -249,9 +250,9 @@ def _local_row(
             continue
         sliced = 0
         for have, need, arg in zip(operands, ins, args):
-            if have == need:
-                continue
-            if have != R or not isinstance(need, Shard):
+            if have == need or (have == R and arg.meta["val"].numel() == 0):
+                continue  # an empty operand (the legacy 1-D one a cat skips) holds no sample
+            if have != R or not isinstance(need, Shard) or need.dim >= arg.meta["val"].ndim:
                 break
             if batch < 2 or arg.meta["val"].shape[need.dim] != batch or need.dim not in uniform.get(arg, ()):
                 break  # one sample a micro-batch: a dim of the batch's size is one of size 1

@@ -60,8 +60,9 @@ class _Classifier(torch.nn.Module):
 
 def _llama_classifier():
     """Hugging Face's LLaMA sequence classifier, which pools each sequence at its last token before the
-    padding (``logits[arange(batch), last]``); sequences padded to different lengths, one label of
-    the first micro-batch ignored."""
+    padding (``logits[arange(batch), last]``), built as users build it (its cache on, whose first
+    ``torch.cat`` reads an empty tensor); sequences padded to different lengths, one label of the
+    first micro-batch ignored."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
@@ -75,7 +76,6 @@ def _llama_classifier():
         max_position_embeddings=8,
         pad_token_id=0,
         num_labels=3,
-        use_cache=False,
         attn_implementation="sdpa",
     )
     model = _Classifier(LlamaForSequenceClassification(cfg))
