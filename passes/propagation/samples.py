@@ -204,7 +204,7 @@ def _per_sample_gather(
         return False
     for index in indices[1:]:
         shape = tuple(index.meta["val"].shape)
-        if shape not in ((), (1,), (batch,)):
+        if shape not in ((), (1,), (batch,)) or index.meta["val"].dtype not in (torch.int32, torch.int64):
             return False
         if placed[index][0] != Shard(0) and not (placed[index][0] == R and (shape != (batch,) or 0 in uniform[index])):
             return False
@@ -251,7 +251,7 @@ def _local_row(
         sliced = 0
         for have, need, arg in zip(operands, ins, args):
             if have == need or (have == R and arg.meta["val"].numel() == 0):
-                continue  # an empty operand (the legacy 1-D one a cat skips) holds no sample
+                continue  # an empty operand (a cache's first cat) holds no sample: whole or split, it is empty
             if have != R or not isinstance(need, Shard) or need.dim >= arg.meta["val"].ndim:
                 break
             if batch < 2 or arg.meta["val"].shape[need.dim] != batch or need.dim not in uniform.get(arg, ()):

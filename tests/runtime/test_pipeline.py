@@ -81,9 +81,9 @@ def _llama_classifier():
     model = _Classifier(LlamaForSequenceClassification(cfg))
     batches = []
     for _ in range(3):
-        ids = torch.randint(1, 64, (8, 8))
+        ids = torch.randint(1, 64, (8, 6))  # sequences shorter than the batch: no dim of the batch's size but its own
         for row, padded in enumerate([3, 0, 1, 0, 5, 2, 0, 4]):
-            ids[row, 8 - padded :] = 0
+            ids[row, 6 - padded :] = 0
         labels = torch.randint(0, 3, (8,))
         labels[1] = -100
         batches.append((ids, labels))
@@ -532,6 +532,10 @@ class _Towers(torch.nn.Module):
             return x[torch.arange(x.shape[0]), x.argmax(1)].mean()
         if self.loss == "pooled through a reversed arange":  # each sample's index picks another sample
             return x[torch.arange(x.shape[0]).flip(0), x.argmax(1)].mean()
+        if self.loss == "pooled on the diagonal":  # sample b's column b: its place in the batch again
+            return x[torch.arange(x.shape[0]), torch.arange(x.shape[0])].mean()
+        if self.loss == "after an empty cache":  # a cache's first torch.cat reads an empty tensor
+            return torch.cat([torch.tensor([]), x], -1).pow(2).mean()
         return (x**2).mean()
 
 
@@ -545,6 +549,7 @@ class _Towers(torch.nn.Module):
         ("a sum over the batch averaged", "div .*no mean over the batch's samples"),
         ("over a constant", "full .*divides the loss by something other than a sum"),
         ("pooled through a reversed arange", "index .*several samples of the batch"),
+        ("pooled on the diagonal", "index .*several samples of the batch"),
     ],
 )
 def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, refusal):
@@ -557,13 +562,34 @@ def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batche
     assert apart.stages.microbatches == 2
 
 
-def test_a_loss_pooled_at_each_samples_own_index_is_cut_into_micro_batches():
-    """``x[arange(batch), index]`` picks each sample's own row: a micro-batch's graph makes its
-    ``arange`` at its own size (the graph-diff case of Hugging Face's LLaMA classifier trains one)."""
+@pytest.mark.parametrize("loss", ["pooled at each sample's own index", "after an empty cache"])
+def test_a_loss_computed_sample_by_sample_is_cut_into_micro_batches(loss):
+    """``x[arange(batch), index]`` picks each sample's own row (a micro-batch's graph makes its
+    ``arange`` at its own size), and an empty tensor concatenated holds no sample; the CASES entry
+    of Hugging Face's LLaMA classifier trains both against one device."""
     mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
-    pooled = _Towers("pooled at each sample's own index")
-    plan = autopar.plan(pooled, mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
+    plan = autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
     assert plan.stages.microbatches == 4
+
+
+def test_hugging_face_gpt2_classifier_is_cut_into_micro_batches():
+    """GPT-2's sequence classifier as built by default (its cache on) pools each sequence at its
+    last token before the padding, as LLaMA's does."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=4, n_positions=8, pad_token_id=0, num_labels=3)
+    ids, labels = torch.randint(1, 64, (8, 6)), torch.randint(0, 3, (8,))
+    ids[:3, -2:] = 0
+    mesh = autopar.Mesh((2, 2), ("dp", "pp"))
+    plan = autopar.plan(
+        _Classifier(GPT2ForSequenceClassification(cfg)),
+        mesh,
+        (ids, labels),
+        hardware=SYNTHETIC,
+        pipeline=Pipeline(axis="pp", microbatches=2),
+    )
+    assert plan.stages.microbatches == 2
 
 
 def test_a_plan_with_stages_round_trips_through_json():
