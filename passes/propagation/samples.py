@@ -17,9 +17,7 @@ of that dim (:func:`_uniform_dims`): a mask, position ids or a class token expan
 batch, which the micro-batch's graph makes at its own size with the same values; not ``arange``
 over the batch, whose slices differ from what the micro-batch makes, unless it indexes the batch's
 dim of a value split along it to pick each sample's own rows (``x[arange(batch), last_token]``, the
-pooling of Hugging Face's sequence classifiers: :func:`_per_sample_gather`). Nor may it be read split
-along a dim of batch x heads, unless it repeats one table for each sample there (:func:`_repeated_dims`).
-A random draw (a dropout
+pooling of Hugging Face's sequence classifiers: :func:`_per_sample_gather`). A random draw (a dropout
 mask drawn whole) counts as such a value: each micro-batch draws its own. The count a mean
 cross-entropy divides by, which the runtime sums over the micro-batches and gives every one
 whole (:func:`~autopar.passes.analysis.stages.loss_divisor`), must be such a sum.
@@ -63,7 +61,6 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
     batch = next(n.meta["val"].shape[0] for n, k in kinds.items() if k.kind == "input")
     placed: dict[fx.Node, tuple[Placement, ...]] = {}
     uniform: dict[fx.Node, frozenset[int]] = {}
-    repeated: dict[fx.Node, frozenset[int]] = {}
     means: set[fx.Node] = set()
     for node in captured.graph.graph.nodes:
         if node in backward or node.op == "output":
@@ -81,13 +78,12 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
             if all(p == R for p in operands):
                 placed[node] = (R,) * count
                 uniform[node] = _uniform_dims(node, uniform)
-                repeated[node] = _repeated_dims(node, repeated, batch)
             elif _per_sample_gather(node, placed, uniform, batch):
                 placed[node] = (Shard(0),)
             elif rule_for(node.target) is None:
                 return node, "has no sharding rule to show it (add one in passes/rules/)"
             else:
-                outs = _local_row(node, operands, batch, uniform, repeated)
+                outs = _local_row(node, operands, batch, uniform)
                 if outs is None:
                     return (
                         node,
@@ -191,33 +187,6 @@ def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> froz
     return ones
 
 
-def _repeated_dims(node: fx.Node, repeated: dict[fx.Node, frozenset[int]], batch: int) -> frozenset[int]:
-    """The dims of the whole value of ``node`` (every operand whole) made of ``batch`` equal runs:
-    those a ``repeat`` repeats a multiple of ``batch`` times (a table of heads repeated for each sample
-    along a dim of batch x heads, as DeBERTa's relative positions and BLOOM's ALiBi are), followed
-    through transposes, permutations and copies. A micro-batch's graph repeats the table for its own
-    samples: its runs are the whole value's slice."""
-    value = node.meta.get("val")
-    if batch < 2 or not isinstance(value, torch.Tensor) or not node.args or not isinstance(node.args[0], fx.Node):
-        return frozenset()
-    source, target = node.args[0], node.target
-    held = repeated.get(source, frozenset())
-    if target == aten.repeat.default:
-        reps = list(node.args[1])
-        lead = len(reps) - source.meta["val"].ndim
-        return frozenset(d for d, r in enumerate(reps) if r % batch == 0 or (d >= lead and r == 1 and d - lead in held))
-    if target == aten.transpose.int:
-        a, b = (d % value.ndim for d in node.args[1:3])
-        swap = {a: b, b: a}
-        return frozenset(d for d in range(value.ndim) if swap.get(d, d) in held)
-    if target == aten.permute.default:
-        order = [d % value.ndim for d in node.args[1]]
-        return frozenset(d for d, from_dim in enumerate(order) if from_dim in held)
-    if target in _SAME_DIMS and target != aten.slice.Tensor:
-        return held
-    return frozenset()
-
-
 def _per_sample_gather(
     node: fx.Node, placed: dict[fx.Node, tuple[Placement, ...]], uniform: dict[fx.Node, frozenset[int]], batch: int
 ) -> bool:
@@ -266,16 +235,11 @@ def _elementwise(op) -> bool:
 
 
 def _local_row(
-    node: fx.Node,
-    operands: tuple[Placement, ...],
-    batch: int,
-    uniform: dict[fx.Node, frozenset[int]],
-    repeated: dict[fx.Node, frozenset[int]],
+    node: fx.Node, operands: tuple[Placement, ...], batch: int, uniform: dict[fx.Node, frozenset[int]]
 ) -> tuple[Placement | None, ...] | None:
     """The outputs' placements under the rule's row of ``node`` that takes ``operands`` as they
     are and needs no all-reduce, or ``None``. A whole operand may also be read split along a dim
-    of a multiple of the batch's size that it holds the same at every index of (``uniform``), or along a dim made of
-    the batch's count of equal runs (``repeated``: :func:`_repeated_dims`), and an empty one (a
+    of the batch's size that it holds the same at every index of (``uniform``), and an empty one (a
     cache's first ``torch.cat``) as any row reads it; of the rows that do, the one slicing the fewest
     whole operands wins, and none may give a sum over the batch."""
     split = split_op(node.target)
@@ -290,9 +254,7 @@ def _local_row(
                 continue  # an empty operand (a cache's first cat) holds no sample: whole or split, it is empty
             if have != R or not isinstance(need, Shard) or need.dim >= arg.meta["val"].ndim:
                 break
-            size = arg.meta["val"].shape[need.dim]
-            alike = (size % batch == 0 and need.dim in uniform.get(arg, ())) or need.dim in repeated.get(arg, ())
-            if batch < 2 or not alike:
+            if batch < 2 or arg.meta["val"].shape[need.dim] != batch or need.dim not in uniform.get(arg, ()):
                 break  # one sample a micro-batch: a dim of the batch's size is one of size 1
             sliced += 1
         else:

@@ -90,16 +90,6 @@ def _llama_classifier():
     return model, batches
 
 
-def _bloom():
-    """Hugging Face's BLOOM of the zoo, whose ALiBi table is repeated once per sample along batch x
-    heads."""
-    from autopar.examples.hf import zoo
-
-    torch.manual_seed(0)
-    model, (ids, _) = zoo(seq=6, dim=16)["bloom"]()  # sequences shorter than the batch
-    return model, [(torch.randint(0, 64, ids.shape), torch.randint(0, 64, ids.shape)) for _ in range(3)]
-
-
 class _Odd(torch.nn.Module):
     """Layers 33 wide, which no mesh axis of two splits, and a mean squared error: only stages
     divide the parameters' memory."""
@@ -182,7 +172,6 @@ CASES = {
     "gpt-pp2xdp2-chosen": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=None, schedule=None), "dp"),
     "gpt-pp2xdp2-1f1b-recompute": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "recompute"),
     "gpt-pp2xdp2-1f1b-offload": ("gpt", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=4), "offload"),
-    "hf-bloom-dp2xpp2-1f1b": ("bloom", (2, 2), ("dp", "pp"), Pipeline(axis="pp", microbatches=2), None),
     "hf-llama-classifier-dp2xpp2-1f1b": (
         "llama-classifier",
         (2, 2),
@@ -213,7 +202,7 @@ def _train(pmodel_or_model, batches, optimizer, clip):
 
 
 def _run_case(model_name, mesh_shape, axis_names, pipeline, preset) -> dict:
-    builders = {"llama": _llama, "llama-classifier": _llama_classifier, "bloom": _bloom, "odd": _odd}
+    builders = {"llama": _llama, "llama-classifier": _llama_classifier, "odd": _odd}
     model, batches = builders.get(model_name, lambda: _gpt(tie=model_name == "gpt-tied"))()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
@@ -547,12 +536,6 @@ class _Towers(torch.nn.Module):
             return x[torch.arange(x.shape[0]), torch.arange(x.shape[0])].mean()
         if self.loss == "after an empty cache":  # a cache's first torch.cat reads an empty tensor
             return torch.cat([torch.tensor([]), x], -1).pow(2).mean()
-        if self.loss in ("beside a table repeated for each sample", "beside a table repeated and numbered"):
-            table = torch.linspace(0.0, 1.0, 8).view(2, 4, 1).transpose(1, 2)  # one table per head, as ALiBi's
-            table = table.repeat(x.shape[0], 1, 1).transpose(1, 2)  # along batch x heads, as BLOOM's baddbmm reads
-            if self.loss == "beside a table repeated and numbered":  # each run scaled by its place in the batch
-                table = table * torch.arange(2.0 * x.shape[0]).view(-1, 1, 1)
-            return torch.bmm(x.reshape(2 * x.shape[0], 1, 4), table).pow(2).mean()
         return (x**2).mean()
 
 
@@ -567,7 +550,6 @@ class _Towers(torch.nn.Module):
         ("over a constant", "full .*divides the loss by something other than a sum"),
         ("pooled through a reversed arange", "index .*several samples of the batch"),
         ("pooled on the diagonal", "index .*several samples of the batch"),
-        ("beside a table repeated and numbered", "bmm .*several samples of the batch"),
     ],
 )
 def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, refusal):
@@ -580,29 +562,14 @@ def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batche
     assert apart.stages.microbatches == 2
 
 
-@pytest.mark.parametrize(
-    "loss", ["pooled at each sample's own index", "after an empty cache", "beside a table repeated for each sample"]
-)
+@pytest.mark.parametrize("loss", ["pooled at each sample's own index", "after an empty cache"])
 def test_a_loss_computed_sample_by_sample_is_cut_into_micro_batches(loss):
     """``x[arange(batch), index]`` picks each sample's own row (a micro-batch's graph makes its
-    ``arange`` at its own size), an empty tensor concatenated holds no sample, and a table repeated
-    once per sample along batch x heads is the same in each micro-batch's runs; the CASES entry of
-    Hugging Face's LLaMA classifier trains the first two against one device."""
+    ``arange`` at its own size), and an empty tensor concatenated holds no sample; the CASES entry
+    of Hugging Face's LLaMA classifier trains both against one device."""
     mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
     plan = autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
     assert plan.stages.microbatches == 4
-
-
-def test_hugging_face_bloom_is_cut_into_micro_batches():
-    """BLOOM repeats its ALiBi table once per sample along batch x heads, which its attention's
-    baddbmm reads beside the split queries."""
-    from autopar.examples.hf import zoo
-
-    torch.manual_seed(0)
-    model, inputs = zoo()["bloom"]()
-    mesh = autopar.Mesh((2,), ("pp",))
-    plan = autopar.plan(model, mesh, inputs, hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=2))
-    assert plan.stages.microbatches == 2
 
 
 def test_hugging_face_gpt2_classifier_is_cut_into_micro_batches():
