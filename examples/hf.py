@@ -15,9 +15,9 @@ TRANSFORMERS = "transformers>=5.23,<6"
 
 
 class CausalLMLoss(nn.Module):
-    """A Hugging Face causal language model whose ``forward(input_ids, labels)`` returns the
-    loss: autopar passes example inputs in order, and Hugging Face models take these two as
-    keyword arguments."""
+    """A Hugging Face causal language model (or another head trained on ``input_ids`` and ``labels``,
+    a sequence classifier) whose ``forward(input_ids, labels)`` returns the loss: autopar passes
+    example inputs in order, and Hugging Face models take these two as keyword arguments."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

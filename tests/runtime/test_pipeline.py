@@ -49,20 +49,12 @@ def _llama():
     return model, [(torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))) for _ in range(3)]
 
 
-class _Classifier(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
 def _llama_classifier():
     """Hugging Face's LLaMA sequence classifier, which pools each sequence at its last token before the
     padding (``logits[arange(batch), last]``), built as users build it (its cache on, whose first
     ``torch.cat`` reads an empty tensor); sequences padded to different lengths, one label of the
     first micro-batch ignored."""
+    from autopar.examples import hf
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
@@ -78,7 +70,7 @@ def _llama_classifier():
         num_labels=3,
         attn_implementation="sdpa",
     )
-    model = _Classifier(LlamaForSequenceClassification(cfg))
+    model = hf.CausalLMLoss(LlamaForSequenceClassification(cfg))
     batches = []
     for _ in range(3):
         ids = torch.randint(1, 64, (8, 6))  # sequences shorter than the batch: no dim of the batch's size but its own
@@ -575,6 +567,7 @@ def test_a_loss_computed_sample_by_sample_is_cut_into_micro_batches(loss):
 def test_hugging_face_gpt2_classifier_is_cut_into_micro_batches():
     """GPT-2's sequence classifier as built by default (its cache on) pools each sequence at its
     last token before the padding, as LLaMA's does."""
+    from autopar.examples import hf
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     torch.manual_seed(0)
@@ -583,7 +576,7 @@ def test_hugging_face_gpt2_classifier_is_cut_into_micro_batches():
     ids[:3, -2:] = 0
     mesh = autopar.Mesh((2, 2), ("dp", "pp"))
     plan = autopar.plan(
-        _Classifier(GPT2ForSequenceClassification(cfg)),
+        hf.CausalLMLoss(GPT2ForSequenceClassification(cfg)),
         mesh,
         (ids, labels),
         hardware=SYNTHETIC,
