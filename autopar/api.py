@@ -152,13 +152,21 @@ def _plan_auto(
 
 
 def _plan_stages(
-    captured, state_pins=None, stages: Stages | None = None, *, mesh: Mesh, pipeline: Pipeline, config: PlanConfig
+    captured,
+    state_pins=None,
+    stages: Stages | None = None,
+    capture_at: Callable[[int], Captured] | None = None,
+    *,
+    mesh: Mesh,
+    pipeline: Pipeline,
+    config: PlanConfig,
 ) -> ShardingPlan:
-    """The plan in ``pipeline``'s stages; a graph captured at other sizes or in another mode is
-    planned in the ``stages`` its first plan cut."""
+    """The plan in ``pipeline``'s stages (``capture_at`` capturing the model on one of ``m``
+    micro-batches, for the check of :func:`~autopar.stage_search.plan_stages`); a graph captured
+    at other sizes or in another mode is planned in the ``stages`` its first plan cut."""
     if stages is not None:
         return plan_again_in(captured, mesh, stages, state_pins, config)
-    return plan_stages(captured, mesh, pipeline, config.with_pins(state_pins or {}))
+    return plan_stages(captured, mesh, pipeline, config.with_pins(state_pins or {}), capture_at=capture_at)
 
 
 TIMEOUT_VARIABLE = "AUTOPAR_TIMEOUT_S"

@@ -836,9 +836,10 @@ def plan(
             "share no batch size that divides. Fix: inputs batched along dim 0, a batch Pipeline(microbatches=) divides"
         )
 
+    @functools.cache
     def capture_at(microbatches: int) -> Captured:
         return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype, keywords, fixed)
 
     if planning_chooses(pipeline):
         return plan_auto(capture_at, batch, mesh, config, given_parts(pipeline))
-    return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config)
+    return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, config, capture_at=capture_at)

@@ -109,7 +109,7 @@ def plan_auto(
 
                 def make(c: PlanConfig, pipeline=pipeline, pins=pins) -> ShardingPlan:
                     inside = c if pins is None else dataclasses.replace(c, pins=pins)
-                    return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, inside)
+                    return plan_stages(capture_at(pipeline.microbatches), mesh, pipeline, inside, capture_at=capture_at)
 
                 what = f"stages over {axis} ({schedule}) with {microbatches} micro-batches"
                 if not attempt(what, make):
@@ -215,14 +215,19 @@ def plan_stages(
     pipeline: Pipeline,
     config: PlanConfig,
     segments: tuple[tuple[str, ...], ...] | None = None,
+    capture_at: Callable[[int], Captured] | None = None,
 ) -> ShardingPlan:
     """Plan ``captured`` (one micro-batch) on the mesh inside the stages of ``pipeline``, each
     position of the pipeline axis held to the memory budget (what it recomputes chosen with the
     placements, :mod:`autopar.passes.solve.stage_memory`), and cut it into the stages
-    (:mod:`autopar.passes.solve.stages`), or into the units of ``segments``."""
+    (:mod:`autopar.passes.solve.stages`), or into the units of ``segments``. ``capture_at``
+    (``m`` -> the model captured on the first of ``m`` micro-batches) shows that the micro-batch's
+    graph computes no value from the batch's size
+    (:func:`~autopar.passes.propagation.samples.check_samples_apart`); without it (a plan made
+    again in the stages of one so checked, :func:`plan_again_in`) that is not checked."""
     pipeline.check(mesh)
     divisor = check_stageable(captured)
-    check_samples_apart(captured, pipeline.microbatches, divisor)
+    check_samples_apart(captured, pipeline.microbatches, divisor, capture_at)
     positions = mesh.shape[mesh.axis_names.index(pipeline.axis)]
     if segments is None:
         segments = cut_stages(captured, positions * pipeline.stages_per_rank)

@@ -108,7 +108,9 @@ class PipelinedModule(ParallelModule):
         if first_call:
             _refuse_split_pins_of_parts(captured, self._pins)
         inner = self._lay_out(device_type)
-        plan = self._plan if self._plan is not None else self._plan_on_rank0(captured)
+        plan = self._plan
+        if plan is None:  # in given stages, whose planner compares the micro-batch's graph with the batch's
+            plan = self._plan_on_rank0(captured, capture_at=MicroBatches(self, tuple(x.detach() for x in inputs)))
         check_plan(plan, captured, inner, self._pins)
         _check_stages(plan, self._pipeline, self._whole_mesh)
         self._plan = plan

@@ -24,10 +24,12 @@ whole (:func:`~autopar.passes.analysis.stages.loss_divisor`), must be such a sum
 """
 
 import operator
+from collections.abc import Callable
 
 import torch
+from autopar.passes.analysis.batch_sized import Difference, batch_sized_value
 from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
-from autopar.passes.analysis.stages import CASTS, DIVISIONS
+from autopar.passes.analysis.stages import CASTS, DIVISIONS, loss_divisor
 from autopar.passes.rules import SplitOp, rule_for, split_op, tensor_args
 from torch import fx
 
@@ -58,7 +60,7 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
     of the loss's divisor (:func:`~autopar.passes.analysis.stages.loss_divisor`)."""
     backward = captured_backward(captured)
     kinds = dict(zip(captured.placeholders, captured.inputs))
-    batch = next(n.meta["val"].shape[0] for n, k in kinds.items() if k.kind == "input")
+    batch = _batch(captured)
     placed: dict[fx.Node, tuple[Placement, ...]] = {}
     uniform: dict[fx.Node, frozenset[int]] = {}
     means: set[fx.Node] = set()
@@ -106,6 +108,11 @@ def mixing_op(captured: Captured, divisor: str | None = None) -> tuple[fx.Node, 
     if divisor is None and loss not in means:
         return loss, "is a loss that is no mean over the batch's samples (nor a count-weighted one)"
     return None
+
+
+def _batch(captured: Captured) -> int:
+    """The batch's size: dim 0 of the first input."""
+    return next(n.meta["val"].shape[0] for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input")
 
 
 _SUMS = (aten.sum.default, aten.sum.dim_IntList, torch.ops.prims.sum.default)
@@ -271,21 +278,70 @@ def _reduces_over_split(split: SplitOp, node: fx.Node, outs: tuple, ins: tuple) 
     return isinstance(p, Shard) and p.dim == split.dim(node)
 
 
-def check_samples_apart(captured: Captured, microbatches: int, divisor: tuple | None = None) -> None:
+def check_samples_apart(
+    captured: Captured,
+    microbatches: int,
+    divisor: tuple | None = None,
+    capture_at: Callable[[int], Captured] | None = None,
+) -> None:
     """Refuse to cut the batch into ``microbatches`` (more than one) when the forward is not
     shown to compute its samples apart (:func:`mixing_op`; ``divisor`` is
-    :func:`~autopar.passes.analysis.stages.loss_divisor`'s): the micro-batches' losses could
-    differ from the batch's."""
+    :func:`~autopar.passes.analysis.stages.loss_divisor`'s), or, given ``capture_at`` (``m`` ->
+    the model captured on the first of ``m`` micro-batches), when the micro-batch's graph is not
+    the batch's at its size (:func:`~autopar.passes.analysis.batch_sized.batch_sized_value`):
+    the micro-batches' losses could differ from the batch's.
+
+    A micro-batch of one sample shows neither: every value in it is one sample's, and torch.export
+    drops the ops on dims of one (views, slices), so that its graph loses the batch's dim and is
+    not the batch's op for op. The model is then shown to compute its samples apart on two
+    samples (``capture_at``; the whole batch if it has fewer than four), and its graph of one sample
+    compared with the batch's, or, where they run other ops, its graph of two (a value computed
+    from the batch's size only when that is one is not caught there). Without ``capture_at``
+    (a plan lowered again at another size, checked when it was made) one sample is taken as shown."""
     if microbatches <= 1:
         return
-    found = mixing_op(captured, divisor[1] if divisor else None)
-    if found is None:
-        return
-    node, why = found
-    where = module_paths(captured).get(node.name, "")
-    raise InputError(
-        f"{node.name} ({node.target}{' in ' + where if where else ''}) {why}, so the loss of {microbatches} "
-        "micro-batches could differ from the batch's (a contrastive loss over the batch, batch statistics, a product "
-        "of means over the batch, tokens sorted across the batch). Fix: Pipeline(microbatches=1), or compile without "
-        "pipeline="
-    )
+    size = _batch(captured)
+    probe = captured
+    if size == 1:
+        if capture_at is None:
+            return
+        whole = size * microbatches
+        probe = capture_at(whole // 2 if whole >= 4 else 1)
+        divisor = loss_divisor(probe)
+    found = mixing_op(probe, divisor[1] if divisor else None)
+    if found is not None:
+        node, why = found
+        where = module_paths(probe).get(node.name, "")
+        raise InputError(
+            f"{node.name} ({node.target}{' in ' + where if where else ''}) {why}, so the loss of {microbatches} "
+            "micro-batches could differ from the batch's (a contrastive loss over the batch, batch statistics, a "
+            "product of means over the batch, tokens sorted across the batch). Fix: Pipeline(microbatches=1), or "
+            "compile without pipeline="
+        )
+    sized = _batch_sized(captured, probe, microbatches, capture_at) if capture_at is not None else None
+    if sized is not None:
+        where = module_paths(captured).get(sized.node.name, "")
+        what = (
+            "the model runs other ops on a micro-batch than on the batch, so it cannot be shown to compute each "
+            "micro-batch as the batch"
+            if sized.ops
+            else f"the model computes a value from the batch's size, which each of {microbatches} micro-batches "
+            "would compute from its own (a fill or a scale of x.shape[0])"
+        )
+        raise InputError(
+            f"{sized.node.name} ({sized.node.target}{' in ' + where if where else ''}) {sized.why}: {what}. Fix: "
+            "compute it from a size other than the batch's, Pipeline(microbatches=1), or compile without pipeline="
+        )
+
+
+def _batch_sized(
+    captured: Captured, probe: Captured, microbatches: int, capture_at: Callable[[int], Captured]
+) -> Difference | None:
+    """:func:`~autopar.passes.analysis.batch_sized.batch_sized_value` of the micro-batch's graph
+    against the batch's, or of ``probe`` (two samples), as :func:`check_samples_apart` says."""
+    size = _batch(captured)
+    batch, whole = size * microbatches, capture_at(1)
+    found = batch_sized_value(captured, whole, (size, batch))
+    if found is None or not found.ops or probe is captured or _batch(probe) == batch:
+        return found
+    return batch_sized_value(probe, whole, (_batch(probe), batch))

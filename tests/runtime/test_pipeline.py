@@ -171,6 +171,7 @@ CASES = {
         Pipeline(axis="pp", microbatches=2),
         "dp",
     ),
+    "hf-llama-pp2xdp2-one-sample": ("llama", (2, 2), ("pp", "dp"), Pipeline(axis="pp", microbatches=8), None),
     "gpt-tied-pp2xdp2-interleaved": (
         "gpt-tied",
         (2, 2),
@@ -497,8 +498,9 @@ def test_bad_pipelines_name_the_fix():
 class _Towers(torch.nn.Module):
     """Two layers, then a loss of the kind micro-batches change: CLIP's contrastive loss (each
     sample's embedding against every other's), the batch's statistics, samples weighted by their
-    place in the batch, every sample added into each, a mean of sums over the batch, or a sum
-    over a constant the micro-batches would add up."""
+    place in the batch, every sample added into each, a mean of sums over the batch, a sum
+    over a constant the micro-batches would add up, or samples scaled by a number computed from
+    the batch's size, which a micro-batch's graph computes from its own."""
 
     def __init__(self, loss: str):
         super().__init__()
@@ -528,6 +530,14 @@ class _Towers(torch.nn.Module):
             return x[torch.arange(x.shape[0]), torch.arange(x.shape[0])].mean()
         if self.loss == "after an empty cache":  # a cache's first torch.cat reads an empty tensor
             return torch.cat([torch.tensor([]), x], -1).pow(2).mean()
+        if self.loss == "filled with the batch's size":
+            return (x * torch.full((x.shape[0], 1), float(x.shape[0]))).pow(2).mean()
+        if self.loss == "scaled by the batch's size":
+            return (x * x.shape[0]).pow(2).mean()
+        if self.loss == "scaled by a constant of the batch's size":
+            return (x * torch.tensor(float(x.shape[0]))).pow(2).mean()
+        if self.loss == "scaled by the batch's size counted":  # the size is no number in the graph, a sum is
+            return (x * torch.ones(x.shape[0]).sum()).pow(2).mean()
         return (x**2).mean()
 
 
@@ -542,6 +552,10 @@ class _Towers(torch.nn.Module):
         ("over a constant", "full .*divides the loss by something other than a sum"),
         ("pooled through a reversed arange", "index .*several samples of the batch"),
         ("pooled on the diagonal", "index .*several samples of the batch"),
+        ("filled with the batch's size", "full .*fill_value=4.0 on the micro-batch and 8.0 on the batch"),
+        ("scaled by the batch's size", "mul .*other=4 on the micro-batch and 8 on the batch"),
+        ("scaled by a constant of the batch's size", "_tensor_constant0 .*values differ"),
+        ("scaled by the batch's size counted", "sum.* reduces a value the size of the batch"),
     ],
 )
 def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, refusal):
@@ -562,6 +576,25 @@ def test_a_loss_computed_sample_by_sample_is_cut_into_micro_batches(loss):
     mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
     plan = autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
     assert plan.stages.microbatches == 4
+
+
+def test_micro_batches_of_one_sample_are_compared_at_two():
+    """At one sample torch.export drops ops on dims of one, so GPT-2's graph loses the batch's dim
+    and is not the batch's op for op: its graph at two samples shows its samples apart and is
+    compared with the batch's instead, and the model is cut into micro-batches of one sample."""
+    from autopar.examples import hf
+
+    model, inputs = hf.zoo(batch=4, seq=8, dim=16, num_layers=2)["gpt2"]()
+    mesh, one = autopar.Mesh((2,), ("pp",)), Pipeline(axis="pp", microbatches=4)
+    assert autopar.plan(model, mesh, inputs, hardware=SYNTHETIC, pipeline=one).stages.microbatches == 4
+    with pytest.raises(autopar.InputError, match="other=1 on the micro-batch and 4 on the batch"):
+        autopar.plan(
+            _Towers("scaled by the batch's size"),
+            autopar.Mesh((2,), ("pp",)),
+            (torch.randn(4, 8),),
+            hardware=SYNTHETIC,
+            pipeline=Pipeline(axis="pp", microbatches=4),
+        )
 
 
 def test_hugging_face_gpt2_classifier_is_cut_into_micro_batches():
