@@ -4,44 +4,57 @@ give one device's numbers, beside the samples being computed apart
 (:mod:`autopar.passes.propagation.samples`).
 
 A value the model computes from the batch's size (``torch.full((n, 1), float(x.shape[0]))``,
-``x * x.shape[0]``, a constant tensor of it) is a number in the graph: the graph of a micro-batch
-holds the micro-batch's size where one device's holds the batch's, and every sample would be
-computed with the wrong number, silently. The forwards of the two captures are compared node by
-node: the same ops in the same order, reading the same nodes, with the same arguments, but for
-sizes (arguments the op's schema types ``int`` or ``SymInt``, or lists of them, and an
-``arange``'s end), which may be larger in the batch's graph by the ratio of the two batches'
-sizes. Numbers elsewhere (a fill's value, a scalar operand, a constant tensor) must be equal.
-A size becomes a number where an op reads no sample, only whole values (parameters, fills,
-constants), and its result holds fewer elements per element of an operand's in the batch's
-graph than in the micro-batch's: a sum of ``ones(x.shape[0])``, a mean or an element of
-``arange(x.shape[0])``, a product contracting a dim of the batch's size. Such an op is refused
-too; one reading samples keeps them apart or not (:mod:`~autopar.passes.propagation.samples`). The loss is exempt: a
-mean's divisor, the count of its values, is the batch's over the micro-batch count, and the
-runtime averages the micro-batches' means (:func:`~autopar.passes.analysis.stages.loss_divisor`,
-whose other losses :func:`~autopar.passes.propagation.samples.mixing_op` refuses). The nodes only
-gradients read are not compared: autograd derives them from the forward (custom backwards are
-refused at capture), and their numbers from the forward's sizes (a mean's backward scales by one
-over its count).
+``x * x.shape[0]``, a constant tensor of it, ``x[:, :x.shape[0]]``) is a number in the graph: the
+graph of a micro-batch holds the micro-batch's size where one device's holds the batch's, and
+every sample would be computed with the wrong number, silently. The forwards of the two captures
+are compared node by node: the same ops in the same order, reading the same nodes, with the same
+arguments, but for
+
+- sizes: the arguments of a tensor's shape, its pieces or its repeats (``size``, ``shape``,
+  ``split_size``, ``repeats``, a slice's or an ``arange``'s ``end``, :data:`SIZE_ARGUMENTS`),
+  which may be larger on the batch by the ratio of the batches' sizes, as long as every tensor
+  of the forward is, on one dim at most, by exactly that ratio (an ``x[:, :x.shape[0]]`` grows on
+  two dims); an index, a count or an offset (``select``'s ``index``, ``topk``'s ``k``, a pad)
+  must be equal;
+- a mean's count: the divisor of a sum of every element of a tensor, by their number.
+
+Numbers elsewhere (a fill's value, a scalar operand, a constant tensor, a sub-graph's code) must
+be equal. A size becomes a number also where an op reads no sample, only whole values
+(parameters, fills, constants), and its result holds fewer elements per element of an
+operand's on the batch than on the micro-batch: a sum of ``ones(x.shape[0])``, a mean or an
+element of ``arange(x.shape[0])``. Such an op is refused too; one reading samples keeps them
+apart or not (:mod:`~autopar.passes.propagation.samples`). The nodes only gradients read are not
+compared: autograd derives them from the forward (custom backwards are refused at capture), and
+their numbers from the forward's sizes (a mean's backward scales by one over its count). Constant
+tensors held on the meta device or as fake tensors are compared by shape and dtype only.
 """
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 
 import torch
-from autopar.passes.analysis.capture import Captured
+from autopar.passes.analysis.capture import Captured, backward_nodes
+from autopar.passes.analysis.stages import CASTS, DIVISIONS
 from torch import fx
 
-from autopar.core.graph import ancestors
-
-_SIZE_TYPE = re.compile(r"\b(SymInt|int)\b")
-_SHAPED = tuple(
-    getattr(torch.ops.aten, name).default
-    for name in ("new_ones", "new_zeros", "new_full", "new_empty", "new_empty_strided")
-) + tuple(getattr(torch.ops.aten, name).default for name in ("ones_like", "zeros_like", "full_like", "empty_like"))
+aten = torch.ops.aten
+SIZE_ARGUMENTS = frozenset({"size", "sizes", "shape", "split_size", "split_sizes", "repeats", "end", "length"})
+"""Names of the integer arguments that give a tensor's shape, its pieces or its repeats."""
+SUMS = (aten.sum.default, aten.sum.dim_IntList, torch.ops.prims.sum.default)
+"""Ops summing a tensor's elements."""
+_SHAPED = (
+    aten.new_ones.default,
+    aten.new_zeros.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.ones_like.default,
+    aten.zeros_like.default,
+    aten.full_like.default,
+    aten.empty_like.default,
+)
 """Ops that read their operand's dtype, device and, for the ``_like`` ones, shape, not its values."""
-_ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
 @dataclass(frozen=True)
@@ -56,34 +69,39 @@ class Difference:
 
 def batch_sized_value(micro: Captured, whole: Captured, sizes: tuple[int, int]) -> Difference | None:
     """The first node of the forward of ``micro`` (the model captured on part of the batch)
-    whose op or arguments differ from those of ``whole`` (captured on the batch) other than as
-    the module docstring allows; ``None`` when there is none. ``sizes``: the two captures' batch
-    sizes."""
+    whose op, arguments or shape differ from those of ``whole`` (captured on the batch) other
+    than as the module docstring allows; ``None`` when there is none. ``sizes``: the two
+    captures' batch sizes."""
     ours, theirs = _forward(micro), _forward(whole)
     if len(ours) != len(theirs):
         first = next((a for a, b in zip(ours, theirs) if (a.op, a.target) != (b.op, b.target)), ours[-1])
         counts = f"is one of {len(ours)} forward nodes on the micro-batch, {len(theirs)} on the batch"
         return Difference(first, counts, True)
     pair = dict(zip(ours, theirs))
-    loss = _loss(micro)
-    samples = _samples(micro)
+    samples = backward_nodes(
+        micro.graph.graph, {n for n, k in zip(micro.placeholders, micro.inputs) if k.kind == "input"}
+    )
     for node, other in pair.items():
         if (node.op, node.target) != (other.op, other.target):
             return Difference(node, f"is {other.op} {other.target} on the batch", True)
-        if node is loss:
-            continue
         if node.op == "get_attr":
             why = _constant_differs(_attribute(micro.graph, node.target), _attribute(whole.graph, other.target))
             if why:
                 return Difference(node, why, False)
             continue
-        for name, ours_arg, theirs_arg, size in _arguments(node, other):
+        counted = _mean_count(node) is not None and _mean_count(other) is not None
+        for i, (name, ours_arg, theirs_arg, size) in enumerate(_arguments(node, other)):
+            if counted and i == 1:
+                continue
             if not _same(ours_arg, theirs_arg, size, sizes, pair):
                 shown = f"takes {name}={_shown(ours_arg)} on the micro-batch and {_shown(theirs_arg)} on the batch"
                 return Difference(node, shown, False)
+        grown = _growths(node, other, sizes)
+        if grown is None:
+            return Difference(node, "grows on more than one dim, or not by the ratio of the batches' sizes", False)
         if isinstance(node.target, torch._ops.OpOverload) and node not in samples and node.target not in _SHAPED:
-            read = [_growth(a, pair[a]) for a in node.all_input_nodes]
-            if read and _growth(node, other) < max(read):
+            read = [max(_growths(a, pair[a], sizes) or (1,)) for a in node.all_input_nodes]
+            if read and max(grown, default=1) < max(read):
                 return Difference(
                     node, "reduces a value the size of the batch, which reads no sample, over the batch", False
                 )
@@ -94,66 +112,47 @@ def _forward(captured: Captured) -> list[fx.Node]:
     """The nodes the forward's results (the loss, other outputs, buffers written back) are
     computed from, in graph order: what autograd did not add."""
     results = captured.graph.graph.output_node().args[0]
-    read: set[fx.Node] = set()
-    for value, kind in zip(results, captured.outputs):
-        if kind is not None and kind.kind != "grad" and isinstance(value, fx.Node) and value not in read:
-            read |= ancestors(value)
+    read = {
+        v for v, k in zip(results, captured.outputs) if k is not None and k.kind != "grad" and isinstance(v, fx.Node)
+    }
+    for node in reversed(captured.graph.graph.nodes):
+        if node in read:
+            read.update(node.all_input_nodes)
     return [n for n in captured.graph.graph.nodes if n in read]
 
 
-def _samples(captured: Captured) -> set[fx.Node]:
-    """The nodes computed from the inputs (the samples)."""
-    found = {n for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input"}
-    for node in captured.graph.graph.nodes:
-        if node not in found and any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found
-
-
-def _growth(node: fx.Node, other: fx.Node) -> float:
-    """How many times more elements ``other`` (of the batch's graph) holds than ``node`` (the
-    micro-batch's): the most of any of its tensors; 1 for a node holding none."""
-    ours, theirs = node.meta.get("val"), other.meta.get("val")
-    pairs = (
-        zip(ours, theirs) if isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)) else [(ours, theirs)]
-    )
-    ratios = [
-        b.numel() / a.numel()
-        for a, b in pairs
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.numel()
-    ]
-    return max(ratios, default=1.0)
-
-
-def _loss(captured: Captured) -> fx.Node | None:
-    outputs = captured.graph.graph.output_node().args[0]
-    return next((v for v, k in zip(outputs, captured.outputs) if k and k.kind == "output"), None)
+def _mean_count(node: fx.Node) -> int | None:
+    """The count a mean divides by, where ``node`` divides a sum of every element of a tensor
+    (perhaps cast) by their number."""
+    if node.target not in DIVISIONS or len(node.args) < 2 or not isinstance(node.args[1], (int, float)):
+        return None
+    source = node.args[0]
+    while isinstance(source, fx.Node) and source.target in CASTS:
+        source = source.args[0]
+    if not isinstance(source, fx.Node) or source.target not in SUMS or source.meta["val"].ndim != 0:
+        return None
+    count = source.args[0].meta["val"].numel()
+    return count if node.args[1] == count else None
 
 
 def _arguments(node: fx.Node, other: fx.Node):
-    """``(name, node's argument, other's argument, whether the schema types it a size)`` for each
-    argument, positional then by keyword."""
+    """``(name, node's argument, other's argument, whether it is a size)`` for each argument,
+    positional then by keyword."""
     schema = getattr(node.target, "_schema", None)
     arguments = schema.arguments if schema is not None else []
     for i, (a, b) in enumerate(zip(node.args, other.args)):
         formal = arguments[i] if i < len(arguments) else None
-        yield (formal.name if formal else str(i)), a, b, _is_size(node, formal)
+        yield (formal.name if formal else str(i)), a, b, formal is not None and formal.name in SIZE_ARGUMENTS
     if len(node.args) != len(other.args):
         yield "arguments", len(node.args), len(other.args), False
-    by_name = {a.name: a for a in arguments}
     for key in sorted(set(node.kwargs) | set(other.kwargs)):
-        yield key, node.kwargs.get(key), other.kwargs.get(key), _is_size(node, by_name.get(key))
-
-
-def _is_size(node: fx.Node, formal) -> bool:
-    """Whether ``formal`` types a size of ``node``'s: an ``int`` or ``SymInt`` (or list of
-    them), or an ``arange``'s end."""
-    if formal is None:
-        return False
-    return bool(_SIZE_TYPE.search(str(formal.type))) or (node.target in _ARANGES and formal.name == "end")
+        yield key, node.kwargs.get(key), other.kwargs.get(key), key in SIZE_ARGUMENTS
 
 
 def _same(a, b, size: bool, sizes: tuple[int, int], pair: dict) -> bool:
+    """Whether argument ``a`` of the micro-batch's node stands for ``b`` of the batch's: the paired
+    node, equal numbers (NaN as NaN), or, for a ``size``, an integer larger by the ratio of the
+    batches' ``sizes``; lists element by element."""
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         return isinstance(a, fx.Node) and pair.get(a) is b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -167,8 +166,30 @@ def _same(a, b, size: bool, sizes: tuple[int, int], pair: dict) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _constant_differs(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """How two constant tensors of the graphs differ (their values only where both are real)."""
+def _growths(node: fx.Node, other: fx.Node, sizes: tuple[int, int]) -> list[float] | None:
+    """How many times more elements each tensor of ``other`` (the batch's) holds than ``node``'s
+    (the micro-batch's); ``None`` where one grows on more than one dim or by other than the ratio
+    of the batches' ``sizes``."""
+    ours, theirs = node.meta.get("val"), other.meta.get("val")
+    many = isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple))
+    growths = []
+    for a, b in zip(ours, theirs) if many else [(ours, theirs)]:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        if a.ndim != b.ndim:
+            return None
+        grown = [(m, n) for m, n in zip(a.shape, b.shape) if m != n]
+        if len(grown) > 1 or any(m * sizes[1] != n * sizes[0] for m, n in grown):
+            return None
+        growths.append(sizes[1] / sizes[0] if grown else 1.0)
+    return growths
+
+
+def _constant_differs(a, b) -> str | None:
+    """How two constants of the graphs differ: tensors by shape, dtype and (where both are real)
+    values, NaN equal to NaN; sub-graphs by their code."""
+    if isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule):
+        return None if a.code == b.code else "is a sub-graph whose code differs on the micro-batch and on the batch"
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return None if type(a) is type(b) else "is a constant of another type on the batch"
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -176,12 +197,16 @@ def _constant_differs(a: torch.Tensor, b: torch.Tensor) -> str | None:
     fake = torch._subclasses.fake_tensor.is_fake
     if a.device.type == "meta" or b.device.type == "meta" or fake(a) or fake(b):
         return None
-    if not (torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))):
+    if not (
+        torch.equal(a, b)
+        or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()))
+    ):
         return "is a constant tensor whose values differ on the micro-batch and on the batch"
     return None
 
 
 def _attribute(module: torch.nn.Module, target: str):
+    """The attribute a ``get_attr`` node reads."""
     return functools.reduce(getattr, target.split("."), module)
 
 

@@ -27,7 +27,7 @@ import operator
 from collections.abc import Callable
 
 import torch
-from autopar.passes.analysis.batch_sized import Difference, batch_sized_value
+from autopar.passes.analysis.batch_sized import SUMS, Difference, batch_sized_value
 from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
 from autopar.passes.analysis.stages import CASTS, DIVISIONS, loss_divisor
 from autopar.passes.rules import SplitOp, rule_for, split_op, tensor_args
@@ -115,7 +115,6 @@ def _batch(captured: Captured) -> int:
     return next(n.meta["val"].shape[0] for n, k in zip(captured.placeholders, captured.inputs) if k.kind == "input")
 
 
-_SUMS = (aten.sum.default, aten.sum.dim_IntList, torch.ops.prims.sum.default)
 _LINEAR = (aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default)
 """Ops that keep a mean over the batch one when every partial sum they read is."""
 
@@ -139,7 +138,7 @@ def _is_mean(node: fx.Node, placed: dict, means: set[fx.Node], batch: int) -> bo
         return batch < 2 or scalar % batch != 0
     while source.target in CASTS:  # a sum cast before its division (a mean in bfloat16)
         source = source.args[0]
-    if node.target not in DIVISIONS or source.target not in _SUMS or source.meta["val"].ndim != 0:
+    if node.target not in DIVISIONS or source.target not in SUMS or source.meta["val"].ndim != 0:
         return False
     reduced = source.args[0]
     return isinstance(placed[reduced][0], Shard) and scalar == reduced.meta["val"].numel()
@@ -296,7 +295,8 @@ def check_samples_apart(
     not the batch's op for op. The model is then shown to compute its samples apart on two
     samples (``capture_at``; the whole batch if it has fewer than four), and its graph of one sample
     compared with the batch's, or, where they run other ops, its graph of two (a value computed
-    from the batch's size only when that is one is not caught there). Without ``capture_at``
+    from the batch's size only when that is one is not caught there; with fewer than four samples
+    there is no graph of two to compare, and the micro-batches are refused). Without ``capture_at``
     (a plan lowered again at another size, checked when it was made) one sample is taken as shown."""
     if microbatches <= 1:
         return
@@ -328,9 +328,14 @@ def check_samples_apart(
             else f"the model computes a value from the batch's size, which each of {microbatches} micro-batches "
             "would compute from its own (a fill or a scale of x.shape[0])"
         )
+        fix = (
+            "fewer micro-batches, Pipeline(microbatches=1)"
+            if sized.ops
+            else "compute it from a size other than the batch's, Pipeline(microbatches=1)"
+        )
         raise InputError(
             f"{sized.node.name} ({sized.node.target}{' in ' + where if where else ''}) {sized.why}: {what}. Fix: "
-            "compute it from a size other than the batch's, Pipeline(microbatches=1), or compile without pipeline="
+            f"{fix}, or compile without pipeline="
         )
 
 

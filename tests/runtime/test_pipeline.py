@@ -536,6 +536,10 @@ class _Towers(torch.nn.Module):
             return (x * x.shape[0]).pow(2).mean()
         if self.loss == "scaled by a constant of the batch's size":
             return (x * torch.tensor(float(x.shape[0]))).pow(2).mean()
+        if self.loss == "sliced to the batch's size":  # a size, on a dim other than the batch's
+            return x[:, : x.shape[0] // 2].pow(2).mean()
+        if self.loss == "three means averaged":
+            return (x.pow(2).mean() + x.abs().mean() + x.mean()) / 3
         if self.loss == "scaled by the batch's size counted":  # the size is no number in the graph, a sum is
             return (x * torch.ones(x.shape[0]).sum()).pow(2).mean()
         return (x**2).mean()
@@ -556,6 +560,7 @@ class _Towers(torch.nn.Module):
         ("scaled by the batch's size", "mul .*other=4 on the micro-batch and 8 on the batch"),
         ("scaled by a constant of the batch's size", "_tensor_constant0 .*values differ"),
         ("scaled by the batch's size counted", "sum.* reduces a value the size of the batch"),
+        ("sliced to the batch's size", "slice.* grows on more than one dim"),
     ],
 )
 def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batches(loss, refusal):
@@ -568,11 +573,12 @@ def test_a_loss_that_reads_several_samples_together_is_not_cut_into_micro_batche
     assert apart.stages.microbatches == 2
 
 
-@pytest.mark.parametrize("loss", ["pooled at each sample's own index", "after an empty cache"])
+@pytest.mark.parametrize("loss", ["pooled at each sample's own index", "after an empty cache", "three means averaged"])
 def test_a_loss_computed_sample_by_sample_is_cut_into_micro_batches(loss):
     """``x[arange(batch), index]`` picks each sample's own row (a micro-batch's graph makes its
-    ``arange`` at its own size), and an empty tensor concatenated holds no sample; the CASES entry
-    of Hugging Face's LLaMA classifier trains both against one device."""
+    ``arange`` at its own size), an empty tensor concatenated holds no sample, and each mean's count
+    is the batch's over the micro-batch count; the CASES entry of Hugging Face's LLaMA classifier
+    trains the first two against one device."""
     mesh, x = autopar.Mesh((2,), ("pp",)), torch.randn(8, 8)
     plan = autopar.plan(_Towers(loss), mesh, (x,), hardware=SYNTHETIC, pipeline=Pipeline(axis="pp", microbatches=4))
     assert plan.stages.microbatches == 4
