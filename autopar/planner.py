@@ -836,7 +836,6 @@ def plan(
             "share no batch size that divides. Fix: inputs batched along dim 0, a batch Pipeline(microbatches=) divides"
         )
 
-    @functools.cache
     def capture_at(microbatches: int) -> Captured:
         return capture(model, first_microbatch(example_inputs, microbatches), config.param_dtype, keywords, fixed)
 

@@ -89,7 +89,7 @@ def batch_sized_value(micro: Captured, whole: Captured, sizes: tuple[int, int]) 
             if why:
                 return Difference(node, why, False)
             continue
-        counted = _mean_count(node) is not None and _mean_count(other) is not None
+        counted = averaged(node) is not None and averaged(other) is not None
         for i, (name, ours_arg, theirs_arg, size) in enumerate(_arguments(node, other)):
             if counted and i == 1:
                 continue
@@ -121,18 +121,18 @@ def _forward(captured: Captured) -> list[fx.Node]:
     return [n for n in captured.graph.graph.nodes if n in read]
 
 
-def _mean_count(node: fx.Node) -> int | None:
-    """The count a mean divides by, where ``node`` divides a sum of every element of a tensor
+def averaged(node: fx.Node) -> fx.Node | None:
+    """The tensor whose mean ``node`` is, where it divides a sum of every element of that tensor
     (perhaps cast) by their number."""
     if node.target not in DIVISIONS or len(node.args) < 2 or not isinstance(node.args[1], (int, float)):
         return None
     source = node.args[0]
-    while isinstance(source, fx.Node) and source.target in CASTS:
+    while isinstance(source, fx.Node) and source.target in CASTS:  # a sum cast before its division
         source = source.args[0]
     if not isinstance(source, fx.Node) or source.target not in SUMS or source.meta["val"].ndim != 0:
         return None
-    count = source.args[0].meta["val"].numel()
-    return count if node.args[1] == count else None
+    reduced = source.args[0]
+    return reduced if node.args[1] == reduced.meta["val"].numel() else None
 
 
 def _arguments(node: fx.Node, other: fx.Node):

@@ -27,7 +27,7 @@ import operator
 from collections.abc import Callable
 
 import torch
-from autopar.passes.analysis.batch_sized import SUMS, Difference, batch_sized_value
+from autopar.passes.analysis.batch_sized import Difference, averaged, batch_sized_value
 from autopar.passes.analysis.capture import Captured, captured_backward, module_paths
 from autopar.passes.analysis.stages import CASTS, DIVISIONS, loss_divisor
 from autopar.passes.rules import SplitOp, rule_for, split_op, tensor_args
@@ -136,12 +136,8 @@ def _is_mean(node: fx.Node, placed: dict, means: set[fx.Node], batch: int) -> bo
         return False
     if source in means:
         return batch < 2 or scalar % batch != 0
-    while source.target in CASTS:  # a sum cast before its division (a mean in bfloat16)
-        source = source.args[0]
-    if node.target not in DIVISIONS or source.target not in SUMS or source.meta["val"].ndim != 0:
-        return False
-    reduced = source.args[0]
-    return isinstance(placed[reduced][0], Shard) and scalar == reduced.meta["val"].numel()
+    reduced = averaged(node)
+    return reduced is not None and isinstance(placed[reduced][0], Shard)
 
 
 def _uniform_dims(node: fx.Node, uniform: dict[fx.Node, frozenset[int]]) -> frozenset[int]:
@@ -305,8 +301,7 @@ def check_samples_apart(
     if size == 1:
         if capture_at is None:
             return
-        whole = size * microbatches
-        probe = capture_at(whole // 2 if whole >= 4 else 1)
+        probe = capture_at(microbatches // 2 if microbatches >= 4 else 1)
         divisor = loss_divisor(probe)
     found = mixing_op(probe, divisor[1] if divisor else None)
     if found is not None:
@@ -318,35 +313,36 @@ def check_samples_apart(
             "product of means over the batch, tokens sorted across the batch). Fix: Pipeline(microbatches=1), or "
             "compile without pipeline="
         )
-    sized = _batch_sized(captured, probe, microbatches, capture_at) if capture_at is not None else None
+    sized = _batch_sized(captured, probe, size * microbatches, capture_at) if capture_at is not None else None
     if sized is not None:
         where = module_paths(captured).get(sized.node.name, "")
-        what = (
-            "the model runs other ops on a micro-batch than on the batch, so it cannot be shown to compute each "
-            "micro-batch as the batch"
+        what, fix = (
+            (
+                "the model runs other ops on a micro-batch than on the batch, so it cannot be shown to compute each "
+                "micro-batch as the batch",
+                "fewer micro-batches",
+            )
             if sized.ops
-            else f"the model computes a value from the batch's size, which each of {microbatches} micro-batches "
-            "would compute from its own (a fill or a scale of x.shape[0])"
-        )
-        fix = (
-            "fewer micro-batches, Pipeline(microbatches=1)"
-            if sized.ops
-            else "compute it from a size other than the batch's, Pipeline(microbatches=1)"
+            else (
+                f"the model computes a value from the batch's size, which each of {microbatches} micro-batches "
+                "would compute from its own (a fill or a scale of x.shape[0])",
+                "compute it from a size other than the batch's",
+            )
         )
         raise InputError(
             f"{sized.node.name} ({sized.node.target}{' in ' + where if where else ''}) {sized.why}: {what}. Fix: "
-            f"{fix}, or compile without pipeline="
+            f"{fix}, Pipeline(microbatches=1), or compile without pipeline="
         )
 
 
 def _batch_sized(
-    captured: Captured, probe: Captured, microbatches: int, capture_at: Callable[[int], Captured]
+    captured: Captured, probe: Captured, batch: int, capture_at: Callable[[int], Captured]
 ) -> Difference | None:
     """:func:`~autopar.passes.analysis.batch_sized.batch_sized_value` of the micro-batch's graph
-    against the batch's, or of ``probe`` (two samples), as :func:`check_samples_apart` says."""
-    size = _batch(captured)
-    batch, whole = size * microbatches, capture_at(1)
-    found = batch_sized_value(captured, whole, (size, batch))
-    if found is None or not found.ops or probe is captured or _batch(probe) == batch:
+    against the batch's (of ``batch`` samples), or of ``probe`` (two samples, or the batch
+    itself), as :func:`check_samples_apart` says."""
+    whole = probe if _batch(probe) == batch else capture_at(1)
+    found = batch_sized_value(captured, whole, (_batch(captured), batch))
+    if found is None or not found.ops or probe is captured or probe is whole:
         return found
     return batch_sized_value(probe, whole, (_batch(probe), batch))
